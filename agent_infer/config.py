@@ -1,0 +1,229 @@
+"""Configuration as data: one frozen dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run; the message says what to change."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of bfloat16, float16, float32") from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from both transformers 4.x
+    (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) config layouts."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    original_max_position: int | None = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+    SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any]) -> "RopeConfig":
+        params: dict[str, Any] = {}
+        if isinstance(hf.get("rope_scaling"), dict):
+            params.update(hf["rope_scaling"])
+        if isinstance(hf.get("rope_parameters"), dict):
+            params.update(hf["rope_parameters"])
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in RopeConfig.SUPPORTED:
+            raise ConfigError(
+                f"rope type {rope_type!r} is not supported; supported: {', '.join(RopeConfig.SUPPORTED)}"
+            )
+        return RopeConfig(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            original_max_position=params.get("original_max_position_embeddings"),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=float(params.get("mscale") or 1.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+            partial_rotary_factor=float(
+                params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a checkpoint, read from its config.json."""
+
+    path: str
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    checkpoint_dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    hf: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @staticmethod
+    def from_hf(path: str) -> "ModelConfig":
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise ConfigError(f"model directory not found: {path}")
+        if not os.path.isfile(cfg_file):
+            raise ConfigError(f"no config.json in {path}: not a Hugging Face model directory")
+        with open(cfg_file) as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ConfigError(f"{cfg_file} has no 'architectures' entry")
+        # Multimodal Qwen2-VL style configs nest the language model in text_config.
+        text = dict(hf)
+        if isinstance(hf.get("text_config"), dict):
+            text.update(hf["text_config"])
+        num_heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        model_type = text.get("model_type", "")
+        eos = text.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        dtype_name = text.get("torch_dtype") or text.get("dtype") or "float32"
+        if model_type == "qwen2" or model_type.startswith("qwen2_"):
+            qkv_bias = True  # Qwen2 always carries q/k/v biases and says so nowhere in config
+        else:
+            qkv_bias = bool(text.get("attention_bias", False))
+        return ModelConfig(
+            path=path,
+            architecture=archs[0],
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(text.get("intermediate_size", 4 * hidden)),
+            num_layers=int(text["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
+            head_dim=int(text.get("head_dim") or hidden // num_heads),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(text),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            qkv_bias=qkv_bias,
+            o_bias=bool(text.get("attention_bias", False)) and not model_type.startswith("qwen2"),
+            mlp_bias=bool(text.get("mlp_bias", False)),
+            qk_norm=model_type.startswith("qwen3"),
+            hidden_act=text.get("hidden_act", "silu"),
+            checkpoint_dtype=parse_dtype(dtype_name),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf=text,
+        )
+
+
+PreemptionMode = Literal["none", "recompute"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance. Validated when built."""
+
+    model: str
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    tokenizer: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.90
+    kv_cache_bytes: int | None = None  # explicit KV budget; overrides utilisation
+    num_kv_blocks: int | None = None  # explicit pool size in blocks; overrides both
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = "none"
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in ("none", "recompute"):
+            raise ConfigError(f"preemption_mode must be 'none' or 'recompute', got {self.preemption_mode!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA GPU is visible")
+        return dev
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return parse_dtype(self.dtype)

@@ -1,0 +1,72 @@
+"""Incremental detokenization with stop strings.
+
+Text grows one token at a time; a piece that ends in an incomplete UTF-8 character
+("\ufffd") is held until the next token completes it, so a delta never splits a character.
+Deltas also hold back the last `len(longest stop string) - 1` characters until the
+request ends, so a stop string is never half-emitted.
+"""
+
+from __future__ import annotations
+
+# Decoding starts a few prompt tokens back so the first output token gets its proper
+# leading space from tokenizers that decide spacing from context.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.tokens: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+        self.emitted = 0
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string it completed, if any."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        new = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        start = max(0, len(self.text) - self.hold)
+        self.text += new
+        return self._check_stop(start)
+
+    def _check_stop(self, search_from: int) -> str | None:
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped_by = s
+        return s
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; while running, keep back what could start a stop string."""
+        end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

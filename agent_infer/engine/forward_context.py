@@ -1,0 +1,56 @@
+"""The attention metadata of the step being run, reachable by every attention layer
+without threading it through each model's forward signature. Set by a context manager
+around one forward pass; never nested."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens go and what they attend to.
+
+    Tokens of all sequences are flattened: sequence i owns query rows
+    `query_start_loc[i]:query_start_loc[i+1]`. `context_lens[i]` counts its tokens in the
+    cache after this step's are written (cached prefix + new ones).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding, not stored
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    context_lens: torch.Tensor  # [batch] int32
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    max_query_len: int
+    max_context_len: int
+    # Host copies, so the plain-PyTorch path never reads back from the device.
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_tables.shape[0]
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _current
+    assert _current is None, "forward contexts do not nest"
+    _current = meta
+    try:
+        yield meta
+    finally:
+        _current = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention layer called outside a forward_context")
+    return _current

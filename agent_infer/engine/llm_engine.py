@@ -1,0 +1,341 @@
+"""LLMEngine: routes the checkpoint to a model, sizes the KV pool, and drives
+schedule -> run -> postprocess one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from agent_infer.config import ConfigError, EngineConfig, ModelConfig
+from agent_infer.engine.block_manager import BlockManager
+from agent_infer.engine.detokenizer import IncrementalDetokenizer
+from agent_infer.engine.memory_pool import KVMemoryPool
+from agent_infer.engine.model_runner import ModelRunner, StepOutput
+from agent_infer.engine.outputs import RequestOutput, TokenLogprob
+from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
+from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
+from agent_infer.sampling_params import SamplingParams
+from agent_infer.tp_layers.distributed import SINGLE, ParallelState
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class RequestError(ValueError):
+    """A request that cannot be accepted (bad prompt); nothing was queued."""
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None  # per-token text, when streaming or stop strings need it
+    sent_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tp: ParallelState = SINGLE):
+        self.config = config
+        self.tp = tp
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.model_config = ModelConfig.from_hf(config.model)
+        self.max_model_len = self._resolve_max_model_len()
+        tok_path = config.tokenizer or config.model
+        self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+
+        self.runner = ModelRunner(self.model_config, config, self.device, self.dtype, self.max_model_len, tp)
+        num_blocks = self._size_kv_pool()
+        self.runner.init_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode),
+            self.block_manager,
+            self.eos_token_ids,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self._generation_ids: list[str] = []
+        self._generation_outputs: dict[str, RequestOutput] = {}
+        self.stats = EngineStats()
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return model_max
+        if self.config.max_model_len > model_max:
+            raise ConfigError(
+                f"max_model_len {self.config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
+            )
+        return self.config.max_model_len
+
+    def _size_kv_pool(self) -> int:
+        cfg = self.config
+        peak = self.runner.profile_peak_memory(
+            min(max(cfg.max_num_batched_tokens, 1), self.max_model_len), cfg.max_num_seqs
+        )
+        budget = KVMemoryPool.estimate_num_blocks(
+            self.runner.kv_spec(), cfg.block_size, self.device, cfg.gpu_memory_utilization,
+            cfg.kv_cache_bytes, cfg.num_kv_blocks, peak,
+        )
+        if budget.num_blocks < 1:
+            raise ConfigError(f"no memory left for the KV cache ({budget.source}); lower the model size or raise the budget")
+        capacity = budget.num_blocks * cfg.block_size
+        if capacity < self.max_model_len:
+            if cfg.max_model_len is not None:
+                raise ConfigError(
+                    f"the KV cache holds {capacity} tokens ({budget.num_blocks} blocks) but max_model_len is "
+                    f"{cfg.max_model_len}; lower max_model_len or give the cache more memory"
+                )
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.max_model_len)
+            self.max_model_len = capacity
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
+            budget.num_blocks, cfg.block_size, capacity, budget.total_bytes / 2**30, budget.source,
+        )
+        return budget.num_blocks
+
+    # ---- requests ------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model directory has no tokenizer: pass token ids as the prompt")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+        return ids
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        stream: bool = False,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Sequence:
+        """Queue a request. An empty or invalid prompt raises RequestError; one longer than
+        the context is REJECTED (reported by the next step) and never queued."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            max_tokens=max(1, max_tokens),
+            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        detok = None
+        if self.tokenizer is not None and (stream or params.stop):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+        if not self.scheduler.add(seq):
+            self._pending.append(self._output(_Request(seq, detok)))
+            return seq
+        self._requests[request_id] = _Request(seq, detok)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks at once. False if it is not live."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req.seq)
+        self._pending.append(self._output(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- stepping ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an output for every request that changed."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.running and not self.scheduler.waiting:
+                raise RuntimeError("scheduler produced no work while requests are running")
+            return outputs
+        t0 = time.perf_counter()
+        result = self.runner.run(batch)
+        self.stats.record_step(batch, time.perf_counter() - t0)
+        outputs.extend(self._postprocess(batch, result))
+        return outputs
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
+        if result.logprobs is not None:
+            for i, seq in enumerate(sampling):
+                if seq.sampling_params.logprobs is not None and not seq.is_finished:
+                    k = seq.sampling_params.logprobs
+                    top = result.top_logprobs[i][:k] if result.top_logprobs else []
+                    seq.output_logprobs.append((result.logprobs[i], top))
+        now = time.monotonic()
+        outputs = []
+        for seq in self.scheduler.postprocess(batch, result.tokens):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            if req.detok is not None:
+                stop = req.detok.add_token(seq.output_token_ids[-1])
+                if stop is not None:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+            outputs.append(self._output(req))
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+        return outputs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        if req.detok is not None:
+            delta = req.detok.take_delta(finished)
+            text = req.detok.text if finished else req.detok.text[: req.detok.emitted]
+        elif finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+            delta = text
+        else:
+            text, delta = "", ""
+        new_ids = seq.output_token_ids[req.sent_tokens :]
+        req.sent_tokens = seq.num_output_tokens
+        logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = [TokenLogprob(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs)]
+        stop_reason = None
+        if seq.finish_reason == FinishReason.STOP:
+            last = seq.output_token_ids[-1] if seq.output_token_ids else None
+            stop_reason = req.detok.stopped_by if req.detok and req.detok.stopped_by else last
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            delta_text=delta,
+            delta_token_ids=new_ids,
+            error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+            stop_reason=stop_reason,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+        )
+
+    # ---- whole generations ---------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order (rejected ones carry `error`)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, params_list)]
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished or out.rejected:
+                    if out.request_id in wanted and out.request_id not in done:
+                        done[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+            if not self.has_unfinished_requests() and len(done) < len(ids):
+                raise RuntimeError("engine went idle before every request finished")
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def begin_generation(
+        self, prompts: Seq[Prompt], params: SamplingParams | None = None
+    ) -> list[str]:
+        """Queue prompts to be advanced with step(); read them back with get_generation_outputs()."""
+        self._generation_ids = [self.add_request(p, params).request_id for p in prompts]
+        self._generation_outputs = {}
+        return list(self._generation_ids)
+
+    def get_generation_outputs(self) -> list[str]:
+        """Texts of the begin_generation batch (as far as generated)."""
+        return [self._generation_outputs[i].text if i in self._generation_outputs else "" for i in self._generation_ids]
+
+    def step_generation(self) -> list[RequestOutput]:
+        """step() that also records the outputs of the begin_generation batch."""
+        outs = self.step()
+        for out in outs:
+            if out.request_id in self._generation_ids:
+                self._generation_outputs[out.request_id] = out
+        return outs
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0  # computed prompt tokens (prefix hits excluded)
+    generation_tokens: int = 0
+    max_decode_batch: int = 0
+    busy_seconds: float = 0.0
+
+    def record_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        self.steps += 1
+        self.busy_seconds += seconds
+        if batch.is_prefill:
+            self.prefill_steps += 1
+            self.prompt_tokens += batch.num_tokens
+            self.generation_tokens += sum(batch.samples)
+        else:
+            self.decode_steps += 1
+            self.generation_tokens += len(batch)
+            self.max_decode_batch = max(self.max_decode_batch, len(batch))

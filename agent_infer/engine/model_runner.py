@@ -1,0 +1,238 @@
+"""Turns a scheduled batch into tensors, runs the model, samples.
+
+Inputs of a step: `input_ids, positions` (flattened over the batch), and the attention
+metadata (`slot_mapping, block_tables, context_lens, query_start_loc`). Only the last
+position of each sequence that samples goes through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.engine.forward_context import AttentionMetadata, forward_context
+from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
+from agent_infer.engine.memory_pool import KVMemoryPool
+from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from agent_infer.engine.scheduler import ScheduledBatch
+from agent_infer.layers.attention import get_attention_backend
+from agent_infer.loader.weights import iter_weights
+from agent_infer.models.registry import resolve_model_class
+from agent_infer.tp_layers.distributed import ParallelState
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def build_context(device: torch.device, dtype: torch.dtype):
+    """Parameters created inside get this device and dtype (restored on exit)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, on the host: one token per sampling sequence, in batch order."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states that go through the LM head
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: ParallelState,
+    ):
+        self.model_config = model_config
+        self.config = engine_config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.tp = tp
+        self.block_size = engine_config.block_size
+        self.sampler = Sampler()
+        self.backend = get_attention_backend(engine_config.attention_backend, device)
+        self.model = self._load_model()
+        self.pool: KVMemoryPool | None = None
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def _load_model(self) -> torch.nn.Module:
+        cls = resolve_model_class(self.model_config.architecture)
+        with build_context(self.device, self.dtype):
+            model = cls(self.model_config, self.tp, self.max_model_len)
+        model.load_weights(iter_weights(self.model_config.path))
+        return model.eval()
+
+    def kv_spec(self) -> KVSpec:
+        cfg = self.model_config
+        return dense_kv_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.tp.world_size)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.pool = KVMemoryPool(self.kv_spec(), self.block_size, num_blocks, self.device)
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.kv_cache = self.pool.layer(i)
+            attn.backend = self.backend
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak activation bytes of the largest step (a prefill of `num_tokens`) plus the
+        sampler on `num_seqs` rows, measured with a throwaway cache (GPU only)."""
+        if self.device.type != "cuda":
+            return 0
+        blocks = -(-num_tokens // self.block_size)
+        self.init_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32)[None, :],
+            context_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            max_query_len=num_tokens,
+            max_context_len=num_tokens,
+            query_lens_host=[num_tokens],
+            context_lens_host=[num_tokens],
+        )
+        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
+        with forward_context(meta):
+            hidden = self.model(ids, positions)
+        rows = min(num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden, logits
+        self.pool = None
+        for attn in self.model.attention_layers:
+            attn.kv_cache = None
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    # ---- one step ------------------------------------------------------------------
+
+    def build_step(self, batch: ScheduledBatch) -> HostStep:
+        return build_host_step(batch, self.block_size)
+
+    def prepare(self, step: HostStep) -> PreparedInputs:
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            is_prefill=step.is_prefill,
+            slot_mapping=to_dev(step.slot_mapping),
+            block_tables=to_dev(step.block_tables),
+            context_lens=to_dev(step.context_lens),
+            query_start_loc=to_dev(step.query_start_loc),
+            max_query_len=int(step.query_lens.max()),
+            max_context_len=int(step.context_lens.max()),
+            query_lens_host=step.query_lens.tolist(),
+            context_lens_host=step.context_lens.tolist(),
+        )
+        return PreparedInputs(to_dev(step.input_ids), to_dev(step.positions), meta, to_dev(step.sample_indices))
+
+    @torch.inference_mode()
+    def execute(self, step: HostStep) -> torch.Tensor:
+        """Forward pass; returns the logits of the sampling rows [num_sampling, vocab]."""
+        inputs = self.prepare(step)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        logits = self.execute(self.build_step(batch))
+        sampling_seqs = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
+        if not sampling_seqs:
+            return StepOutput(tokens=[])
+        sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
+        return to_host(self.sampler(logits, sampling))
+
+
+@dataclass
+class HostStep:
+    """A step's inputs as host arrays: built once on rank 0, sent as is to TP workers."""
+
+    is_prefill: bool
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    context_lens: np.ndarray  # [B] int32
+    query_lens: np.ndarray  # [B] int32
+    query_start_loc: np.ndarray  # [B + 1] int32
+    sample_indices: np.ndarray  # [S] int64
+
+
+def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
+    ids: list = []
+    query_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
+    starts = np.asarray([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
+    for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens):
+        if batch.is_prefill:
+            ids.extend(seq.all_token_ids[start : start + n])
+        else:
+            ids.append(seq.last_token_id)
+    width = max(len(s.block_table) for s in batch.seqs)
+    tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+    for i, seq in enumerate(batch.seqs):
+        tables[i, : len(seq.block_table)] = seq.block_table
+    owner = np.repeat(np.arange(len(batch.seqs)), query_lens)
+    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    # position of each token = its sequence's start + its index within the sequence's chunk
+    positions = starts[owner] + (np.arange(len(owner)) - qsl[owner])
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    samples = np.asarray(batch.samples, dtype=bool)
+    return HostStep(
+        is_prefill=batch.is_prefill,
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=(starts + query_lens).astype(np.int32),
+        query_lens=query_lens,
+        query_start_loc=qsl,
+        sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
+    )
+
+
+def to_host(out: SamplerOutput) -> StepOutput:
+    """The step's one device->host read."""
+    if out.logprobs is None:
+        return StepOutput(tokens=out.tokens.tolist())
+    tokens = out.tokens.tolist()
+    logprobs = out.logprobs.tolist()
+    top = None
+    if out.top_ids is not None:
+        ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+    return StepOutput(tokens, logprobs, top)

@@ -1,0 +1,176 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, penalties, logprobs.
+
+Every row is sampled by an "exponential race": token = argmax(p_i / E_i) with E_i ~ Exp(1),
+which draws from p exactly. The E_i come from a counter-based hash of (request seed,
+output position, token id), so a request's samples depend on its seed alone — not on
+the batch it runs in, nor on any generator state — and need no host loop or sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agent_infer.engine.structs import Sequence
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors holding values < 2**32. Products stay
+    below 2**63 (multiplier < 2**31), so no signed overflow on any backend."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), [batch, vocab], a pure function of (seed, step, token)."""
+    key = _mix32(seeds & _M32)
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (steps & _M32))
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    h = _mix32(key[:, None] ^ ((tokens * 0x9E3779B1) & _M32)[None, :])
+    h = _mix32(h ^ (key[:, None] >> 3))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling settings of one step's rows, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: index of the token being sampled
+    top_k: torch.Tensor | None  # [B] int64, vocab size = off
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    all_greedy: bool
+    any_greedy: bool
+    num_logprobs: int  # top logprobs to return; -1: none
+    presence: torch.Tensor | None = None  # [B] float32
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V] float32
+    seen_mask: torch.Tensor | None = None  # [B, V] bool: in prompt or output
+
+    @staticmethod
+    def from_seqs(seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [s.sampling_params for s in seqs]
+        temps = [p.temperature for p in params]
+        greedy = [t == 0.0 for t in temps]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        use_top_k = any(0 < p.top_k < vocab_size for p in params if p.temperature > 0)
+        use_top_p = any(p.top_p < 1.0 for p in params if p.temperature > 0)
+        use_min_p = any(p.min_p > 0.0 for p in params if p.temperature > 0)
+        nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        batch = SamplingBatch(
+            temperature=tensor(temps, torch.float32),
+            seeds=tensor([s.seed for s in seqs], torch.int64),
+            steps=tensor([s.num_output_tokens for s in seqs], torch.int64),
+            top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
+            if use_top_k
+            else None,
+            top_p=tensor([p.top_p for p in params], torch.float32) if use_top_p else None,
+            min_p=tensor([p.min_p for p in params], torch.float32) if use_min_p else None,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            num_logprobs=nlp,
+        )
+        if any(p.has_penalties for p in params):
+            batch.presence = tensor([p.presence_penalty for p in params], torch.float32)
+            batch.frequency = tensor([p.frequency_penalty for p in params], torch.float32)
+            batch.repetition = tensor([p.repetition_penalty for p in params], torch.float32)
+            batch.output_counts, batch.seen_mask = _token_stats(seqs, vocab_size, device)
+        return batch
+
+
+def _token_stats(seqs: list[Sequence], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(1, max(len(x) for x in lists))
+        ids = torch.zeros(len(lists), width, dtype=torch.int64)
+        ones = torch.zeros(len(lists), width, dtype=torch.float32)
+        for i, x in enumerate(lists):
+            ids[i, : len(x)] = torch.tensor(x, dtype=torch.int64)
+            ones[i, : len(x)] = 1.0
+        return ids.to(device), ones.to(device)
+
+    out_ids, out_ones = padded([s.output_token_ids for s in seqs])
+    counts = torch.zeros(len(seqs), vocab_size, device=device).scatter_add_(1, out_ids, out_ones)
+    prompt_ids, prompt_ones = padded([s.prompt_token_ids for s in seqs])
+    seen = torch.zeros(len(seqs), vocab_size, device=device).scatter_add_(1, prompt_ids, prompt_ones)
+    return counts, (seen + counts) > 0
+
+
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32: logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # [B, k] int64
+    top_logprobs: torch.Tensor | None = None  # [B, k] float32
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs >= 0 else None
+        if batch.output_counts is not None:
+            logits = apply_penalties(logits, batch)
+        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            tokens = self._sample(logits, batch)
+            if greedy_tokens is not None:
+                tokens = torch.where(batch.temperature == 0.0, greedy_tokens, tokens)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if batch.num_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
+        return out
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temp = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temp[:, None]
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if batch.min_p is not None:
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = -torch.log(uniform_noise(batch.seeds, batch.steps, logits.shape[-1]))
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and its top-p nucleus. The most
+    likely token always survives."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty (CTRL/HF style, over prompt and output tokens) then OpenAI's
+    presence and frequency penalties (over output tokens)."""
+    rep = batch.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(batch.seen_mask, penalised, logits)
+    counts = batch.output_counts
+    return logits - batch.frequency[:, None] * counts - batch.presence[:, None] * (counts > 0).float()

@@ -1,0 +1,265 @@
+"""Continuous batching: which sequences run in the next step, and what their results mean.
+
+Policy (from the blueprint): prefill first; a step is either a prefill batch (several
+prompts, ragged, up to `max_num_batched_tokens`; a prompt larger than the budget is cut
+into chunks) or a decode batch of every running sequence.
+
+No preemption by default, and no deadlock: a request is admitted only while the running
+set stays *safe* in the banker's sense: some order exists in which every running request
+reaches its `max_tokens` using the free blocks plus the blocks released by those that
+finish before it. Decode growth is granted under the same rule, so a running request is
+never starved forever and nothing is ever evicted. With `preemption_mode="recompute"`
+admission is optimistic instead, and when blocks run out the newest request is sent
+back to the queue, its KV dropped, to be recomputed later (its tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from agent_infer.engine.block_manager import BlockManager
+from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str = "none"
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. `num_new_tokens[i]` tokens of `seqs[i]` are computed, starting at
+    `seqs[i].num_computed_tokens`; a sequence samples a token only when that reaches its end."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_new_tokens: list[int]
+    samples: list[bool] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
+        self.config = config
+        self.bm = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # hold blocks; in admission order
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue `seq`; reject it at once (and return False) if it can never run."""
+        limit = self.config.max_model_len
+        if seq.num_prompt_tokens >= limit:
+            seq.reject(
+                f"prompt has {seq.num_prompt_tokens} tokens but the context length is {limit}: "
+                f"no room for a single generated token"
+            )
+            return False
+        need = self.bm.blocks_for(seq.max_total_tokens)
+        if need > self.bm.num_blocks:
+            seq.reject(
+                f"request needs {need} KV blocks ({seq.max_total_tokens} tokens) but the pool holds "
+                f"{self.bm.num_blocks}; lower max_tokens or give the KV cache more memory"
+            )
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish(FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ----------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+
+        def take(seq: Sequence) -> bool:
+            nonlocal budget
+            remaining = seq.num_uncomputed_tokens
+            n = min(remaining, budget)
+            if n <= 0 or (n < remaining and seqs):
+                return False  # only the first sequence of a batch is ever cut into chunks
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            return True
+
+        # Prompts already admitted and half computed go first, in admission order.
+        for seq in self.running:
+            if seq.status == SequenceStatus.RUNNING_PREFILL and not take(seq):
+                break
+        else:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                hits = self.bm.match_prefix(seq)
+                if not self._can_admit(seq, hits):
+                    break
+                self.waiting.popleft()
+                self.bm.allocate(seq, hits, seq.num_tokens)
+                seq.transition_to(SequenceStatus.RUNNING_PREFILL)
+                self.running.append(seq)
+                if not take(seq):
+                    break
+        if not seqs:
+            return None
+        samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(seqs, counts)]
+        return ScheduledBatch(seqs, True, counts, samples)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        decoding = [s for s in self.running if s.status == SequenceStatus.RUNNING_DECODE]
+        # When the free pool covers every outstanding need at once (the usual case) any
+        # grant is safe, and stays so: a grant lowers the free count and one need alike.
+        plenty = sum(self._need(s) for s in decoding) <= self.bm.get_num_free_blocks()
+        seqs: list[Sequence] = []
+        for seq in decoding:
+            if seq.status == SequenceStatus.RUNNING_DECODE and self._grow(seq, plenty):
+                seqs.append(seq)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, False, [1] * len(seqs), [True] * len(seqs))
+
+    # ---- admission and growth ------------------------------------------------------
+
+    def _can_admit(self, seq: Sequence, hits: list[int]) -> bool:
+        take = self.bm.num_blocks_to_take(seq, hits, seq.num_tokens)
+        free = self.bm.get_num_free_blocks()
+        if take > free:
+            return False
+        if self.config.preemption_mode == "recompute":
+            return True
+        # Banker's check with `seq` admitted.
+        need = self.bm.blocks_for(seq.max_total_tokens) - self.bm.blocks_for(seq.num_tokens)
+        if need + sum(self._need(s) for s in self.running) <= free - take:
+            return True  # every request could even run to the end at once
+        hit_set = set(hits)
+        jobs = [(self._need(s), self._release(s, hit_set)) for s in self.running]
+        jobs.append((need, take))
+        return _is_safe(free - take, jobs)
+
+    def _grow(self, seq: Sequence, plenty: bool) -> bool:
+        """Make room for the token `seq` computes next. False: it sits this step out."""
+        extra = self.bm.blocks_needed_for(seq, seq.num_tokens)
+        if extra == 0:
+            return True
+        if self.config.preemption_mode == "recompute":
+            while self.bm.get_num_free_blocks() < extra:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+            return self.bm.ensure_capacity(seq, seq.num_tokens)
+        free = self.bm.get_num_free_blocks()
+        if extra > free:
+            return False
+        if not plenty:
+            # Granting within a request's declared need can still make the state unsafe.
+            trial = [
+                (self._need(s) - extra, self._release(s) + extra) if s is seq else (self._need(s), self._release(s))
+                for s in self.running
+            ]
+            if not _is_safe(free - extra, trial):
+                return False
+        return self.bm.ensure_capacity(seq, seq.num_tokens)
+
+    def _need(self, seq: Sequence) -> int:
+        """Blocks `seq` may still need to reach its max_tokens."""
+        return max(0, self.bm.blocks_for(seq.max_total_tokens) - len(seq.block_table))
+
+    def _release(self, seq: Sequence, extra_shared: set[int] = frozenset()) -> int:
+        """Blocks that return to the pool when `seq` finishes (held by it alone)."""
+        return sum(1 for b in seq.block_table if self.bm.ref_count[b] == 1 and b not in extra_shared)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.transition_to(SequenceStatus.WAITING)
+        self.waiting.appendleft(seq)
+
+    # ---- results -------------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Record what the step computed and sampled; returns the sequences that got a token.
+
+        `token_ids[i]` belongs to the i-th sequence of the batch that samples.
+        """
+        sampled: list[Sequence] = []
+        tokens = iter(token_ids)
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += n
+            if not samples:
+                self.bm.commit_full_blocks(seq)
+                continue
+            token = next(tokens)
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            if seq.status == SequenceStatus.RUNNING_PREFILL:
+                seq.transition_to(SequenceStatus.RUNNING_DECODE)
+            seq.output_token_ids.append(token)
+            self.bm.commit_full_blocks(seq)
+            sampled.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return sampled
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling_params
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish(reason)
+
+
+def _is_safe(free: int, jobs: list[tuple[int, int]]) -> bool:
+    """Banker's check for one resource: finish jobs smallest-need first (optimal for a
+    single resource, since finishing one only adds free blocks)."""
+    for need, release in sorted(jobs):
+        if need > free:
+            return False
+        free += need + release
+    return True

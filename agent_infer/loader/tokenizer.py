@@ -1,0 +1,58 @@
+"""Tokenizer, chat template and end-of-sequence ids of a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from agent_infer.config import ModelConfig
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def generation_config(path: str) -> dict:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def _as_ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
+    """Union of the tokenizer's EOS, generation_config.json's and config.json's."""
+    ids = _as_ids(generation_config(model_config.path).get("eos_token_id"))
+    ids |= set(model_config.eos_token_ids)
+    if tokenizer is not None:
+        ids |= _as_ids(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass(frozen=True)
+class ChatFormatter:
+    tokenizer: object
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )

@@ -1,0 +1,173 @@
+"""The dense decoder family in one implementation: Llama, Qwen2 (q/k/v biases) and Qwen3
+(per-head q_norm/k_norm), driven by config.json. Layers are tensor-parallel: merged QKV
+and gate_up (column-parallel), o_proj and down_proj (row-parallel, one all-reduce each),
+vocabulary-parallel embedding and LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from agent_infer.config import ModelConfig
+from agent_infer.layers.activation import get_act_and_mul
+from agent_infer.layers.attention import Attention
+from agent_infer.layers.norm import RMSNorm
+from agent_infer.layers.rotary import RotaryEmbedding
+from agent_infer.loader.weights import Weight, copy_into, materialize
+from agent_infer.tp_layers.distributed import ParallelState
+from agent_infer.tp_layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.tp_layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: ParallelState):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: ParallelState):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, tp)
+        self.act = get_act_and_mul(cfg.hidden_act)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: ParallelState):
+        super().__init__()
+        self.self_attn = DenseAttention(cfg, rotary, tp)
+        self.mlp = DenseMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DenseModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_pos, is_neox=True)
+        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DenseForCausalLM(nn.Module):
+    """Checkpoint-name mapping of the merged projections: HF name -> (our parameter, shard)."""
+
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DenseModel(cfg, tp, max_pos)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            name = _normalise_name(name)
+            if name is None or "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for param_name, hf_name, shard in self.stacked_params:
+                if f".{hf_name}." in name:
+                    target = name.replace(f".{hf_name}.", f".{param_name}.")
+                    if target not in params:
+                        raise KeyError(f"checkpoint weight {name} has no parameter {target}")
+                    params[target].weight_loader(params[target], w, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"checkpoint weight {name} matches no parameter of {type(self).__name__}")
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    copy_into(param, materialize(w), name)
+                else:
+                    loader(param, w)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            # A norm weight left at its initial ones is a silent accuracy bug (blueprint FM-003).
+            shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights the model needs: {shown}")
+
+
+def _normalise_name(name: str) -> str | None:
+    """Map the names of VL checkpoints' language model onto ours; drop vision weights."""
+    if name.startswith(("visual.", "model.visual.")):
+        return None
+    return name.replace("model.language_model.", "model.").replace("language_model.model.", "model.").replace(
+        "language_model.lm_head.", "lm_head."
+    )

@@ -1,0 +1,60 @@
+"""Vocabulary-parallel embedding and LM head: each rank owns a contiguous range of
+token rows (the vocabulary padded up to a multiple of the TP size)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent_infer.loader.weights import Weight, copy_into, narrow, shape_of
+from agent_infer.tp_layers.distributed import ParallelState, all_gather_last_dim, all_reduce_sum
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelState):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.world_size)
+        self.start = tp.rank * self.rows_per_rank
+        self.end = min(vocab_size, self.start + self.rows_per_rank)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+        rows = self.end - self.start
+        full = shape_of(loaded)[0]
+        if full == self.rows_per_rank and self.tp.world_size > 1:
+            part = narrow(loaded, 0, 0, rows)  # pre-sliced (and padded) shard
+        else:
+            if full != self.vocab_size:
+                raise ValueError(f"embedding has {full} rows, config says vocab_size {self.vocab_size}")
+            part = narrow(loaded, 0, self.start, rows)
+        param.data[rows:].zero_()  # padding rows of the last rank
+        copy_into(param.data[:rows], part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce_sum(y, self.tp)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary rows, gathered over ranks. With tied embeddings
+    the model points `weight` at the embedding's parameter."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelState, bias: bool = False):
+        super().__init__(vocab_size, hidden_size, tp)
+        if bias:
+            raise NotImplementedError("LM head bias")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.world_size > 1:
+            logits = all_gather_last_dim(logits, self.tp)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,148 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded,
+shard_id=None)` that takes the checkpoint's full tensor (or a lazy handle to it) and
+copies in the part this rank owns. A tensor that already has the shard's shape was
+sliced before (blueprint FM-001) and is copied as is, never sliced twice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
+from agent_infer.tp_layers.distributed import ParallelState, all_reduce_sum, divide
+
+
+def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
+    """This rank's `size` rows (dim 0) or columns (dim 1) starting at `start`. A tensor
+    whose extent is already `size` is the shard itself: a pre-sliced checkpoint, tp = 1,
+    or a replicated KV head."""
+    if shape_of(loaded)[dim] == size:
+        return materialize(loaded)
+    return narrow(loaded, dim, start, size)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+        copy_into(param, materialize(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = divide(out_features, tp.world_size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+        size = param.shape[0]
+        copy_into(param, _shard(loaded, 0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one GEMM (gate_up):
+    shard i of every rank holds that rank's slice of projection i."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: ParallelState):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: int) -> None:
+        size = divide(self.out_sizes[shard_id], self.tp.world_size, f"projection {shard_id}")
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.world_size
+        part = _shard(loaded, 0, self.tp.rank * size, size)
+        copy_into(param.data.narrow(0, offset, size), part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged q/k/v projection. Query heads are split over ranks; KV heads too when there
+    are at least as many as ranks, else each rank keeps one KV head shared by
+    `tp / num_kv_heads` ranks (replication)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: ParallelState):
+        world = tp.world_size
+        if num_heads % world:
+            options = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ValueError(
+                f"{num_heads} attention heads do not divide by tensor-parallel size {world}; "
+                f"sizes that work: {options}"
+            )
+        if world > num_kv_heads and world % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {world} is neither a divisor nor a multiple of the {num_kv_heads} KV heads"
+            )
+        if world <= num_kv_heads and num_kv_heads % world:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide by tensor-parallel size {world}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // world
+        self.num_kv_heads = max(1, num_kv_heads // world)
+        self.kv_replicas = max(1, world // num_kv_heads)
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * world
+        super().__init__(hidden_size, total, bias, tp)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: str) -> None:
+        rank = self.tp.rank
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            start = (rank // self.kv_replicas) * self.kv_size
+        part = _shard(loaded, 0, start, size)
+        copy_into(param.data.narrow(0, offset, size), part)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced.
+    The bias is added once (rank 0) before the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState, reduce: bool = True):
+        super().__init__()
+        self.tp = tp
+        self.reduce = reduce
+        self.in_per_rank = divide(in_features, tp.world_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+        size = param.shape[1]
+        copy_into(param, _shard(loaded, 1, self.tp.rank * size, size))
+
+    def bias_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+        copy_into(param, materialize(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        return all_reduce_sum(y, self.tp) if self.reduce else y
