@@ -55,6 +55,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.device, self.dtype, self.max_model_len, tp)
         num_blocks = self._size_kv_pool()
         self.runner.init_kv_cache(num_blocks)
+        self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode),

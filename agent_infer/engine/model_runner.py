@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.engine.cuda_graphs import DecodeGraphs
 from agent_infer.engine.forward_context import AttentionMetadata, forward_context
 from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
 from agent_infer.engine.memory_pool import KVMemoryPool
@@ -78,6 +79,7 @@ class ModelRunner:
         self.backend = get_attention_backend(engine_config.attention_backend, device)
         self.model = self._load_model()
         self.pool: KVMemoryPool | None = None
+        self.graphs: DecodeGraphs | None = None
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -97,6 +99,16 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.kv_cache = self.pool.layer(i)
             attn.backend = self.backend
+
+    def capture_graphs(self) -> None:
+        """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.model_config.vocab_size, self.device
+        )
+        self.graphs.capture()
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
@@ -162,6 +174,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: HostStep) -> torch.Tensor:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab]."""
+        if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
+            return self.graphs.run(step)  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)

@@ -42,9 +42,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
 class SamplingBatch:
     """The sampling settings of one step's rows, as tensors on the logits' device."""
 
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64: index of the token being sampled
+    temperature: torch.Tensor | None  # [B] float32, 0 = greedy (None: every row greedy)
+    seeds: torch.Tensor | None  # [B] int64
+    steps: torch.Tensor | None  # [B] int64: index of the token being sampled
     top_k: torch.Tensor | None  # [B] int64, vocab size = off
     top_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
@@ -60,30 +60,32 @@ class SamplingBatch:
     @staticmethod
     def from_seqs(seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingBatch":
         params = [s.sampling_params for s in seqs]
-        temps = [p.temperature for p in params]
-        greedy = [t == 0.0 for t in temps]
+        greedy = [p.temperature == 0.0 for p in params]
+        nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        penalties = any(p.has_penalties for p in params)
+        if all(greedy) and nlp < 0 and not penalties:
+            # The common decode case: argmax only, no per-row tensors to build or copy.
+            return SamplingBatch(None, None, None, None, None, None, True, True, -1)
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        use_top_k = any(0 < p.top_k < vocab_size for p in params if p.temperature > 0)
-        use_top_p = any(p.top_p < 1.0 for p in params if p.temperature > 0)
-        use_min_p = any(p.min_p > 0.0 for p in params if p.temperature > 0)
-        nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        sampled = [p for p in params if p.temperature > 0]
+        use_top_k = any(0 < p.top_k < vocab_size for p in sampled)
         batch = SamplingBatch(
-            temperature=tensor(temps, torch.float32),
+            temperature=tensor([p.temperature for p in params], torch.float32),
             seeds=tensor([s.seed for s in seqs], torch.int64),
             steps=tensor([s.num_output_tokens for s in seqs], torch.int64),
             top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
             if use_top_k
             else None,
-            top_p=tensor([p.top_p for p in params], torch.float32) if use_top_p else None,
-            min_p=tensor([p.min_p for p in params], torch.float32) if use_min_p else None,
+            top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in sampled) else None,
+            min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0.0 for p in sampled) else None,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             num_logprobs=nlp,
         )
-        if any(p.has_penalties for p in params):
+        if penalties:
             batch.presence = tensor([p.presence_penalty for p in params], torch.float32)
             batch.frequency = tensor([p.frequency_penalty for p in params], torch.float32)
             batch.repetition = tensor([p.repetition_penalty for p in params], torch.float32)
@@ -118,6 +120,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and batch.num_logprobs < 0 and batch.output_counts is None:
+            return SamplerOutput(logits.argmax(dim=-1))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs >= 0 else None
         if batch.output_counts is not None:

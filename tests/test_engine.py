@@ -1,0 +1,154 @@
+"""End-to-end engine behaviour on the real default model (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_infer.config import EngineConfig
+from agent_infer.engine.llm_engine import LLMEngine, RequestError
+from agent_infer.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+PROMPTS = [
+    "Hello",
+    "The history of the Roman Empire",
+    "List three colours:",
+    "A recipe for pancakes needs flour, eggs, milk and",
+    "In a distant galaxy far away, a small robot named Pip discovered that its creators had left behind a message",
+    "1, 2, 3, 4,",
+    "The best way to learn a new language is",
+    "def add(a, b):",
+]
+
+
+def engine(model_dir: str, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 1024)
+    return LLMEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **kw))
+
+
+def test_same_tokens_alone_and_in_a_mixed_batch(smol_engine):
+    batch = smol_engine.generate(PROMPTS, GREEDY)
+    for i in (0, 4, 7):
+        alone = smol_engine.generate([PROMPTS[i]], GREEDY)[0]
+        assert alone.token_ids == batch[i].token_ids, f"prompt {i} differs alone vs in batch"
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(smol_engine):
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = smol_engine.generate([PROMPTS[2]], p)[0]
+    again = smol_engine.generate([PROMPTS[2]], p)[0]
+    mixed = smol_engine.generate(PROMPTS, [SamplingParams(temperature=1.0, max_tokens=20)] * 2 + [p] + [GREEDY] * 5)
+    assert alone.token_ids == again.token_ids == mixed[2].token_ids
+    other = smol_engine.generate([PROMPTS[2]], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=20, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("mode", ["none", "recompute"])
+def test_small_pool_completes_every_request_with_unchanged_outputs(default_model_dir, smol_engine, mode):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (case {i})" for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = smol_engine.generate(prompts, params)
+    small = engine(default_model_dir, num_kv_blocks=24, preemption_mode=mode)
+    need = sum(small.block_manager.blocks_for(len(o.prompt_token_ids) + 11) for o in reference)
+    assert need > 24, "the pool must be too small to hold every request at once"
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert all(o.finished and len(o.token_ids) == 12 for o in outs)
+    assert small.block_manager.get_num_free_blocks() == 24
+    assert small.stats.max_decode_batch < 32  # it really had to queue
+    if mode == "recompute":
+        assert small.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_outputs(default_model_dir):
+    shared = (
+        "You are a careful assistant. Answer in one short sentence. Context: the river flows north through "
+        "three valleys, past an old mill and a stone bridge, before it reaches the lake by the town. "
+    )
+    prompts = [shared + q for q in ("Where does the river end?", "What is by the bridge?", "How many valleys?")]
+    cached = engine(default_model_dir)
+    plain = engine(default_model_dir, enable_prefix_caching=False)
+    first = cached.generate(prompts[:1], GREEDY)
+    hits_before = cached.block_manager.stats.hits
+    rest = cached.generate(prompts[1:], GREEDY)
+    hits = cached.block_manager.stats.hits - hits_before
+    shared_tokens = len(cached.tokenizer.encode(shared))
+    assert hits >= 2 * (shared_tokens // 16 - 1) * 16, f"only {hits} prompt tokens served from the cache"
+    expected = plain.generate(prompts, GREEDY)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in expected]
+    assert rest[0].num_cached_tokens > 0
+    assert plain.block_manager.stats.hits == 0
+    # The very same prompt again: served from the cache, its last token recomputed.
+    again = cached.generate(prompts[:1], GREEDY)[0]
+    assert again.token_ids == first[0].token_ids and again.num_cached_tokens > 0
+
+
+def test_overlong_prompt_is_rejected_while_others_continue(default_model_dir):
+    eng = engine(default_model_dir, max_model_len=64)
+    long_prompt = " ".join(["word"] * 200)
+    outs = eng.generate(["Hello there", long_prompt, "Good morning"], GREEDY)
+    assert outs[1].error is not None and "context length is 64" in outs[1].error
+    assert outs[1].token_ids == []
+    assert outs[0].finished and len(outs[0].token_ids) == 24
+    assert outs[2].finished and len(outs[2].token_ids) == 24
+    assert eng.block_manager.get_num_free_blocks() == eng.block_manager.num_blocks
+
+
+def test_empty_and_invalid_prompts_raise(smol_engine):
+    with pytest.raises(RequestError, match="empty"):
+        smol_engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match="token ids"):
+        smol_engine.add_request([1, 10**9], GREEDY)
+
+
+def test_abort_frees_blocks(default_model_dir):
+    eng = engine(default_model_dir)
+    seq = eng.add_request("Tell me a long story about dragons", SamplingParams(max_tokens=200, temperature=0.0))
+    eng.step()
+    eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    assert eng.abort(seq.request_id)
+    outs = eng.step()
+    assert any(o.request_id == seq.request_id and o.finish_reason == "abort" for o in outs)
+    assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished_requests()
+
+
+def test_stop_strings_tokens_and_streaming(smol_engine):
+    base = smol_engine.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    assert " 7" in base.text
+    stopped = smol_engine.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop=[" 7"]))[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 7"
+    assert stopped.text == base.text[: base.text.index(" 7")]
+    kept = smol_engine.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop=[" 7"], include_stop_str_in_output=True)
+    )[0]
+    assert kept.text.endswith(" 7")
+    tok = base.token_ids[3]
+    by_token = smol_engine.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[tok]))[0]
+    assert by_token.token_ids == base.token_ids[: base.token_ids.index(tok) + 1] and by_token.stop_reason == tok
+    # Streaming: deltas add up to the final text and never contain the stop string.
+    seq = smol_engine.add_request("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop=[" 7"]), stream=True)
+    deltas = []
+    while smol_engine.has_unfinished_requests():
+        for o in smol_engine.step():
+            if o.request_id == seq.request_id:
+                deltas.append(o.delta_text)
+                assert " 7" not in "".join(deltas)
+    assert "".join(deltas) == stopped.text
+
+
+def test_eos_ends_generation(smol_engine):
+    out = smol_engine.generate(["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"], SamplingParams(temperature=0.0, max_tokens=200))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smol_engine.eos_token_ids
+    assert len(out.token_ids) < 200
+
+
+def test_begin_generation_and_outputs(smol_engine):
+    ids = smol_engine.begin_generation(["Hello", "Goodbye"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert len(ids) == 2
+    while smol_engine.has_unfinished_requests():
+        smol_engine.step_generation()
+    texts = smol_engine.get_generation_outputs()
+    direct = smol_engine.generate(["Hello", "Goodbye"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert texts == [o.text for o in direct] and all(texts)
