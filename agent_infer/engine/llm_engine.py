@@ -6,8 +6,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence as Seq
 
 import torch
@@ -15,14 +16,17 @@ import torch
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.block_manager import BlockManager
 from agent_infer.engine.detokenizer import IncrementalDetokenizer
-from agent_infer.engine.memory_pool import KVMemoryPool
-from agent_infer.engine.model_runner import ModelRunner, StepOutput
+from agent_infer.engine.control import WorkerError
+from agent_infer.engine.model_runner import StepOutput
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
 from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.sampling_params import SamplingParams
-from agent_infer.tp_layers.distributed import SINGLE, ParallelState
+from agent_infer.engine.runner_setup import check_tp_divisibility, setup_runner
+from agent_infer.engine.workers import WorkerGroup, local_launch, rank_device, worker_main
+from agent_infer.tp_layers.distributed import SINGLE
+from agent_infer.tp_layers.group import torchrun_launch
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +45,42 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp: ParallelState = SINGLE):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.tp = tp
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
         self.model_config = ModelConfig.from_hf(config.model)
-        self.max_model_len = self._resolve_max_model_len()
+        launch = torchrun_launch()
+        tp_size = config.tensor_parallel_size
+        if launch is not None:
+            if tp_size not in (1, launch.world_size):
+                raise ConfigError(f"--tp {tp_size} but torchrun started {launch.world_size} processes")
+            tp_size = launch.world_size
+            config = replace(config, tensor_parallel_size=tp_size)
+            self.config = config
+        check_tp_divisibility(self.model_config, tp_size)
+        if launch is not None and launch.rank != 0:
+            # Under torchrun every process runs the caller's script; ranks > 0 serve as
+            # workers of rank 0's engine and end with it.
+            sys.exit(worker_main(config, launch))
+        self.device = rank_device(config, 0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = config.resolve_dtype(self.device)
         tok_path = config.tokenizer or config.model
         self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
 
-        self.runner = ModelRunner(self.model_config, config, self.device, self.dtype, self.max_model_len, tp)
-        num_blocks = self._size_kv_pool()
-        self.runner.init_kv_cache(num_blocks)
-        self.runner.capture_graphs()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.workers: WorkerGroup | None = None
+        tp = SINGLE
+        if tp_size > 1:
+            self.workers = WorkerGroup(config, launch or local_launch(tp_size), self.device)
+            tp = self.workers.tp
+        try:
+            self.runner, plan = setup_runner(config, self.model_config, self.device, self.dtype, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = plan.max_model_len
+        self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode),
             self.block_manager,
@@ -69,44 +93,6 @@ class LLMEngine:
         self._generation_ids: list[str] = []
         self._generation_outputs: dict[str, RequestOutput] = {}
         self.stats = EngineStats()
-
-    # ---- set-up --------------------------------------------------------------------
-
-    def _resolve_max_model_len(self) -> int:
-        model_max = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return model_max
-        if self.config.max_model_len > model_max:
-            raise ConfigError(
-                f"max_model_len {self.config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
-            )
-        return self.config.max_model_len
-
-    def _size_kv_pool(self) -> int:
-        cfg = self.config
-        peak = self.runner.profile_peak_memory(
-            min(max(cfg.max_num_batched_tokens, 1), self.max_model_len), cfg.max_num_seqs
-        )
-        budget = KVMemoryPool.estimate_num_blocks(
-            self.runner.kv_spec(), cfg.block_size, self.device, cfg.gpu_memory_utilization,
-            cfg.kv_cache_bytes, cfg.num_kv_blocks, peak,
-        )
-        if budget.num_blocks < 1:
-            raise ConfigError(f"no memory left for the KV cache ({budget.source}); lower the model size or raise the budget")
-        capacity = budget.num_blocks * cfg.block_size
-        if capacity < self.max_model_len:
-            if cfg.max_model_len is not None:
-                raise ConfigError(
-                    f"the KV cache holds {capacity} tokens ({budget.num_blocks} blocks) but max_model_len is "
-                    f"{cfg.max_model_len}; lower max_model_len or give the cache more memory"
-                )
-            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.max_model_len)
-            self.max_model_len = capacity
-        log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
-            budget.num_blocks, cfg.block_size, capacity, budget.total_bytes / 2**30, budget.source,
-        )
-        return budget.num_blocks
 
     # ---- requests ------------------------------------------------------------------
 
@@ -191,10 +177,25 @@ class LLMEngine:
                 raise RuntimeError("scheduler produced no work while requests are running")
             return outputs
         t0 = time.perf_counter()
-        result = self.runner.run(batch)
+        result = self._run(batch)
         self.stats.record_step(batch, time.perf_counter() - t0)
         outputs.extend(self._postprocess(batch, result))
         return outputs
+
+    def _run(self, batch: ScheduledBatch) -> StepOutput:
+        step = self.runner.build_step(batch)
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
+        if self.workers is None:
+            return self.runner.run(step, sampling)
+        try:
+            self.workers.send_step(step)
+            return self.runner.run(step, sampling)
+        except Exception as e:
+            failure = self.workers.control.failure
+            self.shutdown()
+            if failure is not None:
+                raise WorkerError(failure) from e
+            raise
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
@@ -316,7 +317,10 @@ class LLMEngine:
         return outs
 
     def shutdown(self) -> None:
-        pass
+        """Stop tensor-parallel workers (bounded); a single-process engine has nothing to stop."""
+        workers, self.workers = getattr(self, "workers", None), None
+        if workers is not None:
+            workers.shutdown()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
 from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
+from agent_infer.engine.structs import Sequence
 from agent_infer.layers.attention import get_attention_backend
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
@@ -182,9 +183,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_indices])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        logits = self.execute(self.build_step(batch))
-        sampling_seqs = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
+    def run(self, step: HostStep, sampling_seqs: list[Sequence]) -> StepOutput:
+        """Forward pass and sampling (rank 0). `sampling_seqs` are the batch's sequences
+        that sample this step, in batch order."""
+        logits = self.execute(step)
         if not sampling_seqs:
             return StepOutput(tokens=[])
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)

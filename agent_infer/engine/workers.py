@@ -1,0 +1,170 @@
+"""Tensor-parallel workers: ranks 1..N-1 run the same forward passes as rank 0.
+
+Rank 0 owns the tokenizer, scheduler and sampler. Each step it sends the step's host
+arrays (`HostStep`) to every worker; all ranks run the forward pass together (their
+collectives meet inside it) and only rank 0 samples. Workers never need the sampled
+tokens: the next step's input ids come from rank 0 with the step, so every rank writes
+the same tokens into the same cache slots — the KV caches stay in step by construction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import traceback
+from dataclasses import replace
+
+import torch
+
+from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.engine.control import ControlClient, ControlServer, WorkerError, exit_now
+from agent_infer.engine.runner_setup import setup_runner
+from agent_infer.tp_layers.group import LaunchInfo, apply_safe_env, destroy_group, free_port, init_group, store
+
+log = logging.getLogger(__name__)
+
+_CONTROL_KEY = "agent_infer/control_address"
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    base = config.resolve_device()
+    if base.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return base
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so a crashed engine leaves no orphans."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class WorkerGroup:
+    """Rank 0's side: starts local workers (unless torchrun did), joins the group, and
+    drives the workers over the control channel."""
+
+    def __init__(self, config: EngineConfig, info: LaunchInfo, device: torch.device):
+        self.info = info
+        self.procs: list[subprocess.Popen] = []
+        if not info.external:
+            # Fresh interpreters (not multiprocessing's spawn), so the caller's __main__
+            # is never re-imported in a worker.
+            for rank in range(1, info.world_size):
+                spec = pickle.dumps((config, replace(info, rank=rank, local_rank=rank), os.getpid()))
+                p = subprocess.Popen([sys.executable, "-m", "agent_infer.engine.workers"], stdin=subprocess.PIPE)
+                p.stdin.write(spec)
+                p.stdin.close()
+                self.procs.append(p)
+        try:
+            self.tp = init_group(info, device)
+            host = info.master_addr if info.external else "127.0.0.1"
+            self.control = ControlServer(host, info.world_size - 1)
+            store().set(_CONTROL_KEY, self.control.address)
+            self.control.accept_all(timeout_s=600, alive=self._dead_worker)
+            self.control.start_watch(on_fatal=lambda msg: exit_now(msg, self.kill))
+        except BaseException:
+            self.kill()
+            raise
+        self.step_no = 0
+
+    def _dead_worker(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return f"tensor-parallel worker {rank} exited with code {p.returncode} during start-up"
+        return None
+
+    def send_step(self, step) -> None:
+        self.control.check()
+        self.step_no += 1
+        self.control.broadcast(("step", self.step_no, step))
+
+    def check(self) -> None:
+        self.control.check()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if getattr(self, "control", None) is not None:
+            self.control.closing = True  # workers leaving now is expected, not a failure
+            try:
+                self.control.broadcast(("shutdown",))
+            except WorkerError:
+                pass
+            self.control.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        destroy_group()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+
+
+def worker_main(config: EngineConfig, info: LaunchInfo) -> int:
+    """Join the group, build this rank's shard of the model, then run steps until told
+    to stop (or rank 0 goes away)."""
+    apply_safe_env()
+    logging.basicConfig(level=logging.WARNING)
+    device = rank_device(config, info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    client = None
+    try:
+        tp = init_group(info, device)
+        client = ControlClient(store().get(_CONTROL_KEY).decode(), info.rank)
+        model_config = ModelConfig.from_hf(config.model)
+        dtype = config.resolve_dtype(device)
+        runner, _ = setup_runner(config, model_config, device, dtype, tp)
+        while True:
+            msg = client.recv()
+            if msg is None or msg[0] == "shutdown":
+                break
+            if msg[0] == "step":
+                runner.execute(msg[2])
+                client.send(("ack", msg[1]))
+        return 0
+    except Exception as e:
+        detail = f"{type(e).__name__}: {e}"
+        log.error("worker %d failed:\n%s", info.rank, traceback.format_exc())
+        if client is not None:
+            try:
+                client.send(("error", detail))
+            except OSError:
+                pass
+        return 1
+    finally:
+        if client is not None:
+            client.close()
+        destroy_group()
+
+
+def local_launch(world_size: int) -> LaunchInfo:
+    return LaunchInfo(rank=0, world_size=world_size, local_rank=0, master_addr="127.0.0.1",
+                      master_port=free_port(), external=False)
+
+
+def _main() -> None:
+    """Entry of a locally started worker: its spec arrives pickled on stdin."""
+    config, info, parent_pid = pickle.load(sys.stdin.buffer)
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        sys.exit(1)  # the parent died before the death signal was set
+    sys.exit(worker_main(config, info))
+
+
+if __name__ == "__main__":
+    _main()
