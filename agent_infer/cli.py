@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (pure eager mode)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "symm_mem"],
+                   help="TP all-reduce: symmetric memory when it works (auto), or force one")
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
 
 
@@ -58,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tp,
+        all_reduce=args.all_reduce,
         seed=args.seed,
     )
 

@@ -193,6 +193,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     tensor_parallel_size: int = 1
+    all_reduce: str = "auto"  # auto (symmetric memory when it works, else NCCL) | nccl | symm_mem
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -212,6 +213,8 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.all_reduce not in ("auto", "nccl", "symm_mem"):
+            raise ConfigError(f"all_reduce must be auto, nccl or symm_mem, got {self.all_reduce!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 

@@ -5,7 +5,7 @@ agree on the pool size (the smallest any rank can afford) and on the context len
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.model_runner import ModelRunner
 from agent_infer.tp_layers.distributed import ParallelState
+from agent_infer.tp_layers.symm_mem import build_all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def setup_runner(
     config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: ParallelState
 ) -> tuple[ModelRunner, RunnerPlan]:
     max_model_len = resolve_max_model_len(config, model_config)
+    tp = choose_all_reduce(tp, device, dtype, config.all_reduce)
     runner = ModelRunner(model_config, config, device, dtype, max_model_len, tp)
     peak = runner.profile_peak_memory(min(config.max_num_batched_tokens, max_model_len), config.max_num_seqs)
     budget = KVMemoryPool.estimate_num_blocks(
@@ -77,6 +79,20 @@ def setup_runner(
     runner.init_kv_cache(num_blocks)
     runner.capture_graphs()
     return runner, RunnerPlan(num_blocks, max_model_len)
+
+
+def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtype, mode: str) -> ParallelState:
+    """Pick the all-reduce once, on every rank alike, and say which."""
+    if tp.world_size == 1 or device.type != "cuda" or mode == "nccl":
+        if tp.world_size > 1 and tp.is_first:
+            log.info("all-reduce: %s", "gloo" if device.type != "cuda" else "NCCL")
+        return tp
+    impl = build_all_reduce(tp.group, device, dtype)
+    if impl is None and mode == "symm_mem":
+        raise ConfigError("--all-reduce symm_mem was asked for but symmetric memory does not work here")
+    if tp.is_first:
+        log.info("all-reduce: %s", "symmetric memory (one-shot / two-shot), NCCL above 8 MiB" if impl else "NCCL")
+    return replace(tp, all_reduce_impl=impl) if impl else tp
 
 
 def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:
