@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -50,7 +50,7 @@ def engine_config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs or 256,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     chat.set_defaults(handler=cmd_chat)
 
+    from agent_infer.bench.cli import add_bench_parser
+    from agent_infer.server.cli import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 

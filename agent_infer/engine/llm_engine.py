@@ -122,7 +122,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        ids = self.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         if not ids:
             raise RequestError("the prompt is empty")
         room = self.max_model_len - len(ids)
@@ -238,10 +238,13 @@ class LLMEngine:
         logprobs = None
         if seq.sampling_params.logprobs is not None:
             logprobs = [TokenLogprob(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs)]
-        stop_reason = None
+        stop_reason = None  # like vLLM: None for EOS, else the stop string or stop token
         if seq.finish_reason == FinishReason.STOP:
             last = seq.output_token_ids[-1] if seq.output_token_ids else None
-            stop_reason = req.detok.stopped_by if req.detok and req.detok.stopped_by else last
+            if req.detok is not None and req.detok.stopped_by:
+                stop_reason = req.detok.stopped_by
+            elif last in seq.sampling_params.stop_token_ids:
+                stop_reason = last
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -332,9 +335,13 @@ class EngineStats:
     generation_tokens: int = 0
     max_decode_batch: int = 0
     busy_seconds: float = 0.0
+    last_batch_size: int = 0  # sequences in the latest step
+    last_batch_tokens: int = 0
+    last_batch_prefill: bool = False
 
     def record_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.steps += 1
+        self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
         self.busy_seconds += seconds
         if batch.is_prefill:
             self.prefill_steps += 1

@@ -1,0 +1,524 @@
+"""Offline benchmarks: `agent-infer bench latency` and `agent-infer bench throughput`.
+
+latency: B sequences of `--input-len` random token ids generate `--output-len` tokens
+each (greedy, EOS ignored). The engine is driven step by step: TTFT is the time until
+every sequence has its first token (the prefill step at B = 1), decode time is the rest,
+for the `output_len - 1` tokens after the first. Warm-up runs come first (graph capture,
+Triton compilation); the figures are medians over `--num-iters` timed runs. Every run
+uses fresh random prompts so the prefix cache never serves one.
+
+throughput: the nano-vllm workload: `--num-seqs` requests, input and output lengths
+uniform in [min_len, max_len], random token ids, EOS ignored, temperature 0.6 (seeded);
+output tok/s = output tokens / wall time of the whole batch.
+
+Both can run Hugging Face transformers on the same checkpoint first (`--compare-hf`),
+then free it, so the engine sizes its KV cache on an empty GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from agent_infer.bench.monitor import GpuMonitor, format_monitor
+from agent_infer.bench.roofline import decode_roofline
+from agent_infer.config import ConfigError, EngineConfig, ModelConfig
+from agent_infer.sampling_params import SamplingParams
+
+
+def _say(msg: str) -> None:
+    print(f"agent-infer bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- set-up shared by both benchmarks ---------------------------------------------------
+
+
+@dataclass
+class Setup:
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """Resolve --random-weights into --model, and the engine config, device and dtype."""
+    if args.random_weights:
+        if args.model:
+            raise ConfigError("give either --model or --random-weights, not both")
+        from agent_infer.bench.random_weights import ensure_random_model, random_model_ready
+
+        tokenizer = None if random_model_ready(args.random_weights) else default_tokenizer_source()
+        args.model = ensure_random_model(args.random_weights, tokenizer_from=tokenizer)
+    from agent_infer.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    device = config.resolve_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Setup(config, ModelConfig.from_hf(config.model), device, config.resolve_dtype(device))
+
+
+def default_tokenizer_source() -> str | None:
+    """The default model's directory (SmolLM2's tokenizer), converting it once when its
+    package is installed; None when it cannot be had: benchmarks use token ids anyway."""
+    from agent_infer.loader.default_model import ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except Exception as e:  # noqa: BLE001 - a tokenizer is a convenience here, never required
+        _say(f"no tokenizer copied into the random checkpoint ({type(e).__name__}: {e})")
+        return None
+
+
+def build_engine(setup: Setup):
+    from agent_infer.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(setup.config)
+    seconds = time.perf_counter() - t0
+    _say(f"engine ready in {seconds:.1f} s (max_model_len {engine.max_model_len}, "
+         f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)")
+    return engine, seconds
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab_size: int) -> list[list[int]]:
+    return [rng.integers(0, vocab_size, int(n)).tolist() for n in lengths]
+
+
+def model_label(setup: Setup) -> str:
+    return f"{os.path.basename(setup.config.model.rstrip('/'))}, {str(setup.dtype).replace('torch.', '')}"
+
+
+def mode_label(setup: Setup) -> str:
+    if setup.device.type != "cuda":
+        return setup.device.type
+    return "eager" if setup.config.enforce_eager else "CUDA graphs"
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- latency ------------------------------------------------------------------------------
+
+
+@dataclass
+class LatencyRun:
+    ttft_s: float  # until every sequence has its first token
+    decode_s: float  # the rest
+    decode_steps: int
+    output_lens: list[int]
+
+
+def run_latency_iteration(engine, prompts: list[list[int]], params: SamplingParams) -> LatencyRun:
+    """One run of `prompts` to completion, stepping the engine by hand. step() returns host
+    token ids (the step's one device->host read), so clocks read after it are synchronised."""
+    _sync(engine.device)
+    decode_before = engine.stats.decode_steps
+    t0 = time.perf_counter()
+    ids = {engine.add_request(p, params).request_id for p in prompts}
+    started: set[str] = set()
+    lens: dict[str, int] = {}
+    t_first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id not in ids:
+                continue
+            if out.error:
+                raise RuntimeError(f"request rejected: {out.error}")
+            if out.token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                lens[out.request_id] = len(out.token_ids)
+        if t_first is None and len(started) == len(ids):
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    if t_first is None:
+        raise RuntimeError("the engine went idle before every request produced a token")
+    return LatencyRun(t_first - t0, t_end - t_first, engine.stats.decode_steps - decode_before, list(lens.values()))
+
+
+def summarise_latency(runs: list[LatencyRun], batch: int, output_len: int, input_len: int) -> dict:
+    decode_tokens = output_len - 1  # per sequence, after the first
+    ttft = statistics.median(r.ttft_s for r in runs)
+    decode = statistics.median(r.decode_s for r in runs)
+    per_seq = statistics.median(decode_tokens / r.decode_s for r in runs)
+    return {
+        "ttft_ms": ttft * 1e3,
+        "prefill_tok_s": batch * input_len / ttft,
+        "decode_tok_s_per_seq": per_seq,
+        "decode_tok_s_total": per_seq * batch,
+        "decode_step_ms": statistics.median(r.decode_s / max(r.decode_steps, 1) for r in runs) * 1e3,
+        "decode_steps": runs[0].decode_steps,
+        "e2e_s": statistics.median(r.ttft_s + r.decode_s for r in runs),
+        "decode_s": decode,
+        "iterations": [asdict(r) | {"output_lens": sorted(set(r.output_lens))} for r in runs],
+    }
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    if args.output_len < 2:
+        raise ConfigError("--output-len must be at least 2: decode speed is measured after the first token")
+    if args.max_num_seqs is None:  # latency needs no more slots (and CUDA graphs) than its batch
+        args.max_num_seqs = args.batch_size
+    setup = prepare(args)
+    rng = np.random.default_rng(args.seed)
+    B, n_in, n_out = args.batch_size, args.input_len, args.output_len
+
+    def fresh() -> list[list[int]]:  # new prompts every run: the prefix cache must never serve one
+        return random_prompts(rng, [n_in] * B, setup.model_config.vocab_size)
+
+    hf = None
+    if args.compare_hf:
+        from agent_infer.bench.hf_baseline import hf_latency, run_with_hf_model
+
+        _say(f"transformers baseline: batch {B}, {n_in} -> {n_out} tokens, {args.hf_iters} timed run(s)")
+        prompts = fresh()
+        hf = run_with_hf_model(setup.config.model, setup.device, setup.dtype,
+                               lambda m: hf_latency(m, prompts, n_out, args.hf_iters, log=_say))
+
+    engine, init_s = build_engine(setup)
+    try:
+        if n_in + n_out > engine.max_model_len:
+            raise ConfigError(f"--input-len + --output-len = {n_in + n_out} exceeds max_model_len {engine.max_model_len}")
+        params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        runs, monitor = time_latency(engine, fresh, params, args.num_warmup, args.num_iters, args.monitor_interval_ms)
+        results = summarise_latency(runs, B, n_out, n_in)
+        roofline = latency_roofline(setup, args.bandwidth_tbs, results, B)
+        payload = report_payload("latency", args, setup, engine, init_s, results, hf, roofline, monitor)
+        save_json(args, payload)  # before profiling: a crash there must not lose the figures
+        payload["profile"] = maybe_profile(args, engine, fresh(), params, "latency")
+        title = (f"latency: {model_label(setup)}, batch {B}, {n_in} -> {n_out} tokens, {mode_label(setup)}, "
+                 f"median of {args.num_iters}\nroofline: {roofline['bytes_per_token'] / 1e9:.3f} GB of weights read "
+                 f"per decode step at {roofline['bandwidth_tbs']} TB/s x {roofline['tp']} GPU(s)")
+        finish(args, title, latency_rows(results, hf, roofline, monitor, B, n_in), payload)
+    finally:
+        engine.shutdown()  # TP workers end with it
+    return 0
+
+
+def time_latency(engine, fresh, params: SamplingParams, warmup: int, iters: int, interval_ms: float):
+    """Warm-up runs, then timed runs under the GPU monitor: (runs, monitor summary)."""
+    n_out = params.max_tokens
+    for i in range(warmup):
+        r = run_latency_iteration(engine, fresh(), params)
+        _say(f"warm-up {i + 1}/{warmup}: TTFT {r.ttft_s * 1e3:.1f} ms, decode {(n_out - 1) / r.decode_s:.1f} tok/s/seq")
+    runs = []
+    with GpuMonitor(interval_ms / 1e3) as mon:
+        for i in range(iters):
+            runs.append(run_latency_iteration(engine, fresh(), params))
+            r = runs[-1]
+            _say(f"iteration {i + 1}/{iters}: TTFT {r.ttft_s * 1e3:.2f} ms, decode {(n_out - 1) / r.decode_s:.1f} tok/s/seq")
+    short = [n for r in runs for n in r.output_lens if n != n_out]
+    if short:
+        raise RuntimeError(f"some sequences generated {short[0]} tokens instead of {n_out}")
+    return runs, mon.summary()
+
+
+def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: int) -> dict:
+    roof = decode_roofline(setup.model_config, dtype_bytes(setup.dtype), bandwidth_tbs, setup.config.tensor_parallel_size)
+    return {
+        "bytes_per_token": roof.bytes_per_token,
+        "bandwidth_tbs": roof.bandwidth_tbs,
+        "tp": roof.tp,
+        "step_ms": roof.step_seconds * 1e3,
+        "decode_tok_s_per_seq": roof.tokens_per_second(1),
+        "decode_tok_s_total": roof.tokens_per_second(batch),
+        "achieved_fraction": results["decode_tok_s_total"] / roof.tokens_per_second(batch),
+    }
+
+
+def latency_rows(results: dict, hf: dict | None, roof: dict, monitor: dict, B: int, n_in: int) -> list[tuple]:
+    def hfv(key):
+        return hf[key] if hf else None
+
+    frac = roof["achieved_fraction"] * 100
+    rows = [
+        (f"TTFT ms ({n_in}-token prompt{'s' if B > 1 else ''}, batch {B})", results["ttft_ms"], hfv("ttft_ms"), "time", None),
+        ("decode tok/s per sequence", results["decode_tok_s_per_seq"], hfv("decode_tok_s_per_seq"), "rate",
+         f"{roof['decode_tok_s_per_seq']:,.1f} ({frac:.1f} %)"),
+    ]
+    if B > 1:
+        rows.append(("decode tok/s total", results["decode_tok_s_total"], hfv("decode_tok_s_total"), "rate",
+                     f"{roof['decode_tok_s_total']:,.1f} ({frac:.1f} %)"))
+    rows += [
+        ("decode step ms", results["decode_step_ms"], hfv("decode_step_ms"), "time", f"{roof['step_ms']:.3f}"),
+        ("end-to-end s", results["e2e_s"], hfv("e2e_s"), "time", None),
+    ]
+    rows += memory_rows(monitor)
+    return rows
+
+
+# ---- throughput -----------------------------------------------------------------------
+
+
+def throughput_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int):
+    """(prompts, output lengths): lengths uniform in [min_len, max_len], random ids."""
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(min_len, max_len + 1, num_seqs)
+    out_lens = rng.integers(min_len, max_len + 1, num_seqs)
+    return random_prompts(rng, in_lens, vocab), [int(n) for n in out_lens]
+
+
+def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temperature: float, seed: int) -> dict:
+    params = [
+        SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=seed + i)
+        for i, n in enumerate(out_lens)
+    ]
+    stats0 = asdict(engine.stats)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0  # generate() ends on a step's host read: synchronised
+    bad = [(o, n) for o, n in zip(outs, out_lens) if o.error or len(o.token_ids) != n]
+    if bad:
+        o, n = bad[0]
+        raise RuntimeError(f"{len(bad)} requests did not complete as asked, e.g. {o.request_id}: "
+                           f"{o.error or f'{len(o.token_ids)} tokens instead of {n}'}")
+    stats = {k: v - stats0[k] for k, v in asdict(engine.stats).items() if k != "max_decode_batch"}
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "num_requests": len(prompts),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "wall_s": wall,
+        "output_tok_s": n_out / wall,
+        "total_tok_s": (n_in + n_out) / wall,
+        "requests_s": len(prompts) / wall,
+        "engine_steps": stats["steps"],
+        "prefill_steps": stats["prefill_steps"],
+        "decode_steps": stats["decode_steps"],
+        "max_decode_batch": engine.stats.max_decode_batch,
+    }
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    if not 1 <= args.min_len <= args.max_len:
+        raise ConfigError("need 1 <= --min-len <= --max-len")
+    setup = prepare(args)
+    vocab = setup.model_config.vocab_size
+    prompts, out_lens = throughput_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+
+    hf = None
+    if args.compare_hf:
+        from agent_infer.bench.hf_baseline import hf_throughput, run_with_hf_model
+
+        k = min(args.hf_num_seqs, len(prompts))
+        new_tokens = max(1, round(sum(out_lens[:k]) / k))
+        _say(f"transformers baseline: the first {k} requests in one left-padded batch, {new_tokens} new tokens each "
+             f"(their mean output length), greedy")
+        hf = run_with_hf_model(setup.config.model, setup.device, setup.dtype,
+                               lambda m: hf_throughput(m, prompts[:k], new_tokens, log=_say))
+
+    engine, init_s = build_engine(setup)
+    try:
+        if 2 * args.max_len > engine.max_model_len:
+            raise ConfigError(f"2 x --max-len = {2 * args.max_len} exceeds max_model_len {engine.max_model_len}")
+        for i in range(args.num_warmup):
+            # Same prompt shapes, short outputs: prefill sizes and a falling decode batch
+            # are compiled/captured before the clock starts.
+            w_prompts, _ = throughput_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed + 1000 + i)
+            w_out = np.random.default_rng(args.seed + 2000 + i).integers(1, min(16, args.max_len) + 1, len(w_prompts))
+            t0 = time.perf_counter()
+            run_throughput(engine, w_prompts, [int(n) for n in w_out], args.temperature, args.seed)
+            _say(f"warm-up {i + 1}/{args.num_warmup}: {time.perf_counter() - t0:.1f} s")
+        with GpuMonitor(args.monitor_interval_ms / 1e3) as mon:
+            results = run_throughput(engine, prompts, out_lens, args.temperature, args.seed)
+        _say(f"{results['output_tokens']} output tokens in {results['wall_s']:.2f} s")
+        monitor = mon.summary()
+        payload = report_payload("throughput", args, setup, engine, init_s, results, hf, None, monitor)
+        save_json(args, payload)  # before profiling: a crash there must not lose the figures
+        # Profile at the full batch the workload reaches, prompts of the mean length.
+        batch = min(args.num_seqs, setup.config.max_num_seqs)
+        prof_prompts = random_prompts(np.random.default_rng(args.seed + 3000), [(args.min_len + args.max_len) // 2] * batch, vocab)
+        prof_params = SamplingParams(max_tokens=args.max_len, temperature=args.temperature, ignore_eos=True, seed=args.seed)
+        payload["profile"] = maybe_profile(args, engine, prof_prompts, prof_params, "throughput")
+        title = (f"throughput: {model_label(setup)}, {args.num_seqs} requests, lengths uniform in "
+                 f"[{args.min_len}, {args.max_len}], temperature {args.temperature}, {mode_label(setup)}")
+        if hf:
+            title += (f"\nHF column: transformers on the first {hf['num_requests']} requests as one batch (prompts "
+                      f"left-padded to {hf['padded_prompt_len']}, {hf['new_tokens_per_request']} new tokens each, greedy)")
+        finish(args, title, throughput_rows(results, hf, monitor), payload)
+    finally:
+        engine.shutdown()  # TP workers end with it
+    return 0
+
+
+def throughput_rows(results: dict, hf: dict | None, monitor: dict) -> list[tuple]:
+    return [
+        ("output tok/s", results["output_tok_s"], hf["output_tok_s"] if hf else None, "rate", None),
+        ("total tok/s (input + output)", results["total_tok_s"], None, "rate", None),
+        ("requests/s", results["requests_s"], None, "rate", None),
+        ("wall s", results["wall_s"], None, "time", None),
+    ] + memory_rows(monitor)
+
+
+# ---- report --------------------------------------------------------------------------
+
+
+def memory_rows(monitor: dict) -> list[tuple]:
+    rows = []
+    for g in monitor.get("gpus", []):
+        if g["peak_memory_gib"] is not None:
+            rows.append((f"peak memory GiB, gpu {g['index']} (NVML)", g["peak_memory_gib"], None, "info", None))
+    for dev, gib in monitor.get("torch_peak_allocated_gib", {}).items():
+        rows.append((f"peak torch allocated GiB, {dev}", gib, None, "info", None))
+    return rows
+
+
+def format_table(rows: list[tuple]) -> str:
+    """metric | agent-infer | HF | ratio | roofline. The ratio is how many times faster
+    agent-infer is: ours / HF for rates, HF / ours for times."""
+
+    def num(v) -> str:
+        if v is None:
+            return "-"
+        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+    table = [("metric", "agent-infer", "HF", "ratio", "roofline")]
+    for metric, ours, hf, kind, roof in rows:
+        ratio = "-"
+        if hf and ours and kind == "rate":
+            ratio = f"{ours / hf:,.2f}x"
+        elif hf and ours and kind == "time":
+            ratio = f"{hf / ours:,.2f}x"
+        table.append((metric, num(ours), num(hf), ratio, roof or "-"))
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    lines = []
+    for j, r in enumerate(table):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("| " + " | ".join(cells) + " |")
+        if j == 0:
+            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def maybe_profile(args, engine, prompts, params, tag: str) -> dict | None:
+    if not args.profile:
+        return None
+    from agent_infer.bench.profiling import profile_decode
+
+    try:
+        return profile_decode(engine, prompts, params, args.profile_steps, args.profile, tag)
+    except Exception as e:  # noqa: BLE001 - a failed trace must not lose the measured figures
+        _say(f"profiling failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def git_commit() -> dict:
+    """The checkout's commit (AGENT_INFER_GIT_COMMIT overrides, for copies without .git)."""
+    if os.environ.get("AGENT_INFER_GIT_COMMIT"):
+        return {"commit": os.environ["AGENT_INFER_GIT_COMMIT"], "dirty": None}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(["git", "-C", root, "status", "--porcelain"],
+                                capture_output=True, text=True, timeout=10)
+        return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def environment(device: torch.device) -> dict:
+    from importlib import metadata
+
+    env = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": str(device),
+    }
+    for pkg in ("transformers", "triton", "nvidia-ml-py"):
+        try:
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            env[pkg] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(cuda=torch.version.cuda, gpu_name=props.name, gpu_count=torch.cuda.device_count(),
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def _jsonable(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None), list))}
+
+
+def report_payload(kind, args, setup: Setup, engine, init_s, results, hf, roofline, monitor) -> dict:
+    from agent_infer.bench.roofline import decode_weight_params
+
+    cfg = asdict(setup.config)
+    return {
+        "benchmark": kind,
+        "command": shlex.join(sys.argv),
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git": git_commit(),
+        "environment": environment(setup.device),
+        "engine_config": cfg,
+        "bench_args": _jsonable(args),
+        "model": {
+            "path": setup.config.model,
+            "random_weights": args.random_weights,
+            "architecture": setup.model_config.architecture,
+            "dtype": str(setup.dtype).replace("torch.", ""),
+            "decode_weight_params": decode_weight_params(setup.model_config),
+            "max_model_len": engine.max_model_len,
+        },
+        "engine_init_s": init_s,
+        "results": results,
+        "hf": hf,
+        "roofline": roofline,
+        "gpu_monitor": monitor,
+        "profile": None,
+    }
+
+
+def save_json(args, payload: dict) -> None:
+    if not args.output_json:
+        return
+    folder = os.path.dirname(os.path.abspath(args.output_json))
+    os.makedirs(folder, exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+
+
+def finish(args, title: str, rows: list[tuple], payload: dict) -> None:
+    """Save the JSON (now with the profile), then print; the table last."""
+    save_json(args, payload)
+    if args.output_json:
+        _say(f"results written to {args.output_json}")
+    profile = payload.get("profile")
+    if profile:
+        from agent_infer.bench.profiling import format_profile
+
+        print("\n".join(format_profile(profile)) if "error" not in profile else f"profile: {profile['error']}")
+    print("\n".join(format_monitor(payload["gpu_monitor"])))
+    if payload.get("hf"):
+        print(f"HF: {payload['hf'].get('description', '')}")
+    print()
+    print(title)
+    print(format_table(rows))
+    sys.stdout.flush()

@@ -1,0 +1,357 @@
+"""Random checkpoints of real model shapes, so full-size benchmarks need no download.
+
+`ensure_random_model(name)` writes, once, a Hugging Face directory under
+`$AGENT_INFER_CACHE/random/NAME` (default `~/.cache/agent-infer/random/NAME`):
+config.json (the classic transformers 4.x layout, which 5.x converts on load),
+generation_config.json, bf16 safetensors shards of at most ~4 GB with
+model.safetensors.index.json, and, when given, a tokenizer's files.
+
+The shards are written by hand (the safetensors format is an 8-byte header length, a
+JSON header and the raw bytes), one tensor at a time, so the host never holds more
+than one tensor: the 16 GB of Qwen3-8B stream through a few hundred MB of memory.
+Tensors are drawn on the GPU when one is present (fast), on the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from agent_infer.config import ConfigError
+from agent_infer.loader.default_model import cache_root
+
+SHARD_BYTES = 4 * 10**9  # like HF's "4GB" shards
+STD = 0.02  # normal std of weight matrices (the usual initializer_range)
+NORM_NOISE = 0.02  # norm weights are 1 +- this, uniform
+_DONE = ".agent-infer-random.json"  # written last: its presence means the directory is complete
+_FORMAT = 1  # bump when the layout written here changes, so old caches are rewritten
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+)
+
+
+@dataclass(frozen=True)
+class RandomPreset:
+    """The shape of a dense decoder checkpoint (Llama / Qwen2 / Qwen3 layout)."""
+
+    architecture: str
+    model_type: str  # llama | qwen2 | qwen3
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int
+    eos_token_id: int
+    rope_scaling: dict | None = field(default=None, hash=False)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2"  # Qwen2 always has q/k/v biases
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+
+PRESETS: dict[str, RandomPreset] = {
+    "qwen3-8b": RandomPreset(
+        "Qwen3ForCausalLM", "qwen3", hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+        num_kv_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-0.6b": RandomPreset(
+        "Qwen3ForCausalLM", "qwen3", hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+        num_kv_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "llama3-8b": RandomPreset(
+        "LlamaForCausalLM", "llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen2-7b": RandomPreset(
+        "Qwen2ForCausalLM", "qwen2", hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
+    ),
+    # A few MB, for tests. The vocabulary is SmolLM2's (49152) so the copied tokenizer's
+    # ids are all valid and text prompts work too.
+    "tiny": RandomPreset(
+        "Qwen3ForCausalLM", "qwen3", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=4096, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def get_preset(name: str) -> RandomPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown --random-weights preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def random_model_dir(name: str) -> str:
+    return os.path.join(cache_root(), "random", name)
+
+
+# ---- what the checkpoint holds --------------------------------------------------------
+
+
+def tensor_shapes(p: RandomPreset) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint in file order, with HF names."""
+    h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (p.vocab_size, h))]
+    for i in range(p.num_layers):
+        pre = f"model.layers.{i}."
+        out += [
+            (pre + "input_layernorm.weight", (h,)),
+            (pre + "self_attn.q_proj.weight", (q, h)),
+            (pre + "self_attn.k_proj.weight", (kv, h)),
+            (pre + "self_attn.v_proj.weight", (kv, h)),
+        ]
+        if p.qkv_bias:
+            out += [(pre + "self_attn.q_proj.bias", (q,)), (pre + "self_attn.k_proj.bias", (kv,)),
+                    (pre + "self_attn.v_proj.bias", (kv,))]
+        if p.qk_norm:
+            out += [(pre + "self_attn.q_norm.weight", (p.head_dim,)), (pre + "self_attn.k_norm.weight", (p.head_dim,))]
+        out += [
+            (pre + "self_attn.o_proj.weight", (h, q)),
+            (pre + "post_attention_layernorm.weight", (h,)),
+            (pre + "mlp.gate_proj.weight", (p.intermediate_size, h)),
+            (pre + "mlp.up_proj.weight", (p.intermediate_size, h)),
+            (pre + "mlp.down_proj.weight", (h, p.intermediate_size)),
+        ]
+    out.append(("model.norm.weight", (h,)))
+    if not p.tie_word_embeddings:
+        out.append(("lm_head.weight", (p.vocab_size, h)))
+    return out
+
+
+def checkpoint_bytes(p: RandomPreset) -> int:
+    return sum(math.prod(s) * 2 for _, s in tensor_shapes(p))  # bf16
+
+
+def plan_shards(
+    shapes: list[tuple[str, tuple[int, ...]]], max_bytes: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy split in file order; a tensor bigger than max_bytes gets a shard of its own."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        n = math.prod(shape) * 2
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    return shards
+
+
+def hf_config(p: RandomPreset) -> dict:
+    """config.json in the layout both transformers 4.x (rope_theta + rope_scaling) and 5.x
+    (which converts those into rope_parameters) read."""
+    cfg = {
+        "architectures": [p.architecture],
+        "model_type": p.model_type,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "vocab_size": p.vocab_size,
+        "max_position_embeddings": p.max_position_embeddings,
+        "rope_theta": p.rope_theta,
+        "rms_norm_eps": p.rms_norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": STD,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "bos_token_id": p.bos_token_id,
+        "eos_token_id": p.eos_token_id,
+    }
+    if p.rope_scaling is not None:
+        cfg["rope_scaling"] = dict(p.rope_scaling)
+    if p.model_type in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if p.model_type == "llama":
+        cfg["mlp_bias"] = False
+    if p.model_type in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False
+        cfg["max_window_layers"] = p.num_layers
+    return cfg
+
+
+def write_config(p: RandomPreset, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(p), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": p.bos_token_id, "eos_token_id": p.eos_token_id, "do_sample": False}, f, indent=2)
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+
+def _generator_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    """bf16: norm weights 1 +- NORM_NOISE, everything else N(0, STD). Seeded per tensor, so
+    the same preset and seed give the same bytes whichever order tensors are drawn in."""
+    g = torch.Generator(device=device)
+    g.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # 32 bits: all the CPU generator uses
+    t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    if name.endswith("norm.weight"):
+        return t.uniform_(1.0 - NORM_NOISE, 1.0 + NORM_NOISE, generator=g)
+    return t.normal_(0.0, STD, generator=g)
+
+
+def write_safetensors(
+    path: str, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str, tuple[int, ...]], torch.Tensor]
+) -> None:
+    """A bf16 safetensors file, tensor by tensor: the header is known from the shapes alone."""
+    header: dict = {}
+    offset = 0
+    for name, shape in entries:
+        n = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape in entries:
+            t = make(name, shape)
+            if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(shape):
+                raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, header says bf16 {shape}")
+            data = t.contiguous().cpu().view(torch.uint8).numpy()  # little-endian raw bytes
+            f.write(memoryview(data).cast("B"))
+            del t, data
+
+
+def _check_disk(folder: str, needed: int, name: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    margin = 64 * 2**20
+    if free < needed + margin:
+        raise ConfigError(
+            f"--random-weights {name} needs {needed / 1e9:.1f} GB of disk in {folder} but only "
+            f"{free / 1e9:.1f} GB is free; free some space or point AGENT_INFER_CACHE at a larger disk"
+        )
+
+
+def _copy_tokenizer(src: str, dst: str) -> list[str]:
+    copied = []
+    for fname in _TOKENIZER_FILES:
+        path = os.path.join(src, fname)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, fname))
+            copied.append(fname)
+    return copied
+
+
+def _provenance(name: str, p: RandomPreset, seed: int) -> dict:
+    return {"format": _FORMAT, "preset": name, "seed": seed, "std": STD, "norm_noise": NORM_NOISE, "shape": asdict(p)}
+
+
+def random_model_ready(name: str, seed: int = 0) -> bool:
+    """True when the cache holds NAME written with the current preset and seed."""
+    done = os.path.join(random_model_dir(name), _DONE)
+    if not os.path.isfile(done):
+        return False
+    with open(done) as f:
+        return json.load(f) == _provenance(name, get_preset(name), seed)
+
+
+def ensure_random_model(
+    name: str,
+    seed: int = 0,
+    tokenizer_from: str | None = None,
+    max_shard_bytes: int = SHARD_BYTES,
+    device: torch.device | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
+    """Path of the random checkpoint NAME, writing it first when it is missing or stale."""
+    preset = get_preset(name)
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    target = random_model_dir(name)
+    want = _provenance(name, preset, seed)
+    done = os.path.join(target, _DONE)
+    if random_model_ready(name, seed):
+        return target
+    if os.path.exists(target):
+        say(f"agent-infer: {target} is incomplete or was written with other settings; rewriting it")
+        shutil.rmtree(target)
+    parent = os.path.dirname(target)
+    total = checkpoint_bytes(preset)
+    _check_disk(parent, total, name)
+    device = device or _generator_device()
+    say(f"agent-infer: writing random {name} weights ({total / 1e9:.2f} GB bf16, drawn on {device.type}) "
+        f"into {target} (once)...")
+    work = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    try:
+        _write_all(preset, work, seed, max_shard_bytes, device, say)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the engine sizes its KV cache from free memory next
+        if tokenizer_from:
+            copied = _copy_tokenizer(tokenizer_from, work)
+            say(f"agent-infer: tokenizer files from {tokenizer_from}: {', '.join(copied) or 'none found'}")
+        with open(os.path.join(work, _DONE), "w") as f:
+            json.dump(want, f, indent=2)
+        try:
+            os.rename(work, target)
+        except OSError:
+            # Another process finished first; its copy is as good as ours.
+            if not os.path.isfile(done):
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    say("agent-infer: random checkpoint ready.")
+    return target
+
+
+def _write_all(
+    p: RandomPreset, out_dir: str, seed: int, max_shard_bytes: int, device: torch.device, say: Callable[[str], None]
+) -> None:
+    write_config(p, out_dir)
+    shards = plan_shards(tensor_shapes(p), max_shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, entries in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fname), entries, lambda nm, sh: random_tensor(nm, sh, seed, device))
+        for nm, sh in entries:
+            weight_map[nm] = fname
+            total += math.prod(sh) * 2
+        if n > 1:
+            say(f"agent-infer:   shard {i}/{n} written")
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,34 @@
+"""The Triton attention backend: same contract as `TorchAttentionBackend` in
+`agent_infer/layers/attention.py` (store this step's K/V, then attend over the cache).
+
+Prefill uses the ragged paged kernel (its grid uses the host's max_query_len). Decode
+uses the split-K kernel, whose launch depends on shapes only, so it can be captured in
+a CUDA graph and replayed with new context lengths and block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent_infer.engine.forward_context import AttentionMetadata
+from agent_infer.kernels.triton.decode_attention import decode_attention
+from agent_infer.kernels.triton.kv_store import store_kv
+from agent_infer.kernels.triton.prefill_attention import prefill_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    @staticmethod
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; caches [blocks, block_size, Hkv, D]."""
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                meta.max_query_len, scale,
+            )
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

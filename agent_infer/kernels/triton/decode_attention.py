@@ -1,0 +1,189 @@
+"""Paged GQA decode attention with split-K ("flash decoding"), CUDA-graph safe.
+
+Grid (batch, KV heads, splits). The split count S is fixed by the shapes only (batch,
+KV heads, SM count), never by context lengths, so one captured graph replays correctly
+for any lengths and block tables written into its static inputs. Each program takes the
+whole GQA group of one KV head as the M rows of its dots, so K/V are read once per KV
+head, and handles the S-th share of its sequence's context (computed in the kernel from
+context_lens, rounded to key tiles); shares past the end are empty. Partials (normalised
+output + log2-sum-exp) go to fp32 scratch that a second kernel merges. With S == 1 the
+first kernel writes the output directly.
+
+Scratch is allocated per call from shapes alone: under CUDA-graph capture the caching
+allocator hands out the same addresses on every replay. A context length of 0 (a padding
+row of a graph batch) yields zeros, not NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
+from agent_infer.kernels.triton.utils import dot_precision, num_sms
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr,
+    sqb, sqh, sob, soh,
+    kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
+    num_heads, group, head_dim, num_splits, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < group
+    heads = kv_head * group + g
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    table_row_ptr = table_ptr + seq * s_table
+    k_base = k_cache_ptr + kv_head * kc_h
+    v_base = v_cache_ptr + kv_head * vc_h
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
+        slot = (kpos % BLOCK_SIZE).to(tl.int64)
+        k_offs = block * kc_b + slot * kc_s
+        v_offs = block * vc_b + slot * vc_s
+        tile_mask = kmask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + k_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(v_base + v_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + seq * sob + heads[:, None] * soh + d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, D], part_lse [B, H, S]
+        tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    sob, soh, num_heads, head_dim, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    row = (seq * num_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(w, axis=0)
+    o = tl.load(part_o_ptr + row[:, None] * head_dim + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * sob + head * soh + d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): about two programs per SM in all, from static
+    shapes only."""
+    target = 2 * num_sms(device)
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, batch * num_kv_heads))))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per inner step (split shares are rounded to it)
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """benchmarks/gpu_kernels.py sweeps alternatives."""
+    if dtype == torch.float32 or head_dim > 128:
+        return DecodeConfig(32, 4, 2)
+    return DecodeConfig(64, 4, 3)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
+
+    Sequence b attends to its context_lens[b] cached tokens under block_tables[b]. Reads
+    no device value on the host. `num_splits` overrides the shape-derived split count and
+    `config` the tile configuration.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert block_tables.shape[0] == batch and context_lens.shape[0] == batch
+    assert k_cache.dtype == q.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    block_d = check_head_dim(head_dim)
+    group = num_heads // num_kv_heads
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
+    cfg = config or default_config(head_dim, q.dtype)
+    direct = splits == 1
+    if direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        num_heads, group, head_dim, splits, scale * _LOG2E,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d, DIRECT=direct, PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _decode_combine_kernel[(batch, num_heads)](
+            part_o, part_lse, out,
+            out.stride(0), out.stride(1), num_heads, head_dim, splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out

@@ -1,0 +1,146 @@
+"""Skinny GEMM for decode: y = x W^T (+ b) for x [M, K] with M <= 16, W [N, K].
+
+At these M the cost is reading W once, so the kernel is built to stream it: each program
+owns BLOCK_N output columns and one K range, loading [BLOCK_N, BLOCK_K] weight tiles
+with wide contiguous loads. When N alone gives too few programs to keep every SM's
+loads in flight, K is split too; the partial sums go to an fp32 scratch [S, M, N] that a
+second small kernel adds up (deterministic, no atomics, no zero-fill).
+
+M == 1 uses plain FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the
+end; M > 1 uses tl.dot on a 16-row padded x tile. The reference is F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.utils import dot_precision, num_sms
+
+MAX_M = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    use_dot: bool = False  # tl.dot on 16 padded rows; required when M > 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, sxm, swn, som, k_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
+    x_rows = x_ptr + m[:, None] * sxm
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = kk < k_hi
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+        else:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
+    if not USE_DOT:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(part, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, som, splits,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    """A starting point; benchmarks/gpu_kernels.py sweeps alternatives."""
+    if m == 1:
+        block_n, block_k, use_dot = 16, 512, False
+    else:
+        block_n, block_k, use_dot = 64, 128, True
+    tiles = triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = max(1, min(triton.cdiv(4 * num_sms(device), tiles), k_tiles // 4 or 1))
+    return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=use_dot)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
+    assert 1 <= m <= MAX_M, f"gemv handles 1..{MAX_M} rows, got {m}"
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    cfg = config or default_config(m, n, k, x.device)
+    if m > 1 and not cfg.use_dot:
+        raise ValueError("the FMA path handles M == 1 only; use_dot=True for M > 1")
+    assert triton.next_power_of_2(cfg.block_k) == cfg.block_k and triton.next_power_of_2(cfg.block_n) == cfg.block_n
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    split = max(1, min(cfg.split_k, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty splits
+    even_k = k % cfg.block_k == 0
+    block_m = 16 if cfg.use_dot else 1
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    has_bias = bias is not None
+    b = bias if has_bias else out
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, b, out, part,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, b, out, m, n, out.stride(0), split,
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
+    return out

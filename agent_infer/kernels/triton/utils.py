@@ -1,0 +1,49 @@
+"""Shape and launch helpers shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# What an H200/H100 has; used when the tensors are not on a GPU (Triton's interpreter).
+DEFAULT_NUM_SMS = 132
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`: a static property, so launch grids derived
+    from it stay fixed from call to call (CUDA-graph safe)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise go through TF32 on the tensor cores (10-bit mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """A [A, B, N] view of x [..., N] whose last dim is contiguous, so a kernel can address
+    row r at (r // B) * stride(0) + (r % B) * stride(1) without a copy (this covers
+    contiguous tensors and per-head views into a merged QKV output). None when no such
+    view exists; the caller then works on a contiguous copy."""
+    if x.dim() == 0:
+        return None
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return None
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, *x.shape[-2:])
+    except RuntimeError:
+        return None

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one server, in a registry of its own (never the process-global
+default registry, so several apps in one process — tests — do not collide).
+
+Two sources:
+* the engine's own counters and gauges (requests running/waiting, KV blocks, prefix-
+  cache lookups, tokens) are read from the AsyncEngine's latest snapshot at scrape
+  time, so they cannot drift from the engine;
+* latencies, batch sizes and request outcomes are observed as they happen, through the
+  AsyncEngine's observer hooks (called on the engine thread; prometheus_client's
+  metric objects are thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agent_infer.engine.async_engine import AsyncEngine, EngineObserver, StepInfo
+
+PREFIX = "agent_infer_"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class _EngineCollector(Collector):
+    """Exports the engine snapshot as it is at scrape time."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def describe(self):
+        return []  # values come from the snapshot; nothing to check at registration
+
+    def collect(self):
+        s = self.engine.snapshot
+        yield _gauge("num_requests_running", "Requests holding KV blocks (prefilling or decoding).", s.num_running)
+        yield _gauge("num_requests_waiting", "Requests queued in the scheduler, not yet admitted.", s.num_waiting)
+        yield _gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use (prefix-cached free blocks count as free).",
+                     s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0)
+        yield _gauge("kv_cache_used_blocks", "KV blocks held by requests.", s.num_used_blocks)
+        yield _gauge("kv_cache_total_blocks", "KV blocks in the pool.", s.num_blocks)
+        yield _gauge("engine_healthy", "1 while the engine loop runs.", 1.0 if self.engine.is_running else 0.0)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield _counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens)
+        yield _counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield _counter("engine_steps", "Engine steps run.", s.steps)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Submit to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of one request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submit to finish, per request.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.decode_batch = Histogram(PREFIX + "decode_batch_size", "Sequences decoded together in one step.",
+                                      buckets=_BATCH_BUCKETS, registry=r)
+        self.prefill_batch = Histogram(PREFIX + "prefill_batch_sequences",
+                                       "Sequences that finished their prompt together in one prefill step.",
+                                       buckets=_BATCH_BUCKETS, registry=r)
+        self.prefill_tokens = Histogram(PREFIX + "prefill_batch_tokens", "Prompt tokens computed in one prefill step.",
+                                        buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_seconds = Histogram(PREFIX + "step_seconds", "Wall time of one engine step.", ["phase"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests_received = Counter(PREFIX + "requests_received", "Engine requests accepted (one per choice).",
+                                         registry=r)
+        self.requests_finished = Counter(PREFIX + "requests_finished", "Engine requests ended, by outcome.",
+                                         ["finish_reason"], registry=r)
+        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt length per request.",
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Tokens generated per request.",
+                                                   buckets=_TOKEN_BUCKETS, registry=r)
+        self.http_errors = Counter(PREFIX + "http_errors", "Error responses sent, by status code.", ["status"],
+                                   registry=r)
+        r.register(_EngineCollector(engine))
+        engine.add_observer(self)
+
+    # ---- engine observer (engine thread) --------------------------------------------
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.is_prefill:
+            self.prefill_tokens.observe(info.num_tokens)
+            if info.num_seqs:
+                self.prefill_batch.observe(info.num_seqs)
+            self.step_seconds.labels("prefill").observe(info.seconds)
+        else:
+            self.decode_batch.observe(info.num_seqs)
+            self.step_seconds.labels("decode").observe(info.seconds)
+
+    def on_request_submitted(self, count: int) -> None:
+        self.requests_received.inc(count)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_request_finished(self, reason: str, seconds: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.requests_finished.labels(reason).inc()
+        if reason in ("stop", "length", "abort"):
+            self.e2e.observe(seconds)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_output_tokens)
+
+    # ---- HTTP side ---------------------------------------------------------------------
+
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,701 @@
+"""OpenAI-compatible HTTP API over an AsyncEngine (FastAPI + any ASGI server).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+
+Every error is OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for
+bad input, 404 for an unknown model or route, 503 + Retry-After when the waiting queue
+is full, 500 (with no internals) when something broke. Request bodies are parsed here,
+not by FastAPI, so that invalid UTF-8, invalid JSON and wrong types all get that shape.
+
+One HTTP request becomes one RequestGroup: `n` engine requests per prompt, sharing the
+prompt (the prefix cache makes the copies cheap). If the client goes away, the group is
+aborted and its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Awaitable, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agent_infer.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineFailedError,
+    EngineRequest,
+    QueueFullError,
+    RequestGroup,
+    RequestRejectedError,
+)
+from agent_infer.engine.outputs import RequestOutput, TokenLogprob
+from agent_infer.loader.tokenizer import ChatFormatter
+from agent_infer.sampling_params import SamplingParams, SamplingParamsError
+from agent_infer.server import protocol as P
+from agent_infer.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Keys the chat template call sets itself; passing them through would change what
+# apply_chat_template returns, not what the template renders.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+     "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+)
+# Logprobs of masked tokens are -inf, which JSON cannot carry; OpenAI clients expect numbers.
+_MIN_LOGPROB = -9999.0
+_DISCONNECTED = 499  # nginx's "client closed request"; nobody reads it
+
+
+class ApiError(Exception):
+    """An error to send to the client as OpenAI's error JSON."""
+
+    _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+              413: "invalid_request_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or self._TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        info = P.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return P.ErrorResponse(error=info).model_dump()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    retry_after_s: int = 1  # Retry-After on 503 when the queue is full
+    max_body_bytes: int = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    text: str | None  # None when the client sent token ids
+    ids: list[int]
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    *,
+    retry_after_s: int = 1,
+    max_body_bytes: int = 32 * 2**20,
+    manage_engine: bool = True,
+) -> FastAPI:
+    """The FastAPI app. With `manage_engine`, the app's lifespan starts the engine loop
+    and shuts it down (bounded) when the server stops."""
+    metrics = ServerMetrics(async_engine)
+    serving = OpenAIServing(async_engine, ServerConfig(served_model_name, retry_after_s, max_body_bytes), metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            async_engine.start()
+        yield
+        if manage_engine:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="agent-infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    app.add_api_route("/v1/completions", _guarded(serving.completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _guarded(serving.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/models", _guarded(serving.models), methods=["GET"])
+    app.add_api_route("/health", _guarded(serving.health), methods=["GET"])
+    app.add_api_route("/metrics", _guarded(serving.metrics_text), methods=["GET"])
+    app.add_api_route("/tokenize", _guarded(serving.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", _guarded(serving.detokenize), methods=["POST"])
+
+    def send_error(err: ApiError) -> JSONResponse:
+        metrics.count_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return send_error(exc)
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+        return send_error(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                                   headers=getattr(exc, "headers", None)))
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return send_error(ApiError(400, "invalid request", code="invalid_value"))
+
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Last resort (endpoints are _guarded): Starlette logs the traceback server side
+        # and then re-raises; the client learns nothing internal.
+        return send_error(ApiError(500, "internal server error", code="internal_error"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_internal_error)
+    return app
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ---- endpoints -----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = await self._parse(request, P.CompletionRequest)
+        self._check_model(req.model)
+        self._check_stream_options(req)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo together with logprobs is not supported: prompt logprobs are not computed",
+                           param="echo", code="unsupported")
+        prompts = self._completion_prompts(req)
+        for p in prompts:
+            self._check_length(len(p.ids), req.max_tokens, "prompt")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        group = self._submit(self._fan_out(prompts, params, req.n, rid, req.stream))
+        view = _CompletionView(self, req, rid, int(time.time()), prompts)
+        if req.stream:
+            return _sse_response(view.stream(group), group)
+        finals = await self._collect_unless_disconnected(request, group)
+        if finals is None:
+            return Response(status_code=_DISCONNECTED)
+        return _json(view.response(finals))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, P.ChatCompletionRequest)
+        self._check_model(req.model)
+        self._check_stream_options(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
+        ids = self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        max_tokens = req.resolved_max_tokens
+        self._check_length(len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        group = self._submit(self._fan_out([_Prompt(None, ids)], params, req.n, rid, req.stream))
+        view = _ChatView(self, req, rid, int(time.time()), len(ids))
+        if req.stream:
+            return _sse_response(view.stream(group), group)
+        finals = await self._collect_unless_disconnected(request, group)
+        if finals is None:
+            return Response(status_code=_DISCONNECTED)
+        return _json(view.response(finals))
+
+    async def models(self) -> Response:
+        card = P.ModelCard(id=self.config.served_model_name, created=self.created, root=self.engine.model_path,
+                           max_model_len=self.engine.max_model_len)
+        return _json(P.ModelList(data=[card]))
+
+    async def health(self) -> Response:
+        if not self.engine.is_running:
+            reason = self.engine.dead_reason or "the engine is not running"
+            raise ApiError(503, reason, code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def tokenize(self, request: Request) -> Response:
+        req = await self._parse(request, P.TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
+        if req.prompt is not None:
+            ids = self._encode(req.prompt, req.add_special_tokens, "prompt")
+        else:
+            if not req.messages:
+                raise ApiError(400, "'messages' is empty", param="messages", code="invalid_value")
+            ids = self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return _json(P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await self._parse(request, P.DetokenizeRequest)
+        self._check_model(req.model)
+        self._check_token_ids(req.tokens, "tokens")
+        return _json(P.DetokenizeResponse(prompt=self._require_tokenizer().decode(req.tokens)))
+
+    # ---- request parsing -------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        body = await self._read_body(request)
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})",
+                           code="invalid_encoding") from None
+        try:
+            obj = json.loads(text, parse_constant=_reject_json_constant)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+                           code="invalid_json") from None
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(obj)
+        except ValidationError as e:
+            message, param = P.describe_validation_error(model, e)
+            raise ApiError(400, message, param=param, code="invalid_value") from None
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise ApiError(404, f"The model `{name}` does not exist. This server serves `{self.config.served_model_name}`.",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def _check_stream_options(req: P._SamplingFields) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options is only allowed together with stream=true", param="stream_options",
+                           code="invalid_value")
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids instead of text", code="no_tokenizer")
+        return self.tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"'{param}' contains an unpaired UTF-16 surrogate", param=param,
+                           code="invalid_value") from None
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:3]}", param=param, code="invalid_value")
+
+    def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self._encode(item, req.add_special_tokens, "prompt") if item else []
+                prompt = _Prompt(item, ids)
+            else:
+                self._check_token_ids(item, "prompt")
+                prompt = _Prompt(None, list(item))
+            if not prompt.ids:
+                raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            prompts.append(prompt)
+        return prompts
+
+    def _chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                         template_kwargs: dict | None) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs",
+                           code="invalid_value")
+        try:
+            text = ChatFormatter(tokenizer).render([m.as_template_message() for m in messages],
+                                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages",
+                           code="invalid_value") from None
+        except ValueError as e:  # no chat template
+            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+        # The template already carries any BOS: do not add special tokens again.
+        ids = self._encode(text, False, "messages")
+        if not ids:
+            raise ApiError(400, "the rendered chat prompt is empty", param="messages", code="invalid_value")
+        return ids
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{num_prompt} tokens, which leaves no room for the completion. Shorten the prompt.",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                                f"completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    @staticmethod
+    def _sampling_params(req: P._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except SamplingParamsError as e:
+            raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+
+    # ---- running requests --------------------------------------------------------------------
+
+    def _fan_out(self, prompts: list[_Prompt], params: SamplingParams, n: int, rid: str,
+                 stream: bool) -> list[EngineRequest]:
+        """`n` engine requests per prompt; choice k = prompt_index * n + j. With a seed,
+        choice j samples with seed + j: reproducible, and distinct across choices."""
+        total = len(prompts) * n
+        if total > self.engine.config.max_waiting:
+            raise ApiError(400, f"the request asks for {total} completions but the server queues at most "
+                                f"{self.engine.config.max_waiting}", param="n", code="invalid_value")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                sp = params if params.seed is None else replace(params, seed=(params.seed + j) % 2**63)
+                requests.append(EngineRequest(prompt.ids, sp, prompt.text, f"{rid}-{i * n + j}", stream))
+        return requests
+
+    def _submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        try:
+            return self.engine.submit(requests)
+        except QueueFullError as e:
+            raise ApiError(503, str(e), code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except EngineDeadError as e:
+            raise ApiError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
+
+    async def _collect(self, group: RequestGroup) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(group.request_ids)
+        try:
+            async with group:
+                async for k, out in group:
+                    if out.finished:
+                        finals[k] = out
+        except Exception as e:
+            raise _engine_error(e) from None
+        return finals  # type: ignore[return-value]
+
+    async def _collect_unless_disconnected(self, request: Request, group: RequestGroup) -> list[RequestOutput] | None:
+        """Collect a non-streaming result; None if the client went away first (the group
+        is then aborted, freeing its blocks)."""
+        return await _unless_disconnected(request, self._collect(group))
+
+    # ---- output helpers ---------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+            self._token_text[token_id] = text
+        return text
+
+    def prompt_text(self, prompt: _Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.ids) if self.tokenizer is not None else ""
+
+
+# ---- response builders (one per endpoint) -----------------------------------------------------
+
+
+class _CompletionView:
+    """Builds /v1/completions responses and stream chunks for one request."""
+
+    def __init__(self, serving: OpenAIServing, req: P.CompletionRequest, rid: str, created: int, prompts: list[_Prompt]):
+        self.s = serving
+        self.req = req
+        self.rid = rid
+        self.created = created
+        self.prompts = prompts
+        self.model = serving.config.served_model_name
+
+    def _prompt_of(self, k: int) -> _Prompt:
+        return self.prompts[k // self.req.n]
+
+    def _usage(self, completion_tokens: int) -> P.Usage:
+        prompt_tokens = sum(len(p.ids) for p in self.prompts)
+        return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       total_tokens=prompt_tokens + completion_tokens)
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        for lp in lps:
+            text = self.s.token_text(lp.token_id)
+            top = {self.s.token_text(t): _finite(v) for t, v in lp.top}
+            top.setdefault(text, _finite(lp.logprob))
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(lp.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def response(self, finals: list[RequestOutput]) -> P.CompletionResponse:
+        choices = []
+        for k, out in enumerate(finals):
+            prefix = self.s.prompt_text(self._prompt_of(k)) if self.req.echo else ""
+            logprobs = self._logprobs(out.logprobs, len(prefix)) if self.req.logprobs is not None and out.logprobs is not None else None
+            choices.append(P.CompletionChoice(index=k, text=prefix + out.text, logprobs=logprobs,
+                                              finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        return P.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                    usage=self._usage(sum(len(o.token_ids) for o in finals)))
+
+    def _chunk(self, choice: P.CompletionChoice | None, usage: P.Usage | None = None) -> str:
+        return _sse(P.CompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                      choices=[choice] if choice else [], usage=usage))
+
+    async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        total = len(group.request_ids)
+        sent_logprobs = [0] * total
+        offsets = [0] * total
+        num_tokens = [0] * total
+        try:
+            async with group:
+                if self.req.echo:
+                    for k in range(total):
+                        text = self.s.prompt_text(self._prompt_of(k))
+                        offsets[k] = len(text)
+                        yield self._chunk(P.CompletionChoice(index=k, text=text))
+                while batch := await group.next_batch():
+                    events = []
+                    for k, text, out in _coalesce(batch):
+                        num_tokens[k] = len(out.token_ids)
+                        logprobs = None
+                        if self.req.logprobs is not None and out.logprobs is not None:
+                            new = out.logprobs[sent_logprobs[k]:]
+                            sent_logprobs[k] = len(out.logprobs)
+                            logprobs = self._logprobs(new, offsets[k])
+                            offsets[k] += sum(len(t) for t in logprobs.tokens)
+                        if not (text or out.finished or (logprobs and logprobs.tokens)):
+                            continue  # text held back (partial character or possible stop string)
+                        events.append(self._chunk(P.CompletionChoice(
+                            index=k, text=text, logprobs=logprobs,
+                            finish_reason=out.finish_reason if out.finished else None,
+                            stop_reason=out.stop_reason if out.finished else None)))
+                    if events:
+                        yield "".join(events)
+            if self.req.include_usage:
+                yield self._chunk(None, self._usage(sum(num_tokens)))
+        except Exception as e:
+            yield _sse_error(e)
+        yield "data: [DONE]\n\n"
+
+
+class _ChatView:
+    """Builds /v1/chat/completions responses and stream chunks for one request."""
+
+    def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, rid: str, created: int, num_prompt: int):
+        self.s = serving
+        self.req = req
+        self.rid = rid
+        self.created = created
+        self.num_prompt = num_prompt
+        self.model = serving.config.served_model_name
+
+    def _usage(self, completion_tokens: int) -> P.Usage:
+        return P.Usage(prompt_tokens=self.num_prompt, completion_tokens=completion_tokens,
+                       total_tokens=self.num_prompt + completion_tokens)
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> P.ChatLogprobs:
+        content = []
+        for lp in lps:
+            text = self.s.token_text(lp.token_id)
+            top = [P.TopLogprob(token=self.s.token_text(t), logprob=_finite(v),
+                                bytes=list(self.s.token_text(t).encode("utf-8"))) for t, v in lp.top]
+            content.append(P.ChatTokenLogprob(token=text, logprob=_finite(lp.logprob),
+                                              bytes=list(text.encode("utf-8")), top_logprobs=top))
+        return P.ChatLogprobs(content=content)
+
+    def response(self, finals: list[RequestOutput]) -> P.ChatCompletionResponse:
+        choices = [
+            P.ChatChoice(index=k, message=P.ChatResponseMessage(content=out.text),
+                         logprobs=self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs is not None else None,
+                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            for k, out in enumerate(finals)
+        ]
+        return P.ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                        usage=self._usage(sum(len(o.token_ids) for o in finals)))
+
+    def _chunk(self, choice: P.ChatChunkChoice | None, usage: P.Usage | None = None) -> str:
+        return _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                          choices=[choice] if choice else [], usage=usage))
+
+    async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        total = len(group.request_ids)
+        sent_logprobs = [0] * total
+        num_tokens = [0] * total
+        try:
+            async with group:
+                for k in range(total):  # OpenAI's first chunk of each choice carries the role
+                    yield self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(role="assistant", content="")))
+                while batch := await group.next_batch():
+                    events = []
+                    for k, text, out in _coalesce(batch):
+                        num_tokens[k] = len(out.token_ids)
+                        logprobs = None
+                        if self.req.logprobs and out.logprobs is not None and len(out.logprobs) > sent_logprobs[k]:
+                            logprobs = self._logprobs(out.logprobs[sent_logprobs[k]:])
+                            sent_logprobs[k] = len(out.logprobs)
+                        if not (text or out.finished or logprobs):
+                            continue
+                        events.append(self._chunk(P.ChatChunkChoice(
+                            index=k, delta=P.ChatDelta(content=text) if text else P.ChatDelta(), logprobs=logprobs,
+                            finish_reason=out.finish_reason if out.finished else None,
+                            stop_reason=out.stop_reason if out.finished else None)))
+                    if events:
+                        yield "".join(events)
+            if self.req.include_usage:
+                yield self._chunk(None, self._usage(sum(num_tokens)))
+        except Exception as e:
+            yield _sse_error(e)
+        yield "data: [DONE]\n\n"
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+
+
+def _guarded(endpoint):
+    """Turn an unexpected exception of an endpoint into a logged, bare 500 ApiError (the
+    traceback goes to the server log, never to the client)."""
+
+    @functools.wraps(endpoint)
+    async def guarded(*args, **kwargs):
+        try:
+            return await endpoint(*args, **kwargs)
+        except (ApiError, StarletteHTTPException):
+            raise
+        except Exception:
+            log.exception("%s failed", endpoint.__name__)
+            raise ApiError(500, "internal server error", code="internal_error") from None
+
+    return guarded
+
+
+def _engine_error(e: Exception) -> ApiError:
+    """The ApiError for an exception raised while a request group runs."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestRejectedError):
+        return ApiError(400, str(e), param="prompt", code="context_length_exceeded")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, f"the engine is not available: {e}", code="engine_unavailable")
+    if isinstance(e, EngineFailedError):
+        return ApiError(500, str(e), code="engine_error")
+    log.error("request failed", exc_info=e)
+    return ApiError(500, "internal server error", code="internal_error")
+
+
+def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, str, RequestOutput]]:
+    """Merge the outputs of one choice that queued up while the client was being written
+    to: (index, all their delta text, the latest output). One chunk per choice instead of
+    one per token keeps a slow connection from falling further behind."""
+    merged: dict[int, list] = {}
+    for k, out in batch:
+        if k in merged:
+            merged[k][0] += out.delta_text
+            merged[k][1] = out
+        else:
+            merged[k] = [out.delta_text, out]
+    return [(k, text, out) for k, (text, out) in merged.items()]
+
+
+def _sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def _sse_error(e: Exception) -> str:
+    """An error inside a stream that has already sent its headers: one error event."""
+    return f"data: {json.dumps(_engine_error(e).body())}\n\n"
+
+
+def _sse_response(body: AsyncIterator[str], group: RequestGroup) -> StreamingResponse:
+    async def abort_leftovers() -> None:
+        # Runs once the response is over, also when the client disconnected before the
+        # body generator ever started (then its own `async with group` never ran).
+        group.abort()
+
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(abort_leftovers))
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB  # also maps -inf and NaN
+
+
+def _reject_json_constant(name: str):
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the next ASGI
+    message is the disconnect. A server that cannot tell us (receive() fails) is
+    treated as "never": the request then simply runs to its end."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    except Exception:
+        log.debug("cannot watch for client disconnects", exc_info=True)
+    await asyncio.Event().wait()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it (and returning None) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None

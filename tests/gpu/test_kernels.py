@@ -1,0 +1,187 @@
+"""The Triton kernels on CUDA at Qwen3-8B sizes (hidden 4096, 32 heads, 8 KV heads,
+head_dim 128, intermediate 12288), in bf16, fp16 and fp32, against the references; and
+decode attention captured in a CUDA graph, replayed with new lengths and block tables.
+
+Run on the GPU machine: python -m pytest -q tests/gpu/test_kernels.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent_infer.engine.forward_context import AttentionMetadata
+from agent_infer.kernels import reference
+from tests import kernel_checks as kc
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 12288
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+def test_rms_norm(dtype, tokens):
+    kc.check_rms_norm(DEV, dtype, tokens, None, HIDDEN, False)
+    kc.check_rms_norm(DEV, dtype, tokens, HEADS, HEAD_DIM, True)  # q_norm on the QKV view
+    kc.check_rms_norm(DEV, dtype, tokens, KV_HEADS, HEAD_DIM, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+def test_fused_add_rms_norm(dtype, tokens):
+    kc.check_fused_add_rms_norm(DEV, dtype, tokens, HIDDEN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+def test_silu_and_mul(dtype, tokens):
+    kc.check_silu_and_mul(DEV, dtype, (tokens, 2 * INTER))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64), (64, 64)])
+def test_rotary(dtype, is_neox, head_dim, rot_dim):
+    for tokens in (1, 300):
+        kc.check_rotary(DEV, dtype, tokens, HEADS, KV_HEADS, head_dim, rot_dim, is_neox)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv(dtype, block_size):
+    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, block_size)
+
+
+PREFILL_CASES = [
+    # query lens, cached prefix lens, heads, kv heads, head_dim, block size
+    ([512], [0], HEADS, KV_HEADS, HEAD_DIM, 16),
+    ([1024, 300, 7, 1], [256, 0, 1000, 4000], HEADS, KV_HEADS, HEAD_DIM, 16),
+    ([1024, 300, 7, 1], [256, 0, 1000, 4000], HEADS, KV_HEADS, HEAD_DIM, 32),
+    ([200, 77], [33, 1500], 16, 16, 64, 16),  # MHA, head_dim 64
+    ([130, 5], [17, 900], 32, 4, 128, 32),  # GQA 8
+    ([90], [40], 8, 2, 96, 16),  # head_dim 96 (masked)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-bs{c[5]}")
+def test_prefill_attention(dtype, case):
+    kc.check_prefill(DEV, dtype, *case)
+
+
+DECODE_CASES = [
+    # context lens, heads, kv heads, head_dim, block size, forced split count
+    ([1], HEADS, KV_HEADS, HEAD_DIM, 16, 7),
+    ([4000], HEADS, KV_HEADS, HEAD_DIM, 16, 64),
+    ([1, 15, 16, 17, 513, 2047, 3000, 4096], HEADS, KV_HEADS, HEAD_DIM, 16, 1),
+    ([1, 15, 16, 17, 513, 2047, 3000, 4096], HEADS, KV_HEADS, HEAD_DIM, 32, 5),
+    ([int(x) for x in torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(0))],
+     HEADS, KV_HEADS, HEAD_DIM, 16, 3),
+    ([100, 2500], 16, 16, 64, 16, 4),  # MHA, head_dim 64
+    ([100, 2500], 32, 4, 128, 32, 9),  # GQA 8
+    ([77, 1000], 8, 2, 96, 16, 2),  # head_dim 96
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}")
+def test_decode_attention(dtype, case):
+    kc.check_decode(DEV, dtype, *case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_padding_rows(num_splits):
+    kc.check_decode_padding_rows(DEV, torch.bfloat16, 16, num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 4000)])
+def test_gemv(dtype, m, n, k):
+    kc.check_gemv(DEV, dtype, m, n, k, bias=(n == 1000))
+
+
+def test_gemv_fp32():
+    kc.check_gemv(DEV, torch.float32, 1, 4096, 4096, True)
+    kc.check_gemv(DEV, torch.float32, 5, 4096, 4096, False)
+
+
+# ---- CUDA graph ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_attention_cuda_graph(dtype, block_size):
+    """Capture store + decode attention once; replay with context lengths longer and
+    shorter than at capture time (and a padding row of context 0), new block tables, new
+    q/k/v. Each replay must match the reference on the same data."""
+    from agent_infer.kernels.triton.attention import TritonAttentionBackend
+
+    batch, max_blocks = 4, 4200 // block_size + 2
+    num_blocks = batch * max_blocks + 5
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = kc.randn(*shape, dtype=dtype, device=DEV, seed=21)
+    v_cache = kc.randn(*shape, dtype=dtype, device=DEV, seed=22)
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv = torch.empty(batch, q_size + 2 * kv_size, dtype=dtype, device=DEV)
+    q = qkv[:, :q_size].view(batch, HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(batch, KV_HEADS, HEAD_DIM)
+    v = qkv[:, q_size + kv_size :].view(batch, KV_HEADS, HEAD_DIM)
+    meta = AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=torch.empty(batch, dtype=torch.long, device=DEV),
+        block_tables=torch.empty(batch, max_blocks, dtype=torch.int32, device=DEV),
+        context_lens=torch.empty(batch, dtype=torch.int32, device=DEV),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+        max_query_len=1,
+        max_context_len=-1,  # decode must not use it
+        query_lens_host=[1] * batch,
+        context_lens_host=[],  # nor host lists
+    )
+    scale = HEAD_DIM**-0.5
+
+    def fill(contexts: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(num_blocks, generator=gen)
+        tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        slots = torch.full((batch,), -1, dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            tables[i] = perm[i * max_blocks : (i + 1) * max_blocks]
+            if ctx > 0:
+                pos = ctx - 1
+                slots[i] = int(tables[i, pos // block_size]) * block_size + pos % block_size
+        meta.block_tables.copy_(tables)
+        meta.slot_mapping.copy_(slots)
+        meta.context_lens.copy_(torch.tensor(contexts, dtype=torch.int32))
+        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(dtype))
+
+    def forward() -> torch.Tensor:
+        return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    fill([1, 17, 300, 2000], seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+
+    for seed, contexts in enumerate([[4100, 2, 64, 65], [16, 1000, 33, 0], [1, 17, 300, 2000]], start=1):
+        fill(contexts, seed)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        reference.store_kv(k, v, ref_k, ref_v, meta.slot_mapping)
+        real = [i for i, c in enumerate(contexts) if c > 0]
+        rows = torch.tensor(real, device=DEV)
+        ref = reference.decode_attention(q[rows], ref_k, ref_v, meta.block_tables[rows], meta.context_lens[rows], scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), f"replay {seed}: KV store differs"
+        kc.assert_close(out[rows], ref, f"replay {seed} (contexts {contexts})")
+        pad = [i for i, c in enumerate(contexts) if c == 0]
+        if pad:
+            assert torch.equal(out[pad], torch.zeros_like(out[pad])), "padding row must be zeros"

@@ -1,0 +1,296 @@
+"""Checks of the Triton kernels against `agent_infer/kernels/reference.py`, shared by
+tests/test_triton_interpreter.py (CPU tensors through Triton's interpreter, small sizes)
+and tests/gpu/test_kernels.py (CUDA, real sizes).
+
+Inputs are random (never zeros). Every `torch.empty` made during a kernel call is filled
+with NaN (`poisoned_empty`), so an output element or scratch slot a kernel forgets to
+write shows up as a failure. In-place kernels are checked over whole tensors, so stray
+or missing writes show too. Errors are ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from agent_infer.engine.forward_context import AttentionMetadata
+from agent_infer.kernels import reference
+
+# Relative-error bounds. The interpreter rounds fp32 -> bf16 by truncation (the GPU
+# rounds to nearest), so bf16 gets a little more room.
+TOLERANCE = {
+    torch.float32: 2e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 2e-2 if os.environ.get("TRITON_INTERPRET") == "1" else 1e-2,
+}
+
+
+@contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """torch.empty returns NaN-filled floats (and int max) while inside."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (an unwritten element?)"
+    err = rel_err(out, ref)
+    tol = TOLERANCE[dtype or ref.dtype]
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def randn(*shape: int, dtype: torch.dtype, device: str | torch.device, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=device)
+
+
+# ---- norms, activation, rotary ----------------------------------------------------------
+
+
+def check_rms_norm(device, dtype: torch.dtype, tokens: int, heads: int | None, dim: int, strided: bool) -> None:
+    """x is [tokens, dim], or [tokens, heads, dim] taken as a strided view of a wider
+    merged-QKV-like buffer when `strided`."""
+    from agent_infer.kernels.triton import norm
+
+    lead = (tokens,) if heads is None else (tokens, heads)
+    if strided:
+        width = math.prod(lead[1:]) * dim
+        buf = randn(tokens, width + 3 * dim, dtype=dtype, device=device, seed=1)
+        x = buf[:, dim : dim + width].view(*lead, dim)
+    else:
+        x = randn(*lead, dim, dtype=dtype, device=device, seed=1)
+    w = randn(dim, dtype=dtype, device=device, seed=2, scale=0.5) + 1
+    before = x.clone()
+    with poisoned_empty():
+        out = norm.rms_norm(x, w, 1e-6)
+    assert_close(out, reference.rms_norm(x, w, 1e-6), "rms_norm")
+    assert torch.equal(x, before), "rms_norm modified its input"
+
+
+def check_fused_add_rms_norm(device, dtype: torch.dtype, tokens: int, dim: int) -> None:
+    from agent_infer.kernels.triton import norm
+
+    x = randn(tokens, dim, dtype=dtype, device=device, seed=3)
+    r = randn(tokens, dim, dtype=dtype, device=device, seed=4)
+    w = randn(dim, dtype=dtype, device=device, seed=5, scale=0.5) + 1
+    ref_out, ref_res = reference.fused_add_rms_norm(x, r, w, 1e-6)
+    with poisoned_empty():
+        out, res = norm.fused_add_rms_norm(x, r, w, 1e-6)
+    assert out is x and res is r, "fused_add_rms_norm must work in place and return its inputs"
+    assert_close(res, ref_res, "fused_add_rms_norm residual")
+    assert_close(out, ref_out, "fused_add_rms_norm output")
+
+
+def check_silu_and_mul(device, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from agent_infer.kernels.triton import activation
+
+    x = randn(*shape, dtype=dtype, device=device, seed=6, scale=2.0)
+    with poisoned_empty():
+        out = activation.silu_and_mul(x)
+    assert_close(out, reference.silu_and_mul(x), "silu_and_mul")
+
+
+def check_rotary(
+    device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool
+) -> None:
+    """q and k are strided views into one merged QKV buffer; v must stay untouched."""
+    from agent_infer.kernels.triton import rotary
+
+    max_pos = 4 * tokens + 50
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=7)
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=_gen(8)).to(device)
+    ref_q = reference.apply_rotary(positions, q, cache, is_neox)
+    ref_k = reference.apply_rotary(positions, k, cache, is_neox)
+    v_before = qkv[:, q_size + kv_size :].clone()
+    with poisoned_empty():
+        out_q, out_k = rotary.apply_rotary_qk(positions, q, k, cache, is_neox)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "rotary must work in place"
+    assert_close(q, ref_q, "rotary q")
+    assert_close(k, ref_k, "rotary k")
+    assert torch.equal(qkv[:, q_size + kv_size :], v_before), "rotary wrote outside q and k"
+
+
+# ---- paged KV cache and attention --------------------------------------------------------
+
+
+class PagedBatch:
+    """A ragged batch over a paged cache: random cache contents, block tables drawn from a
+    random permutation of the blocks (so sequences are not contiguous), q/k/v as strided
+    views of one merged buffer, and the step's metadata."""
+
+    def __init__(
+        self, device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
+        heads: int, kv_heads: int, head_dim: int, block_size: int, is_prefill: bool,
+        padding_rows: int = 0, seed: int = 0,
+    ):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        context_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+        num_seq_blocks = [-(-c // block_size) for c in context_lens]
+        num_blocks = sum(num_seq_blocks) + 3
+        perm = torch.randperm(num_blocks, generator=_gen(seed))
+        width = max(num_seq_blocks) + 1  # one unused column, like a graph's static table
+        tables = torch.zeros(len(query_lens), width, dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(num_seq_blocks):
+            tables[i, :n] = perm[used : used + n]
+            used += n
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = randn(*shape, dtype=dtype, device=device, seed=seed + 1)
+        self.v_cache = randn(*shape, dtype=dtype, device=device, seed=seed + 2)
+        slots = []
+        for i, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
+            pos = torch.arange(ctx - q_len, ctx)
+            slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+        slots.append(torch.full((padding_rows,), -1, dtype=torch.long))
+        slot_mapping = torch.cat(slots)
+        tokens = sum(query_lens) + padding_rows
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=seed + 3)
+        self.q = qkv[:, :q_size].view(tokens, heads, head_dim)
+        self.k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+        self.v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens).cumsum(0)
+        self.meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=slot_mapping.to(device),
+            block_tables=tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_loc=qsl.to(device),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_host=list(query_lens),
+            context_lens_host=context_lens,
+        )
+
+
+def check_store_kv(device, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    """Scattered slots with padding rows (-1) in between; the whole cache is compared."""
+    from agent_infer.kernels.triton.kv_store import store_kv
+
+    num_blocks = -(-2 * tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(9))[:tokens]
+    slots[torch.arange(tokens) % 3 == 1] = -1
+    slots = slots.to(device)
+    kv = randn(tokens, 3 * kv_heads * head_dim, dtype=dtype, device=device, seed=10)
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = randn(*shape, dtype=dtype, device=device, seed=11)
+    v_cache = randn(*shape, dtype=dtype, device=device, seed=12)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, ref_k, ref_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k), "store_kv: K cache differs from the reference"
+    assert torch.equal(v_cache, ref_v), "store_kv: V cache differs from the reference"
+
+
+def _run_backends(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+    from agent_infer.kernels.triton.attention import TritonAttentionBackend
+    from agent_infer.layers.attention import TorchAttentionBackend
+
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = TorchAttentionBackend.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
+    with poisoned_empty():
+        out = TritonAttentionBackend.forward(
+            batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+        )
+    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v), "KV store differs"
+    return out, ref, batch
+
+
+def check_prefill(
+    device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
+    heads: int, kv_heads: int, head_dim: int, block_size: int,
+) -> None:
+    batch = PagedBatch(device, dtype, query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, True)
+    out, ref, _ = _run_backends(batch)
+    assert_close(out, ref, f"prefill attention (q {query_lens}, prefix {prefix_lens})")
+
+
+def check_decode(
+    device, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+    block_size: int, num_splits: int | None = None,
+) -> None:
+    """Through the backend (store + attend) with the default split count, then with the
+    given `num_splits` through the kernel directly."""
+    from agent_infer.kernels.triton.decode_attention import decode_attention
+
+    batch = PagedBatch(
+        device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens],
+        heads, kv_heads, head_dim, block_size, False,
+    )
+    out, ref, _ = _run_backends(batch)
+    assert_close(out, ref, f"decode attention (contexts {context_lens})")
+    if num_splits is not None:
+        m = batch.meta
+        with poisoned_empty():
+            out = decode_attention(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, num_splits)
+        assert_close(out, ref, f"decode attention (contexts {context_lens}, {num_splits} splits)")
+
+
+def check_decode_padding_rows(device, dtype: torch.dtype, block_size: int, num_splits: int) -> None:
+    """A graph batch padded with rows of context 0 (slot -1): real rows match the
+    reference, padding rows are zeros (never NaN), and nothing is stored for them."""
+    from agent_infer.kernels.triton.decode_attention import decode_attention
+    from agent_infer.kernels.triton.kv_store import store_kv
+
+    batch = PagedBatch(device, dtype, [1, 1], [20, 40], 8, 2, 64, block_size, False, padding_rows=2)
+    m = batch.meta
+    contexts = torch.cat([m.context_lens, torch.zeros(2, dtype=torch.int32, device=device)])
+    tables = torch.cat([m.block_tables, torch.zeros_like(m.block_tables[:2])])
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.store_kv(batch.k, batch.v, ref_k, ref_v, m.slot_mapping)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, m.slot_mapping)
+    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v)
+    with poisoned_empty():
+        out = decode_attention(batch.q, batch.k_cache, batch.v_cache, tables, contexts, batch.scale, num_splits)
+    ref = reference.decode_attention(batch.q[:2], ref_k, ref_v, m.block_tables, m.context_lens, batch.scale)
+    assert_close(out[:2], ref, "decode attention, real rows of a padded batch")
+    assert torch.equal(out[2:], torch.zeros_like(out[2:])), "padding rows (context 0) must be zeros"
+
+
+# ---- skinny GEMM -----------------------------------------------------------------------
+
+
+def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, config=None) -> None:
+    from agent_infer.kernels.triton.gemv import linear
+
+    x = randn(m, k, dtype=dtype, device=device, seed=13)
+    w = randn(n, k, dtype=dtype, device=device, seed=14, scale=k**-0.5)
+    b = randn(n, dtype=dtype, device=device, seed=15) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    with poisoned_empty():
+        out = linear(x, w, b, config)
+    assert out.dtype == dtype
+    assert_close(out.float(), ref, f"gemv M={m} N={n} K={k} {config}", dtype)

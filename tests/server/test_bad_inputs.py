@@ -1,0 +1,143 @@
+"""Bad requests get the right 4xx with OpenAI's error JSON, and never disturb the server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+LONG_PROMPT_IDS = [100] * (MAX_MODEL_LEN + 10)
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2, **fields}
+
+
+# (case id, method, path, body: dict -> JSON, bytes -> sent as is, status, param, words in the message)
+CASES = [
+    # wrong types (no coercion: "5" is not 5, true is not 1)
+    ("max_tokens-string", "POST", COMPLETIONS, _completion(max_tokens="5"), 400, "max_tokens", ["max_tokens"]),
+    ("temperature-string", "POST", COMPLETIONS, _completion(temperature="hot"), 400, "temperature", ["temperature"]),
+    ("n-bool", "POST", COMPLETIONS, _completion(n=True), 400, "n", []),
+    ("prompt-number", "POST", COMPLETIONS, _completion(prompt=42), 400, "prompt", ["prompt"]),
+    ("prompt-mixed-list", "POST", COMPLETIONS, _completion(prompt=[1, "a"]), 400, "prompt", ["token"]),
+    ("stop-number", "POST", COMPLETIONS, _completion(stop=3), 400, "stop", ["stop"]),
+    ("stream-string", "POST", COMPLETIONS, _completion(stream="yes"), 400, "stream", []),
+    ("messages-not-list", "POST", CHAT, _chat(messages="hi"), 400, "messages", []),
+    ("message-content-number", "POST", CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "messages",
+     ["content"]),
+    ("message-bad-role", "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", ["role"]),
+    ("chat-logprobs-int", "POST", CHAT, _chat(logprobs=3), 400, "logprobs", []),
+    # out-of-range values
+    ("max_tokens-negative", "POST", COMPLETIONS, _completion(max_tokens=-1), 400, "max_tokens", ["max_tokens"]),
+    ("max_tokens-zero", "POST", CHAT, _chat(max_tokens=0), 400, "max_tokens", []),
+    ("max_tokens-huge", "POST", COMPLETIONS, _completion(max_tokens=10**12), 400, "max_tokens",
+     [str(MAX_MODEL_LEN), str(10**12)]),
+    ("max_completion_tokens-huge", "POST", CHAT, _chat(max_completion_tokens=100000), 400, "max_tokens",
+     [str(MAX_MODEL_LEN)]),
+    ("n-zero", "POST", COMPLETIONS, _completion(n=0), 400, "n", []),
+    ("n-too-many", "POST", CHAT, _chat(n=1000), 400, "n", []),
+    ("temperature-negative", "POST", COMPLETIONS, _completion(temperature=-0.5), 400, "temperature", ["temperature"]),
+    ("top_p-zero", "POST", CHAT, _chat(top_p=0.0), 400, "top_p", ["top_p"]),
+    ("presence_penalty-big", "POST", COMPLETIONS, _completion(presence_penalty=5), 400, "presence_penalty", []),
+    ("logprobs-too-many", "POST", COMPLETIONS, _completion(logprobs=21), 400, "logprobs", []),
+    ("top_logprobs-too-many", "POST", CHAT, _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", []),
+    ("top_logprobs-without-logprobs", "POST", CHAT, _chat(top_logprobs=2), 400, "top_logprobs", []),
+    ("token-id-out-of-vocab", "POST", COMPLETIONS, _completion(prompt=[1, 10**9]), 400, "prompt", ["token"]),
+    ("negative-stop-token-id", "POST", COMPLETIONS, _completion(stop_token_ids=[-3]), 400, "stop_token_ids", []),
+    # structure
+    ("invalid-json", "POST", COMPLETIONS, b'{"model": "x", "prompt": ', 400, None, ["JSON"]),
+    ("json-nan", "POST", COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400, None, ["NaN"]),
+    ("json-array", "POST", CHAT, b"[1, 2, 3]", 400, None, ["object"]),
+    ("empty-body", "POST", COMPLETIONS, b"", 400, None, ["JSON"]),
+    ("non-utf8", "POST", COMPLETIONS, b'{"prompt": "caf\xe9"}', 400, None, ["UTF-8"]),
+    ("unknown-field", "POST", COMPLETIONS, _completion(best_of_all=3), 400, "best_of_all", ["unknown field"]),
+    ("unknown-field-chat", "POST", CHAT, _chat(functions=[]), 400, "functions", ["unknown field"]),
+    ("unknown-nested-field", "POST", CHAT, _chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]), 400,
+     "messages", ["unknown field"]),
+    ("missing-prompt", "POST", COMPLETIONS, {"model": MODEL_NAME}, 400, "prompt", ["required"]),
+    ("missing-messages", "POST", CHAT, {"model": MODEL_NAME}, 400, "messages", ["required"]),
+    ("empty-messages", "POST", CHAT, _chat(messages=[]), 400, "messages", ["empty"]),
+    ("empty-prompt", "POST", COMPLETIONS, _completion(prompt=""), 400, "prompt", ["empty"]),
+    ("empty-prompt-list", "POST", COMPLETIONS, _completion(prompt=[]), 400, "prompt", ["empty"]),
+    ("empty-token-list-in-batch", "POST", COMPLETIONS, _completion(prompt=[[1, 2], []]), 400, "prompt", ["empty"]),
+    ("stream_options-without-stream", "POST", COMPLETIONS, _completion(stream_options={"include_usage": True}), 400,
+     "stream_options", []),
+    ("echo-with-logprobs", "POST", COMPLETIONS, _completion(echo=True, logprobs=1), 400, "echo", []),
+    ("reserved-template-kwarg", "POST", CHAT, _chat(chat_template_kwargs={"tokenize": True}), 400,
+     "chat_template_kwargs", ["tokenize"]),
+    ("lone-surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "prompt", ["surrogate"]),
+    # overlong prompts: the message states both lengths
+    ("overlong-prompt-ids", "POST", COMPLETIONS, _completion(prompt=LONG_PROMPT_IDS, max_tokens=None), 400, "prompt",
+     [str(MAX_MODEL_LEN), str(len(LONG_PROMPT_IDS))]),
+    ("overlong-prompt-text", "POST", COMPLETIONS, _completion(prompt=" hello" * (MAX_MODEL_LEN + 5), max_tokens=None),
+     400, "prompt", [str(MAX_MODEL_LEN), "prompt has"]),
+    ("overlong-chat", "POST", CHAT, _chat(messages=[{"role": "user", "content": " hello" * MAX_MODEL_LEN}],
+                                          max_tokens=None), 400, "messages", [str(MAX_MODEL_LEN), "prompt has"]),
+    ("prompt-exactly-context", "POST", COMPLETIONS, _completion(prompt=[100] * MAX_MODEL_LEN, max_tokens=None), 400,
+     "prompt", [f"prompt has {MAX_MODEL_LEN} tokens"]),
+    # unknown model / route / method
+    ("unknown-model", "POST", COMPLETIONS, _completion(model="gpt-9"), 404, "model", ["gpt-9"]),
+    ("unknown-model-chat", "POST", CHAT, _chat(model="gpt-9"), 404, "model", ["gpt-9"]),
+    ("unknown-route", "POST", "/v1/embeddings", _completion(), 404, None, []),
+    ("wrong-method", "GET", COMPLETIONS, None, 405, None, []),
+    # tokenize / detokenize
+    ("tokenize-both", "POST", "/tokenize", {"prompt": "x", "messages": MSG}, 400, "prompt", []),
+    ("tokenize-neither", "POST", "/tokenize", {}, 400, "prompt", []),
+    ("detokenize-bad-id", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens", []),
+    ("detokenize-strings", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens", []),
+]
+
+
+def _send(client, method: str, path: str, body):
+    if body is None:
+        return client.request(method, path)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.request(method, path, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_gets_openai_error(idle_server, case):
+    _, method, path, body, status, param, words = case
+    with idle_server.client() as c:
+        r = _send(c, method, path, body)
+        assert r.status_code == status, r.text
+        payload = r.json()
+        assert set(payload) == {"error"}
+        err = payload["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert isinstance(err["message"], str) and err["message"]
+        assert err["type"] == "invalid_request_error"
+        assert err["param"] == param
+        for w in words:
+            assert w in err["message"], err["message"]
+        assert "Traceback" not in r.text
+        # Nothing was queued, and the server is fine.
+        assert c.get("/health").status_code == 200
+
+
+def test_server_still_serves_after_bad_requests(idle_server):
+    with idle_server.client() as c:
+        for case in CASES:
+            _send(c, case[1], case[2], case[3])
+        assert c.get("/health").status_code == 200
+        r = c.post(COMPLETIONS, json=_completion(max_tokens=3, temperature=0))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_oversized_body_is_413(idle_server):
+    big = b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}'
+    with idle_server.client() as c:
+        r = c.post(COMPLETIONS, content=big)
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "body_too_large"
+        assert c.get("/health").status_code == 200

@@ -1,0 +1,64 @@
+"""/metrics: Prometheus text from a registry of the app's own, tracking what the engine did."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import REGISTRY
+
+from tests.server.conftest import MODEL_NAME
+
+
+def test_metrics_follow_a_request(idle_server):
+    before = idle_server.metrics()
+    with idle_server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello world, this is", "max_tokens": 5,
+                                            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    idle_server.wait_idle()
+    after = idle_server.metrics()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("agent_infer_requests_received_total") == 1
+    assert delta("agent_infer_requests_finished_total{finish_reason=length}") == 1
+    assert delta("agent_infer_time_to_first_token_seconds_count") == 1
+    assert delta("agent_infer_inter_token_latency_seconds_count") == 4  # 5 tokens, 4 gaps
+    assert delta("agent_infer_e2e_request_latency_seconds_count") == 1
+    assert delta("agent_infer_e2e_request_latency_seconds_sum") >= delta("agent_infer_time_to_first_token_seconds_sum")
+    assert delta("agent_infer_generation_tokens_total") == 5
+    assert delta("agent_infer_prefix_cache_queries_total") == prompt_tokens
+    assert delta("agent_infer_prompt_tokens_total") + delta("agent_infer_prefix_cache_hits_total") == prompt_tokens
+    assert delta("agent_infer_decode_batch_size_count") == 4
+    assert delta("agent_infer_request_generation_tokens_sum") == 5
+    assert after["agent_infer_kv_cache_total_blocks"] == idle_server.async_engine.num_kv_blocks
+    assert after["agent_infer_kv_cache_usage_ratio"] == 0.0
+    assert after["agent_infer_engine_healthy"] == 1.0
+
+
+def test_prefix_cache_hits_are_counted(idle_server):
+    prompt = "A long shared preamble about the history of tea, its origins, its trade routes and its rituals. " * 3
+    with idle_server.client() as c:
+        before = idle_server.metrics()["agent_infer_prefix_cache_hits_total"]
+        for _ in range(2):
+            assert c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}).status_code == 200
+    assert idle_server.metrics()["agent_infer_prefix_cache_hits_total"] - before >= 16  # at least one block
+
+
+def test_kv_usage_is_visible_while_a_request_runs(idle_server):
+    with idle_server.client() as c, c.stream("POST", "/v1/completions", json={
+            "model": MODEL_NAME, "prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                m = idle_server.metrics()
+                assert m["agent_infer_num_requests_running"] == 1
+                assert m["agent_infer_kv_cache_used_blocks"] >= 1 and m["agent_infer_kv_cache_usage_ratio"] > 0
+                break
+
+
+def test_metrics_use_their_own_registry(idle_server):
+    names = {m.name for m in REGISTRY.collect()}
+    assert not any(n.startswith("agent_infer_") for n in names)
+    text = httpx.get(idle_server.url + "/metrics", trust_env=False).text
+    assert "# TYPE agent_infer_time_to_first_token_seconds histogram" in text

@@ -1,0 +1,425 @@
+"""`agent-infer bench`: the random-weights writer, the roofline arithmetic, and the
+latency / throughput commands really run on the tiny random preset on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from agent_infer.bench import random_weights as rw
+from agent_infer.bench.cli import PRESETS as CLI_PRESETS
+from agent_infer.bench.cli import add_bench_parser
+from agent_infer.bench.hf_baseline import left_pad
+from agent_infer.bench.monitor import GpuMonitor, GpuSeries, parse_smi_line
+from agent_infer.bench.offline import LatencyRun, format_table, summarise_latency, throughput_workload
+from agent_infer.bench.roofline import decode_roofline, decode_weight_params
+from agent_infer.cli import add_engine_args
+from agent_infer.config import ConfigError, ModelConfig
+from agent_infer.loader.default_model import DEFAULT_MODEL_NAME
+
+
+def _use_cache(monkeypatch, root, default_model_dir: str) -> None:
+    """A private cache in which the default model (for its tokenizer) is a link to the real
+    one, so nothing is converted or written outside tmp."""
+    monkeypatch.setenv("AGENT_INFER_CACHE", str(root))
+    models = root / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    if not (models / DEFAULT_MODEL_NAME).exists():
+        (models / DEFAULT_MODEL_NAME).symlink_to(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def bench_cache(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("bench-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        _use_cache(mp, root, default_model_dir)
+        yield root
+
+
+def run_bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True), add_engine_args)
+    args = parser.parse_args(["bench", *argv])
+    return args.handler(args)
+
+
+# ---- random checkpoints ---------------------------------------------------------------
+
+
+def test_cli_presets_are_the_writers_presets():
+    assert set(CLI_PRESETS) == set(rw.PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(rw.PRESETS))
+def test_preset_config_loads_everywhere_and_names_match_transformers(tmp_path, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = rw.PRESETS[name]
+    rw.write_config(preset, str(tmp_path))
+    ours = ModelConfig.from_hf(str(tmp_path))
+    assert ours.architecture == preset.architecture
+    assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        preset.hidden_size, preset.num_layers, preset.num_heads, preset.num_kv_heads, preset.head_dim)
+    assert ours.vocab_size == preset.vocab_size and ours.tie_word_embeddings == preset.tie_word_embeddings
+    assert ours.rope.theta == preset.rope_theta
+    assert ours.checkpoint_dtype == torch.bfloat16
+    assert ours.qkv_bias == (preset.model_type == "qwen2") and ours.qk_norm == (preset.model_type == "qwen3")
+    if name == "llama3-8b":
+        assert ours.rope.rope_type == "llama3" and ours.rope.factor == 8.0 and ours.rope.original_max_position == 8192
+
+    hf = AutoConfig.from_pretrained(str(tmp_path))
+    assert type(hf).__name__ == preset.architecture.replace("ForCausalLM", "Config")
+    assert hf.num_hidden_layers == preset.num_layers and hf.intermediate_size == preset.intermediate_size
+    # transformers' own model, built on the meta device, has exactly our tensors.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    if preset.tie_word_embeddings:
+        theirs.pop("lm_head.weight")
+    assert theirs == dict(rw.tensor_shapes(preset))
+
+
+def test_writer_shards_index_values_and_cache_reuse(tmp_path, monkeypatch, default_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("AGENT_INFER_CACHE", str(tmp_path))
+    preset = rw.PRESETS["tiny"]
+    logs: list[str] = []
+    path = rw.ensure_random_model("tiny", tokenizer_from=default_model_dir, max_shard_bytes=60_000, log=logs.append)
+    assert path == str(tmp_path / "random" / "tiny")
+    assert not [p for p in os.listdir(tmp_path / "random") if p != "tiny"], "no partial directory left behind"
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shapes = dict(rw.tensor_shapes(preset))
+    assert set(index["weight_map"]) == set(shapes)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 4, "a 60 kB shard limit must split the checkpoint"
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    total = 0
+    for shard in shards:
+        file = os.path.join(path, shard)
+        with safe_open(file, "pt") as f:
+            names = set(f.keys())
+            assert names == {n for n, s in index["weight_map"].items() if s == shard}
+            # within the limit, unless one tensor alone is bigger (the embedding)
+            assert sum(math.prod(shapes[n]) * 2 for n in names) <= 60_000 or len(names) == 1
+            for n in names:
+                t = f.get_tensor(n)
+                assert t.dtype == torch.bfloat16 and tuple(t.shape) == shapes[n]
+                total += t.numel() * 2
+                if n.endswith("norm.weight"):
+                    assert (t.float() - 1).abs().max() <= rw.NORM_NOISE + 1e-2
+                elif t.numel() > 1000:
+                    assert abs(t.float().std().item() - rw.STD) < 0.002 and abs(t.float().mean().item()) < 0.002
+    assert total == index["metadata"]["total_size"] == rw.checkpoint_bytes(preset)
+
+    # transformers loads every weight (nothing missing, nothing unexpected) and the tokenizer came along.
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with safe_open(os.path.join(path, index["weight_map"]["model.layers.1.mlp.down_proj.weight"]), "pt") as f:
+        assert torch.equal(model.model.layers[1].mlp.down_proj.weight, f.get_tensor("model.layers.1.mlp.down_proj.weight").float())
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) <= preset.vocab_size and max(tok.encode("Hello world")) < preset.vocab_size
+    assert os.path.isfile(os.path.join(path, "generation_config.json"))
+
+    # Second call: the cache is used as is.
+    stamp = os.path.getmtime(os.path.join(path, shards[0]))
+    logs.clear()
+    assert rw.ensure_random_model("tiny", log=logs.append) == path
+    assert logs == [] and os.path.getmtime(os.path.join(path, shards[0])) == stamp
+    assert rw.random_model_ready("tiny") and not rw.random_model_ready("tiny", seed=1)
+
+
+def test_writer_is_deterministic_and_rewrites_stale_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_INFER_CACHE", str(tmp_path))
+    path = rw.ensure_random_model("tiny", log=lambda _: None)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    file = os.path.join(path, "model-00001-of-00001.safetensors")
+    with safe_open(file, "pt") as f:
+        first = f.get_tensor(name)
+    rw.ensure_random_model("tiny", seed=1, log=lambda _: None)  # other settings: rewritten
+    with safe_open(file, "pt") as f:
+        other = f.get_tensor(name)
+    assert not torch.equal(first, other)
+    assert torch.equal(rw.random_tensor(name, first.shape, 0, torch.device("cpu")), first)
+
+
+def test_writer_refuses_clearly_without_disk_space(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_INFER_CACHE", str(tmp_path))
+    real = rw.shutil.disk_usage
+    monkeypatch.setattr(rw.shutil, "disk_usage", lambda p: real(p)._replace(free=10 * 10**9))
+    with pytest.raises(ConfigError, match=r"qwen3-8b needs 16\.4 GB .* only 10\.0 GB is free"):
+        rw.ensure_random_model("qwen3-8b", log=lambda _: None)
+    assert not os.path.exists(rw.random_model_dir("qwen3-8b"))
+    assert os.listdir(tmp_path / "random") == []
+
+
+def test_plan_shards_keeps_order_and_limit():
+    shapes = [("a", (10,)), ("b", (20,)), ("c", (30,)), ("d", (100,)), ("e", (5,))]
+    shards = rw.plan_shards(shapes, max_bytes=80)
+    assert [[n for n, _ in s] for s in shards] == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+# ---- roofline -------------------------------------------------------------------------
+
+
+def _config(tmp_path, name: str) -> ModelConfig:
+    rw.write_config(rw.PRESETS[name], str(tmp_path / name))
+    return ModelConfig.from_hf(str(tmp_path / name))
+
+
+def test_roofline_qwen3_8b_is_design_figure(tmp_path):
+    cfg = _config(tmp_path, "qwen3-8b")
+    roof = decode_roofline(cfg, dtype_bytes=2, bandwidth_tbs=4.26)
+    # DESIGN §6: 15.1 GB read per token, 3.55 ms, ~281 tok/s.
+    assert 15.05e9 < roof.bytes_per_token < 15.2e9
+    assert roof.step_seconds * 1e3 == pytest.approx(3.55, abs=0.01)
+    assert roof.tokens_per_second(1) == pytest.approx(281, abs=1)
+    assert roof.tokens_per_second(8) == pytest.approx(8 * roof.tokens_per_second(1))
+    assert decode_roofline(cfg, 2, 4.26, tp=2).tokens_per_second(1) == pytest.approx(2 * roof.tokens_per_second(1))
+    # all weights minus the embedding table (untied: the LM head is its own tensor)
+    total = sum(math.prod(s) for _, s in rw.tensor_shapes(rw.PRESETS["qwen3-8b"]))
+    assert decode_weight_params(cfg) == total - cfg.vocab_size * cfg.hidden_size
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3-0.6b", "qwen2-7b", "llama3-8b"])
+def test_roofline_counts_every_tensor_but_the_embedding(tmp_path, name):
+    cfg = _config(tmp_path, name)
+    total = sum(math.prod(s) for _, s in rw.tensor_shapes(rw.PRESETS[name]))
+    embed = cfg.vocab_size * cfg.hidden_size
+    # Tied: the one table is still read in full as the LM head.
+    expected = total if cfg.tie_word_embeddings else total - embed
+    assert decode_weight_params(cfg) == expected
+
+
+# ---- report pieces --------------------------------------------------------------------
+
+
+def test_summarise_latency_medians_and_rates():
+    runs = [LatencyRun(0.010, 1.0, 9, [10]), LatencyRun(0.030, 0.5, 9, [10]), LatencyRun(0.020, 2.0, 9, [10])]
+    s = summarise_latency(runs, batch=4, output_len=10, input_len=100)
+    assert s["ttft_ms"] == pytest.approx(20.0)
+    assert s["decode_tok_s_per_seq"] == pytest.approx(9.0)  # median of 9, 18, 4.5
+    assert s["decode_tok_s_total"] == pytest.approx(36.0)
+    assert s["decode_step_ms"] == pytest.approx(1000 / 9)
+    assert s["prefill_tok_s"] == pytest.approx(400 / 0.020)
+
+
+def test_table_ratio_means_times_faster():
+    text = format_table([
+        ("rate", 300.0, 10.0, "rate", "281.0 (106.8 %)"),
+        ("time ms", 4.0, 100.0, "time", None),
+        ("no hf", 5.0, None, "rate", None),
+    ])
+    lines = text.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["metric", "agent-infer", "HF", "ratio", "roofline"]
+    assert "30.00x" in lines[2] and "281.0 (106.8 %)" in lines[2]
+    assert "25.00x" in lines[3]
+    assert lines[4].rstrip(" |").endswith("-")
+
+
+def test_left_padding_for_transformers():
+    b = left_pad([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert b.input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert b.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_monitor_parsing_and_cpu_note():
+    assert parse_smi_line("0, 81234, 97\n") == (0, 81234.0, 97.0)
+    assert parse_smi_line("1, 512, [N/A]") == (1, 512.0, None)
+    assert parse_smi_line("garbage") is None
+    s = GpuSeries(0, "H200", mem_mib=[1024.0, 3072.0, 2048.0], util_pct=[10.0, 90.0, 50.0]).summary()
+    assert s["peak_memory_gib"] == 3.0 and s["mean_util_pct"] == 50.0 and s["max_util_pct"] == 90.0
+    if not torch.cuda.is_available():
+        with GpuMonitor(0.01) as mon:
+            time.sleep(0.02)
+        summary = mon.summary()
+        assert summary["gpus"] == [] and "no CUDA GPU" in summary["note"]
+
+
+def test_throughput_workload_is_seeded_and_in_range():
+    prompts, outs = throughput_workload(50, 100, 1024, vocab=1000, seed=3)
+    assert len(prompts) == len(outs) == 50
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in outs)
+    assert all(0 <= t < 1000 and isinstance(t, int) for p in prompts for t in p)
+    assert throughput_workload(50, 100, 1024, vocab=1000, seed=3) == (prompts, outs)
+
+
+# ---- the commands, really run -----------------------------------------------------------
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_latency_command_on_tiny(bench_cache, tmp_path, capsys):
+    out_json = tmp_path / "lat.json"
+    prof = tmp_path / "prof"
+    rc = run_bench([
+        "latency", "--random-weights", "tiny", "--device", "cpu", "--kv-cache-gib", "0.02",
+        "--input-len", "24", "--output-len", "6", "--batch-size", "2", "--num-iters", "2", "--num-warmup", "1",
+        "--compare-hf", "--profile", str(prof), "--profile-steps", "3", "--output-json", str(out_json),
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rep = json.loads(out_json.read_text())
+    r = rep["results"]
+    assert rep["benchmark"] == "latency" and rep["model"]["random_weights"] == "tiny"
+    assert rep["model"]["path"] == str(bench_cache / "random" / "tiny")
+    assert rep["engine_config"]["max_num_seqs"] == 2  # latency defaults its slots to the batch
+    assert rep["date_utc"] and "torch" in rep["environment"] and "commit" in rep["git"]
+    assert len(r["iterations"]) == 2 and all(it["output_lens"] == [6] for it in r["iterations"])
+    assert r["decode_steps"] == 5  # 6 tokens: 1 from prefill + 5 decode steps
+    assert r["decode_tok_s_total"] == pytest.approx(2 * r["decode_tok_s_per_seq"])
+    assert r["ttft_ms"] > 0 and r["e2e_s"] * 1e3 > r["ttft_ms"]
+    roof = rep["roofline"]
+    assert roof["bytes_per_token"] == decode_weight_params(ModelConfig.from_hf(rep["model"]["path"])) * 4  # fp32 on CPU
+    assert roof["achieved_fraction"] == pytest.approx(r["decode_tok_s_total"] / roof["decode_tok_s_total"])
+    hf = rep["hf"]
+    assert hf["ttft_ms"] > 0 and hf["decode_tok_s_per_seq"] > 0 and "transformers" in hf["description"]
+    # the profile: a chrome trace of 3 decode steps at batch 2
+    assert rep["profile"]["decode_steps"] == 3 and rep["profile"]["batch"] == 2
+    assert "traceEvents" in json.loads((prof / "trace-latency.json").read_text())
+    # the table is printed last, with the HF ratio
+    assert out.rstrip().splitlines()[-1].startswith("| peak") or out.rstrip().splitlines()[-1].startswith("| end-to-end")
+    rows = _table_rows(out)
+    ttft = rows["TTFT ms (24-token prompts, batch 2)"]
+    assert ttft[2] == f"{hf['ttft_ms'] / r['ttft_ms']:,.2f}x"
+    assert rows["decode tok/s per sequence"][3].endswith("%)")
+
+
+def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
+    out_json = tmp_path / "thr.json"
+    rc = run_bench([
+        "throughput", "--random-weights", "tiny", "--device", "cpu", "--kv-cache-gib", "0.02",
+        "--num-seqs", "6", "--min-len", "4", "--max-len", "12", "--seed", "5",
+        "--compare-hf", "--hf-num-seqs", "3", "--output-json", str(out_json),
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rep = json.loads(out_json.read_text())
+    r = rep["results"]
+    prompts, outs = throughput_workload(6, 4, 12, rw.PRESETS["tiny"].vocab_size, seed=5)
+    assert r["num_requests"] == 6
+    assert r["output_tokens"] == sum(outs) and r["input_tokens"] == sum(len(p) for p in prompts)
+    assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+    assert r["total_tok_s"] == pytest.approx((r["input_tokens"] + r["output_tokens"]) / r["wall_s"])
+    assert r["requests_s"] == pytest.approx(6 / r["wall_s"])
+    hf = rep["hf"]
+    assert hf["num_requests"] == 3 and hf["new_tokens_per_request"] == round(sum(outs[:3]) / 3)
+    assert hf["padded_prompt_len"] == max(len(p) for p in prompts[:3])
+    assert hf["output_tok_s"] == pytest.approx(hf["output_tokens"] / hf["seconds"])
+    rows = _table_rows(out)
+    assert rows["output tok/s"][2] == f"{r['output_tok_s'] / hf['output_tok_s']:,.2f}x"
+    assert "first 3 requests as one batch" in out
+
+
+def test_latency_rejects_model_and_random_weights_together(bench_cache):
+    with pytest.raises(ConfigError, match="either --model or --random-weights"):
+        run_bench(["latency", "--random-weights", "tiny", "--model", "/nowhere", "--device", "cpu"])
+
+
+def test_bench_registers_latency_throughput_and_serve():
+    parser = argparse.ArgumentParser()
+    bench = add_bench_parser(parser.add_subparsers(dest="command"), add_engine_args)
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    assert set(sub.choices) == {"latency", "throughput", "serve"}
+    args = parser.parse_args(["bench", "latency", "--random-weights", "qwen3-8b"])
+    assert (args.input_len, args.output_len, args.batch_size, args.max_num_seqs) == (512, 256, 1, None)
+    assert args.bandwidth_tbs == 4.26 and callable(args.handler)
+    args = parser.parse_args(["bench", "throughput"])
+    assert (args.num_seqs, args.min_len, args.max_len, args.temperature, args.max_num_seqs) == (256, 100, 1024, 0.6, None)  # None: the engine's 256
+
+
+def test_monitor_nvml_path_with_a_fake_driver(monkeypatch):
+    """The GPU-only sampling path, run on CPU against a stand-in pynvml with two GPUs."""
+    import sys
+    import types
+
+    calls = {"init": 0, "shutdown": 0}
+    used = {0: [1000, 5000, 3000], 1: [200, 200, 200]}
+    util = {0: [10, 100, 40], 1: [0, 0, 0]}
+    reads = {0: 0, 1: 0}
+
+    def mem_info(h):
+        i = min(reads[h], 2)
+        return types.SimpleNamespace(used=used[h][i] * 2**20)
+
+    def rates(h):
+        i = min(reads[h], 2)
+        reads[h] += 1
+        return types.SimpleNamespace(gpu=util[h][i])
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.__setitem__("init", calls["init"] + 1),
+        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200" if h == 0 else "NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=mem_info,
+        nvmlDeviceGetUtilizationRates=rates,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i=None: 3 * 2**30)
+    with GpuMonitor(0.005) as mon:
+        deadline = time.time() + 5
+        while min(reads.values()) < 3 and time.time() < deadline:
+            time.sleep(0.005)
+    s = mon.summary()
+    assert s["source"] == "nvml" and calls == {"init": 1, "shutdown": 1}
+    g0, g1 = s["gpus"]
+    assert g0["name"] == g1["name"] == "NVIDIA H200"
+    assert g0["peak_memory_gib"] == pytest.approx(5000 / 1024, abs=1e-3) and g0["max_util_pct"] == 100
+    assert g1["peak_memory_gib"] == pytest.approx(200 / 1024, abs=1e-3) and g1["mean_util_pct"] == 0
+    assert s["torch_peak_allocated_gib"] == {"cuda:0": 3.0}
+
+
+def test_monitor_falls_back_to_a_streaming_nvidia_smi(monkeypatch, tmp_path):
+    """Without pynvml: one `nvidia-smi --loop-ms` process whose lines are parsed (a stand-in here)."""
+    import stat
+    import sys
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--loop-ms=*) ;; *) exit 3 ;; esac\n'
+        "while true; do echo '0, 4096, 55'; echo '1, 1024, [N/A]'; sleep 0.01; done\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i=None: 0)
+    with GpuMonitor(0.1) as mon:
+        deadline = time.time() + 5
+        while len(mon.series) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+    proc = mon._proc  # noqa: SLF001
+    assert proc is not None and proc.poll() is not None, "the sampler process is stopped"
+    s = mon.summary()
+    assert s["source"] == "nvidia-smi"
+    g0, g1 = s["gpus"]
+    assert g0["peak_memory_gib"] == 4.0 and g0["mean_util_pct"] == 55.0
+    assert g1["peak_memory_gib"] == 1.0 and g1["max_util_pct"] is None
