@@ -191,6 +191,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "none"
     enforce_eager: bool = False
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens back
     attention_backend: str = "auto"  # auto | torch | triton
     tensor_parallel_size: int = 1
     all_reduce: str = "auto"  # auto (symmetric memory when it works, else NCCL) | nccl | symm_mem

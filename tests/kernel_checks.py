@@ -294,3 +294,21 @@ def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, c
         out = linear(x, w, b, config)
     assert out.dtype == dtype
     assert_close(out.float(), ref, f"gemv M={m} N={n} K={k} {config}", dtype)
+
+
+def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """The one-pass sampler picks the same tokens as the PyTorch formula: same hash, same
+    scores (up to rounding), greedy rows take the argmax."""
+    from agent_infer.kernels.triton.sampling import gumbel_sample
+
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype).to(device)
+    temperature = torch.tensor([0.0 if i % 3 == 0 else 0.5 + i / rows for i in range(rows)], device=device)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(device)
+    steps = torch.randint(0, 5000, (rows,), generator=gen).to(device)
+    got = gumbel_sample(logits, temperature, seeds, steps)
+    want = reference.gumbel_sample(logits, temperature, seeds, steps)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got.cpu(), want.cpu()), f"{got.tolist()} != {want.tolist()}"
+    greedy = temperature == 0.0
+    assert torch.equal(got[greedy].cpu(), logits.float().argmax(-1)[greedy].cpu())

@@ -152,3 +152,37 @@ def test_begin_generation_and_outputs(smol_engine):
     texts = smol_engine.get_generation_outputs()
     direct = smol_engine.generate(["Hello", "Goodbye"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert texts == [o.text for o in direct] and all(texts)
+
+
+def test_async_scheduling_gives_the_same_results_as_synchronous(default_model_dir, smol_engine):
+    """Launching step N+1 before reading step N back must change nothing a caller sees:
+    tokens (greedy and seeded), EOS and length stops, stop strings, logprobs, streaming."""
+    assert smol_engine.async_scheduling
+    sync = engine(default_model_dir, async_scheduling=False)
+    assert not sync.async_scheduling
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    prompts = PROMPTS[:5] + [chat, "1, 2, 3, 4,"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=15),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[" and"]),
+        SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=200),  # ends on EOS
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[28]),
+    ]
+    a = smol_engine.generate(prompts, params)
+    b = sync.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason, y.stop_reason)
+        if x.logprobs is not None:
+            assert [t.token_id for t in x.logprobs] == [t.token_id for t in y.logprobs]
+            assert all(abs(s.logprob - t.logprob) < 1e-4 for s, t in zip(x.logprobs, y.logprobs))
+    assert a[5].finish_reason == "stop" and len(a[5].token_ids) < 200
+    assert smol_engine.block_manager.num_used_blocks == 0
+
+
+def test_penalties_run_synchronously_and_match(default_model_dir, smol_engine):
+    sync = engine(default_model_dir, async_scheduling=False)
+    p = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True)
+    assert smol_engine.generate(PROMPTS[:3], p)[1].token_ids == sync.generate(PROMPTS[:3], p)[1].token_ids

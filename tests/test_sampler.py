@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from agent_infer.engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p, uniform_noise
+from agent_infer.engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from agent_infer.kernels.reference import uniform_noise
 from agent_infer.engine.structs import Sequence
 from agent_infer.sampling_params import SamplingParams
 

@@ -79,6 +79,11 @@ else:
     def test_fused_add_rms_norm(dtype, tokens, dim):
         kc.check_fused_add_rms_norm(DEV, dtype, tokens, dim)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("rows,vocab", [(1, 503), (5, 10007)])
+    def test_gumbel_sample(dtype, rows, vocab):
+        kc.check_gumbel_sample(DEV, dtype, rows, vocab)
+
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize("shape", [(5, 400), (2, 3, 128), (1, 2 * 1100)])
     def test_silu_and_mul(dtype, shape):

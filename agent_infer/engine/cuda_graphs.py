@@ -53,6 +53,7 @@ class DecodeGraphs:
         self.slots = _Pinned((n,), torch.int64, device, fill=-1)
         self.context_lens = _Pinned((n,), torch.int32, device, fill=1)
         self.block_tables = _Pinned((n, max_blocks_per_seq), torch.int32, device)
+        self.prev_index = _Pinned((n,), torch.int64, device, fill=-1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -96,12 +97,19 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
 
-    def run(self, step) -> torch.Tensor:
-        """Replay the graph for `step` (a decode HostStep); returns logits [B, vocab]."""
+    def run(self, step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Replay the graph for `step` (a decode HostStep); returns logits [B, vocab].
+        Placeholder inputs take their token from `prev_tokens` (the previous step's
+        samples, still on the device)."""
         b = len(step.input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         pad = size - b
         self.input_ids.load(np.pad(step.input_ids, (0, pad)), size)
+        if step.prev_index is not None:
+            self.prev_index.load(np.pad(step.prev_index, (0, pad), constant_values=-1), size)
+            idx = self.prev_index.dev[:size]
+            ids = self.input_ids.dev[:size]
+            torch.where(idx >= 0, prev_tokens[idx.clamp(min=0)], ids, out=ids)
         self.positions.load(np.pad(step.positions, (0, pad)), size)
         self.slots.load(np.pad(step.slot_mapping, (0, pad), constant_values=-1), size)
         self.context_lens.load(np.pad(step.context_lens, (0, pad), constant_values=1), size)

@@ -88,6 +88,11 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
+        self._inflight: tuple[ScheduledBatch, object, float] | None = None  # launched, not read back
+        self._penalty_requests: set[str] = set()
+        # Overlap needs the sampled tokens to stay on one device: TP workers would need
+        # them too, and recompute preemption would re-prefill unknown tokens.
+        self.async_scheduling = config.async_scheduling and self.workers is None and config.preemption_mode == "none"
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._generation_ids: list[str] = []
@@ -144,19 +149,22 @@ class LLMEngine:
             self._pending.append(self._output(_Request(seq, detok)))
             return seq
         self._requests[request_id] = _Request(seq, detok)
+        if params.has_penalties:
+            self._penalty_requests.add(request_id)
         return seq
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks at once. False if it is not live."""
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return False
+        self._forget(request_id)
         self.scheduler.abort(req.seq)
         self._pending.append(self._output(req))
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -169,33 +177,63 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns an output for every request that changed."""
+        """Advance by one batch; returns an output for every request that changed.
+
+        With async scheduling (one process, no recompute preemption, no penalties in
+        play) the batch is launched before the previous one's tokens are read back, so
+        the host's bookkeeping overlaps the device's work; outputs then trail the device
+        by one step. Otherwise each batch is launched and read back in the same call."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None and self._penalty_requests:
+            outputs += self._resolve()  # penalties need every earlier token on the host
         batch = self.scheduler.schedule()
         if batch is None:
-            if self.scheduler.running and not self.scheduler.waiting:
+            if self._inflight is not None:
+                outputs += self._resolve()
+            elif self.scheduler.running and not self.scheduler.waiting:
                 raise RuntimeError("scheduler produced no work while requests are running")
             return outputs
-        t0 = time.perf_counter()
-        result = self._run(batch)
-        self.stats.record_step(batch, time.perf_counter() - t0)
-        outputs.extend(self._postprocess(batch, result))
+        launched = self._launch(batch)
+        if self._inflight is not None:
+            outputs += self._resolve()
+        self._inflight = launched
+        if not self.async_scheduling:
+            outputs += self._resolve()
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> StepOutput:
+    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object, float]:
+        t0 = time.perf_counter()
         step = self.runner.build_step(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
         if self.workers is None:
-            return self.runner.run(step, sampling)
+            handle = self.runner.launch(step, sampling)
+        else:
+            try:
+                self.workers.send_step(step)
+                handle = self.runner.launch(step, sampling)
+            except Exception as e:
+                self._worker_failed(e)
+        self.scheduler.on_launch(batch)
+        return batch, handle, t0
+
+    def _resolve(self) -> list[RequestOutput]:
+        batch, handle, t0 = self._inflight
+        self._inflight = None
         try:
-            self.workers.send_step(step)
-            return self.runner.run(step, sampling)
+            result = self.runner.collect(handle)
         except Exception as e:
-            failure = self.workers.control.failure
-            self.shutdown()
-            if failure is not None:
-                raise WorkerError(failure) from e
-            raise
+            if self.workers is None:
+                raise
+            self._worker_failed(e)
+        self.stats.record_step(batch, time.perf_counter() - t0)
+        return self._postprocess(batch, result)
+
+    def _worker_failed(self, error: Exception):
+        failure = self.workers.control.failure
+        self.shutdown()
+        if failure is not None:
+            raise WorkerError(failure) from error
+        raise error
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
@@ -207,20 +245,24 @@ class LLMEngine:
                     seq.output_logprobs.append((result.logprobs[i], top))
         now = time.monotonic()
         outputs = []
-        for seq in self.scheduler.postprocess(batch, result.tokens):
+        for seq in self.scheduler.on_result(batch, result.tokens):
             if seq.first_token_time is None:
                 seq.first_token_time = now
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
             if req.detok is not None:
-                stop = req.detok.add_token(seq.output_token_ids[-1])
+                stop = req.detok.add_token(seq.output_token_ids[seq.num_resolved - 1])
                 if stop is not None:
                     self.scheduler.finish(seq, FinishReason.STOP)
             outputs.append(self._output(req))
             if seq.is_finished:
-                del self._requests[seq.request_id]
+                self._forget(seq.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._penalty_requests.discard(request_id)
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -233,14 +275,15 @@ class LLMEngine:
             delta = text
         else:
             text, delta = "", ""
-        new_ids = seq.output_token_ids[req.sent_tokens :]
-        req.sent_tokens = seq.num_output_tokens
+        done = seq.num_resolved
+        new_ids = seq.output_token_ids[req.sent_tokens : done]
+        req.sent_tokens = done
         logprobs = None
         if seq.sampling_params.logprobs is not None:
             logprobs = [TokenLogprob(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs)]
         stop_reason = None  # like vLLM: None for EOS, else the stop string or stop token
         if seq.finish_reason == FinishReason.STOP:
-            last = seq.output_token_ids[-1] if seq.output_token_ids else None
+            last = seq.output_token_ids[done - 1] if done else None
             if req.detok is not None and req.detok.stopped_by:
                 stop_reason = req.detok.stopped_by
             elif last in seq.sampling_params.stop_token_ids:
@@ -249,7 +292,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids[:done],
             text=text,
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,

@@ -87,11 +87,12 @@ class KVMemoryPool:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             torch_reserved = torch.cuda.memory_reserved(device)
+            held = torch.cuda.memory_allocated(device)  # the weights, mostly
             non_torch = max(0, (total - free) - torch_reserved)
-            budget = int(total * gpu_memory_utilization) - peak_runtime_bytes - non_torch
+            budget = int(total * gpu_memory_utilization) - held - peak_runtime_bytes - non_torch
             source = (
-                f"{gpu_memory_utilization:.2f} x {total / 2**30:.1f} GiB - peak {peak_runtime_bytes / 2**30:.2f} GiB"
-                f" - other {non_torch / 2**30:.2f} GiB"
+                f"{gpu_memory_utilization:.2f} x {total / 2**30:.1f} GiB - weights {held / 2**30:.2f} GiB"
+                f" - peak activations {peak_runtime_bytes / 2**30:.2f} GiB - other {non_torch / 2**30:.2f} GiB"
             )
         else:
             budget = min(CPU_DEFAULT_CAP, int(cpu_available_bytes() * CPU_DEFAULT_SHARE))

@@ -21,7 +21,7 @@ from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
 from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
-from agent_infer.engine.structs import Sequence
+from agent_infer.engine.structs import PLACEHOLDER, Sequence
 from agent_infer.layers.attention import get_attention_backend
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
@@ -81,6 +81,7 @@ class ModelRunner:
         self.model = self._load_model()
         self.pool: KVMemoryPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -170,27 +171,74 @@ class ModelRunner:
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
         )
-        return PreparedInputs(to_dev(step.input_ids), to_dev(step.positions), meta, to_dev(step.sample_indices))
+        input_ids = to_dev(step.input_ids)
+        if step.prev_index is not None:
+            input_ids = self._fill_placeholders(input_ids, to_dev(step.prev_index))
+        return PreparedInputs(input_ids, to_dev(step.positions), meta, to_dev(step.sample_indices))
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, prev_index: torch.Tensor) -> torch.Tensor:
+        """Input tokens still on the device: row i takes the previous step's sampled token
+        prev_index[i] (where >= 0)."""
+        assert self._prev_tokens is not None, "placeholder inputs without a previous step"
+        return torch.where(prev_index >= 0, self._prev_tokens[prev_index.clamp(min=0)], input_ids)
 
     @torch.inference_mode()
     def execute(self, step: HostStep) -> torch.Tensor:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab]."""
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            return self.graphs.run(step)  # every decode row samples
+            return self.graphs.run(step, self._prev_tokens)  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden[inputs.sample_indices])
 
     @torch.inference_mode()
-    def run(self, step: HostStep, sampling_seqs: list[Sequence]) -> StepOutput:
-        """Forward pass and sampling (rank 0). `sampling_seqs` are the batch's sequences
-        that sample this step, in batch order."""
+    def launch(self, step: HostStep, sampling_seqs: list[Sequence]) -> InFlight:
+        """Queue the forward pass and sampling (rank 0) without waiting for them;
+        `sampling_seqs` are the batch's sequences that sample, in batch order. The
+        sampled tokens stay on the device for the next step's placeholder inputs and are
+        copied to the host in the background."""
         logits = self.execute(step)
         if not sampling_seqs:
-            return StepOutput(tokens=[])
+            return InFlight(None)
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
-        return to_host(self.sampler(logits, sampling))
+        out = self.sampler(logits, sampling)
+        self._prev_tokens = out.tokens
+        return InFlight.start(out, self.device)
+
+    def collect(self, inflight: InFlight) -> StepOutput:
+        """Wait for a launched step; its results on the host (the step's one sync)."""
+        return inflight.wait()
+
+    def run(self, step: HostStep, sampling_seqs: list[Sequence]) -> StepOutput:
+        return self.collect(self.launch(step, sampling_seqs))
+
+
+class InFlight:
+    """A launched step's sampler output, being copied to pinned host memory."""
+
+    def __init__(self, out: SamplerOutput | None, host: SamplerOutput | None = None, event=None):
+        self.out, self.host, self.event = out, host, event
+
+    @staticmethod
+    def start(out: SamplerOutput, device: torch.device) -> InFlight:
+        if device.type != "cuda":
+            return InFlight(out, out)
+
+        def copy(t):
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        host = SamplerOutput(copy(out.tokens), copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs))
+        event = torch.cuda.Event()
+        event.record()
+        return InFlight(out, host, event)
+
+    def wait(self) -> StepOutput:
+        if self.out is None:
+            return StepOutput(tokens=[])
+        if self.event is not None:
+            self.event.synchronize()
+        return to_host(self.host)
 
 
 @dataclass
@@ -206,17 +254,26 @@ class HostStep:
     query_lens: np.ndarray  # [B] int32
     query_start_loc: np.ndarray  # [B + 1] int32
     sample_indices: np.ndarray  # [S] int64
+    # Rows whose input token is still on the device: index into the previous step's
+    # sampled tokens (-1: the id in input_ids is real). None when there are none.
+    prev_index: np.ndarray | None = None
 
 
 def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     ids: list = []
     query_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
     starts = np.asarray([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
-    for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens):
+    prev: list[int] | None = None
+    for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
         if batch.is_prefill:
             ids.extend(seq.all_token_ids[start : start + n])
-        else:
-            ids.append(seq.last_token_id)
+            continue
+        token = seq.last_token_id
+        if token == PLACEHOLDER:
+            if prev is None:
+                prev = [-1] * len(batch.seqs)
+            prev[i] = seq.pending_row
+        ids.append(token)
     width = max(len(s.block_table) for s in batch.seqs)
     tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
     for i, seq in enumerate(batch.seqs):
@@ -238,6 +295,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         query_lens=query_lens,
         query_start_loc=qsl,
         sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
+        prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
     )
 
 

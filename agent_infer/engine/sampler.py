@@ -1,9 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, penalties, logprobs.
 
 Every row is sampled by an "exponential race": token = argmax(p_i / E_i) with E_i ~ Exp(1),
-which draws from p exactly. The E_i come from a counter-based hash of (request seed,
+which draws from p exactly; in log space that is the Gumbel-max trick,
+argmax(logits_i / T - log E_i). The E_i come from a counter-based hash of (request seed,
 output position, token id), so a request's samples depend on its seed alone — not on
-the batch it runs in, nor on any generator state — and need no host loop or sync.
+the batch it runs in, nor on any generator state — and need no host loop or sync. On
+GPUs one Triton pass over the logits does it (kernels/triton/sampling.py).
 """
 
 from __future__ import annotations
@@ -13,30 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from agent_infer.engine.structs import Sequence
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser on int64 tensors holding values < 2**32. Products stay
-    below 2**63 (multiplier < 2**31), so no signed overflow on any backend."""
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u in (0, 1), [batch, vocab], a pure function of (seed, step, token)."""
-    key = _mix32(seeds & _M32)
-    key = _mix32(key ^ ((seeds >> 32) & _M32))
-    key = _mix32(key ^ (steps & _M32))
-    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    h = _mix32(key[:, None] ^ ((tokens * 0x9E3779B1) & _M32)[None, :])
-    h = _mix32(h ^ (key[:, None] >> 3))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
+from agent_infer.kernels import ops
 
 @dataclass
 class SamplingBatch:
@@ -142,16 +121,18 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+            return ops.gumbel_sample(logits, batch.temperature, batch.seeds, batch.steps)
         temp = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
-        logits = logits / temp[:, None]
+        scaled = logits / temp[:, None]
         if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
+            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
         if batch.min_p is not None:
-            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = -torch.log(uniform_noise(batch.seeds, batch.steps, logits.shape[-1]))
-        return (probs / noise).argmax(dim=-1)
+            # p < min_p * p_max  <=>  scaled < max + log(min_p)
+            floor = scaled.amax(dim=-1, keepdim=True) + torch.log(batch.min_p[:, None])
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+        # temperature already applied: sample the masked distribution at T = 1
+        return ops.gumbel_sample(scaled, torch.ones_like(batch.temperature), batch.seeds, batch.steps)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

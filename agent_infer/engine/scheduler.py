@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agent_infer.engine.block_manager import BlockManager
-from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
+from agent_infer.engine.structs import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
             return
+        del seq.output_token_ids[seq.num_resolved :]
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq)
@@ -137,7 +138,11 @@ class Scheduler:
         return ScheduledBatch(seqs, True, counts, samples)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        decoding = [s for s in self.running if s.status == SequenceStatus.RUNNING_DECODE]
+        # A sequence whose placeholder already is its last allowed token is done growing.
+        decoding = [
+            s for s in self.running
+            if s.status == SequenceStatus.RUNNING_DECODE and len(s.output_token_ids) < s.max_tokens
+        ]
         # When the free pool covers every outstanding need at once (the usual case) any
         # grant is safe, and stays so: a grant lowers the free count and one need alike.
         plenty = sum(self._need(s) for s in decoding) <= self.bm.get_num_free_blocks()
@@ -211,42 +216,60 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Record what the step computed and sampled; returns the sequences that got a token.
-
-        `token_ids[i]` belongs to the i-th sequence of the batch that samples.
-        """
-        sampled: list[Sequence] = []
-        tokens = iter(token_ids)
+    def on_launch(self, batch: ScheduledBatch) -> None:
+        """The step is on its way to the device: advance the computed counts, and give each
+        sampling sequence a placeholder output token that `on_result` fills in. The next
+        step can then be scheduled before this one's tokens are known."""
+        row = 0
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
+            if samples:
+                if seq.status == SequenceStatus.RUNNING_PREFILL:
+                    seq.transition_to(SequenceStatus.RUNNING_DECODE)
+                seq.output_token_ids.append(PLACEHOLDER)
+                seq.pending_row = row
+                row += 1
+
+    def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Fill in the step's sampled tokens and apply stop conditions; returns the
+        sequences that got a token. `token_ids[i]` belongs to the i-th sampling sequence."""
+        sampled: list[Sequence] = []
+        tokens = iter(token_ids)
+        for seq, samples in zip(batch.seqs, batch.samples):
             if not samples:
-                self.bm.commit_full_blocks(seq)
+                if not seq.is_finished:
+                    self.bm.commit_full_blocks(seq)
                 continue
             token = next(tokens)
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted, or stopped by an earlier token, while this step ran
                 continue
-            if seq.status == SequenceStatus.RUNNING_PREFILL:
-                seq.transition_to(SequenceStatus.RUNNING_DECODE)
-            seq.output_token_ids.append(token)
+            index = seq.num_resolved
+            seq.output_token_ids[index] = token
+            seq.num_resolved = index + 1
             self.bm.commit_full_blocks(seq)
             sampled.append(seq)
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, index)
             if reason is not None:
                 self.finish(seq, reason)
         return sampled
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """on_launch and on_result at once (a step run synchronously)."""
+        self.on_launch(batch)
+        return self.on_result(batch, token_ids)
+
+    def _stop_reason(self, seq: Sequence, token: int, index: int) -> FinishReason | None:
         sp = seq.sampling_params
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if seq.num_output_tokens >= seq.max_tokens:
+        if index + 1 >= seq.max_tokens:
             return FinishReason.LENGTH
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return
+        del seq.output_token_ids[seq.num_resolved :]  # placeholders of steps still in flight
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq)

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from agent_infer.sampling_params import SamplingParams
 
 
+# An output token whose value is still on the device (its step is in flight).
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING_PREFILL = "running_prefill"
@@ -20,6 +24,9 @@ class SequenceStatus(enum.Enum):
     @property
     def done(self) -> bool:
         return self in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+
+
+_DONE = frozenset({SequenceStatus.FINISHED, SequenceStatus.REJECTED})
 
 
 class FinishReason(str, enum.Enum):
@@ -59,7 +66,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: SequenceStatus = SequenceStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # may end in PLACEHOLDERs
+    num_resolved: int = 0  # leading output tokens whose values are known
+    pending_row: int = -1  # row of the last placeholder in its step's sampled tokens
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -107,7 +116,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.done
+        return self.status in _DONE
 
     def transition_to(self, status: SequenceStatus) -> None:
         if status not in _ALLOWED[self.status]:

@@ -66,3 +66,14 @@ def apply_rotary_qk(
         reference.apply_rotary(positions, q, cos_sin_cache, is_neox),
         reference.apply_rotary(positions, k, cos_sin_cache, is_neox),
     )
+
+
+def gumbel_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """argmax(logits / T - log(-log u)) per row, u hashed from (seed, step, token); T = 0: argmax."""
+    if _use_triton(logits) and logits.stride(-1) == 1:
+        from agent_infer.kernels.triton import sampling
+
+        return sampling.gumbel_sample(logits, temperature, seeds, steps)
+    return reference.gumbel_sample(logits, temperature, seeds, steps)

@@ -114,3 +114,40 @@ def decode_attention(
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors holding values < 2**32. Products stay
+    below 2**63 (multiplier < 2**31), so no signed overflow on any backend."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), [batch, vocab], a pure function of (seed, step, token)."""
+    key = _mix32(seeds & _M32)
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (steps & _M32))
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    h = _mix32(key[:, None] ^ ((tokens * 0x9E3779B1) & _M32)[None, :])
+    h = _mix32(h ^ (key[:, None] >> 3))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """Sample row b from softmax(logits[b] / T[b]) as argmax(logits / T - log(-log u));
+    rows with T = 0 take the argmax."""
+    x = logits.float()
+    greedy = temperature == 0.0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature)
+    noise = -torch.log(-torch.log(uniform_noise(seeds, steps, x.shape[-1])))
+    score = torch.where(greedy[:, None], x, x * inv_t[:, None] + noise)
+    return score.argmax(dim=-1)

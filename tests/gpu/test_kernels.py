@@ -185,3 +185,9 @@ def test_decode_attention_cuda_graph(dtype, block_size):
         pad = [i for i, c in enumerate(contexts) if c == 0]
         if pad:
             assert torch.equal(out[pad], torch.zeros_like(out[pad])), "padding row must be zeros"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (64, 151936), (7, 49152)])
+def test_gumbel_sample(dtype, rows, vocab):
+    kc.check_gumbel_sample("cuda", dtype, rows, vocab)
