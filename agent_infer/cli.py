@@ -194,7 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return args.handler(args)
+        rc = args.handler(args)
+        if getattr(args, "tp", 1) > 1:
+            # Tearing down NCCL / symmetric-memory state at interpreter exit was seen to
+            # abort the process after all work was done; the engine already stopped its
+            # workers, so leave without running the C++ destructors.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc or 0)
+        return rc
     except KeyboardInterrupt:
         return 130
     except (ConfigError, ValueError, FileNotFoundError, KeyError, NotImplementedError) as e:

@@ -40,7 +40,7 @@ def _prompts(seed=3):
 
 def _engine(path, eager, **kw):
     return LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16", enforce_eager=eager,
-                                  gpu_memory_utilization=0.3, max_num_seqs=16, **kw))
+                                  kv_cache_bytes=2 << 30, max_num_seqs=16, **kw))
 
 
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
