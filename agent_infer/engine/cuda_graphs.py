@@ -30,15 +30,35 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _Pinned:
-    """A pinned host buffer and its device twin; `load` stages an array and copies it over."""
+    """Pinned host staging and its device twin; `load` stages an array and copies it over.
+
+    Two host buffers, used in turn: with async scheduling the next step is staged while
+    the previous step's copy may still be queued on the device, and must not overwrite
+    what that copy is about to read. A buffer is reused only after the step that used it
+    was read back (one step in flight at most)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: int = 0):
-        self.host = torch.full(shape, fill, dtype=dtype, pin_memory=True)
+        self.hosts = [torch.full(shape, fill, dtype=dtype, pin_memory=True) for _ in range(2)]
         self.dev = torch.full(shape, fill, dtype=dtype, device=device)
+        self.turn = 0
 
     def load(self, values: np.ndarray, rows: int) -> None:
-        self.host[: values.shape[0]].numpy()[...] = values
-        self.dev[:rows].copy_(self.host[:rows], non_blocking=True)
+        """Stage `values` into the first rows and copy `rows` rows (values + padding)."""
+        host = self._next_host()
+        host[: values.shape[0]].numpy()[...] = values
+        self.dev[:rows].copy_(host[:rows], non_blocking=True)
+
+    def load_block(self, values: np.ndarray) -> None:
+        """Stage and copy just the top-left corner `values` covers (2-D)."""
+        host = self._next_host()
+        r, c = values.shape
+        host[:r, :c].numpy()[...] = values
+        self.dev[:r, :c].copy_(host[:r, :c], non_blocking=True)
+
+    def _next_host(self) -> torch.Tensor:
+        host = self.hosts[self.turn]
+        self.turn ^= 1
+        return host
 
 
 class DecodeGraphs:
@@ -113,8 +133,6 @@ class DecodeGraphs:
         self.positions.load(np.pad(step.positions, (0, pad)), size)
         self.slots.load(np.pad(step.slot_mapping, (0, pad), constant_values=-1), size)
         self.context_lens.load(np.pad(step.context_lens, (0, pad), constant_values=1), size)
-        width = step.block_tables.shape[1]
-        self.block_tables.host[:b, :width].numpy()[...] = step.block_tables
-        self.block_tables.dev[:b, :width].copy_(self.block_tables.host[:b, :width], non_blocking=True)
+        self.block_tables.load_block(step.block_tables)
         self.graphs[size].replay()
         return self.logits[size][:b]
