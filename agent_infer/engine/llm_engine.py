@@ -20,7 +20,7 @@ from agent_infer.engine.control import WorkerError
 from agent_infer.engine.model_runner import StepOutput
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
 from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
+from agent_infer.engine.structs import FinishReason, Sequence
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.sampling_params import SamplingParams
 from agent_infer.engine.runner_setup import check_tp_divisibility, setup_runner

@@ -48,11 +48,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary rows, gathered over ranks. With tied embeddings
     the model points `weight` at the embedding's parameter."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelState, bias: bool = False):
-        super().__init__(vocab_size, hidden_size, tp)
-        if bias:
-            raise NotImplementedError("LM head bias")
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         if self.tp.world_size > 1:
