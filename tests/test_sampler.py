@@ -43,6 +43,14 @@ def test_mixed_greedy_and_random_rows():
     assert out.tokens[0] == logits[0].argmax() and out.tokens[2] == logits[2].argmax()
 
 
+def test_greedy_rows_stay_greedy_beside_top_k_top_p_rows():
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=5)] * 2
+    out = sample(logits, params)
+    assert out.tokens[0] == logits[0].argmax() and out.tokens[2] == logits[2].argmax()
+    assert out.tokens[1] in logits[1].topk(5).indices and out.tokens[3] in logits[3].topk(5).indices
+
+
 def test_top_k_limits_support():
     torch.manual_seed(0)
     logits = torch.randn(1, V)

@@ -62,7 +62,7 @@ class _Pinned:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device):
         self.model = model
         self.device = device
         self.sizes = capture_sizes(max_batch)
@@ -78,7 +78,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.vocab_size = vocab_size
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(

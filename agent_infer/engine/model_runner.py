@@ -108,7 +108,7 @@ class ModelRunner:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
-            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.model_config.vocab_size, self.device
+            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device
         )
         self.graphs.capture()
 
@@ -209,9 +209,6 @@ class ModelRunner:
     def collect(self, inflight: InFlight) -> StepOutput:
         """Wait for a launched step; its results on the host (the step's one sync)."""
         return inflight.wait()
-
-    def run(self, step: HostStep, sampling_seqs: list[Sequence]) -> StepOutput:
-        return self.collect(self.launch(step, sampling_seqs))
 
 
 class InFlight:

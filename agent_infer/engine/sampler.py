@@ -28,7 +28,6 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
     all_greedy: bool
-    any_greedy: bool
     num_logprobs: int  # top logprobs to return; -1: none
     presence: torch.Tensor | None = None  # [B] float32
     frequency: torch.Tensor | None = None
@@ -44,7 +43,7 @@ class SamplingBatch:
         penalties = any(p.has_penalties for p in params)
         if all(greedy) and nlp < 0 and not penalties:
             # The common decode case: argmax only, no per-row tensors to build or copy.
-            return SamplingBatch(None, None, None, None, None, None, True, True, -1)
+            return SamplingBatch(None, None, None, None, None, None, True, -1)
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -61,7 +60,6 @@ class SamplingBatch:
             top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in sampled) else None,
             min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0.0 for p in sampled) else None,
             all_greedy=all(greedy),
-            any_greedy=any(greedy),
             num_logprobs=nlp,
         )
         if penalties:
@@ -101,17 +99,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.all_greedy and batch.num_logprobs < 0 and batch.output_counts is None:
             return SamplerOutput(logits.argmax(dim=-1))
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs >= 0 else None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.num_logprobs >= 0 else None
         if batch.output_counts is not None:
-            logits = apply_penalties(logits, batch)
-        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
-        if batch.all_greedy:
-            tokens = greedy_tokens
-        else:
-            tokens = self._sample(logits, batch)
-            if greedy_tokens is not None:
-                tokens = torch.where(batch.temperature == 0.0, greedy_tokens, tokens)
+            logits = apply_penalties(logits.float(), batch)
+        # Greedy rows (T = 0) take the argmax inside the sampling kernel itself.
+        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -123,16 +115,18 @@ class Sampler:
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.top_k is None and batch.top_p is None and batch.min_p is None:
             return ops.gumbel_sample(logits, batch.temperature, batch.seeds, batch.steps)
-        temp = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
-        scaled = logits / temp[:, None]
+        greedy = batch.temperature == 0.0
+        ones = torch.ones_like(batch.temperature)
+        scaled = logits.float() / torch.where(greedy, ones, batch.temperature)[:, None]
         if batch.top_k is not None or batch.top_p is not None:
             scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
         if batch.min_p is not None:
             # p < min_p * p_max  <=>  scaled < max + log(min_p)
             floor = scaled.amax(dim=-1, keepdim=True) + torch.log(batch.min_p[:, None])
             scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-        # temperature already applied: sample the masked distribution at T = 1
-        return ops.gumbel_sample(scaled, torch.ones_like(batch.temperature), batch.seeds, batch.steps)
+        # Temperature is applied: sample the masked distribution at T = 1 (greedy rows: T = 0,
+        # the argmax, which the masks always keep).
+        return ops.gumbel_sample(scaled, torch.where(greedy, torch.zeros_like(ones), ones), batch.seeds, batch.steps)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -83,7 +83,10 @@ async def _run_one(client: httpx.AsyncClient, p: dict) -> str:
         for c in data["choices"]:
             assert c["finish_reason"] in ("stop", "length")
             _check_choice_text(p, c["message"]["content"] if p["chat"] else c["text"])
-        assert 1 <= data["usage"]["completion_tokens"] <= p["max_tokens"] * p["n"]
+        used = data["usage"]["completion_tokens"]
+        assert 1 <= used <= p["max_tokens"] * p["n"]
+        if all(c["finish_reason"] == "length" for c in data["choices"]):
+            assert used == p["max_tokens"] * p["n"], (p, data["usage"])
         return "ok"
 
     async with client.stream("POST", path, json=body) as r:
