@@ -139,6 +139,72 @@ def check_rotary(
     assert torch.equal(qkv[:, q_size + kv_size :], v_before), "rotary wrote outside q and k"
 
 
+def check_norm_rope_store(
+    device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
+    is_neox: bool, qk_norm: bool, block_size: int = 16,
+) -> None:
+    """The fused per-head q/k RMSNorm + RoPE + K/V cache write against the three
+    reference ops: q, k (strided views of a merged QKV buffer, rewritten in place) and
+    both whole caches, with padding rows (slot -1) that must leave the caches alone."""
+    from agent_infer.kernels.triton.rope_store import norm_rope_store
+
+    max_pos = 4 * tokens + 50
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=21)
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=_gen(22)).to(device)
+    q_w = randn(head_dim, dtype=dtype, device=device, seed=23, scale=0.5) + 1 if qk_norm else None
+    k_w = randn(head_dim, dtype=dtype, device=device, seed=24, scale=0.5) + 1 if qk_norm else None
+    num_blocks = -(-2 * tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(25))[:tokens]
+    slots[torch.arange(tokens) % 3 == 2] = -1
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = randn(*shape, dtype=dtype, device=device, seed=26)
+    v_cache = randn(*shape, dtype=dtype, device=device, seed=27)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = (reference.rms_norm(q, q_w, 1e-6), reference.rms_norm(k, k_w, 1e-6)) if qk_norm else (q, k)
+    ref_q = reference.apply_rotary(positions, ref_q, cache, is_neox)
+    ref_k = reference.apply_rotary(positions, ref_k, cache, is_neox)
+    reference.store_kv(ref_k, v, ref_kc, ref_vc, slots)
+    v_before = v.clone()
+    with poisoned_empty():
+        out_q, out_k = norm_rope_store(positions, q, k, v, q_w, k_w, 1e-6, cache, is_neox, k_cache, v_cache, slots)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "must work in place"
+    assert_close(q, ref_q, "norm_rope_store q")
+    assert_close(k, ref_k, "norm_rope_store k")
+    assert torch.equal(v, v_before), "v must be left as it was"
+    assert torch.equal(v_cache, ref_vc), "V cache differs from the reference (a copy, so exact)"
+    assert_close(k_cache, ref_kc, "norm_rope_store K cache")
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    flat, ref_flat = k_cache.view(-1, kv_heads, head_dim), ref_kc.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat[untouched], ref_flat[untouched]), "K cache written outside the step's slots"
+
+
+def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_mul: bool, config=None) -> None:
+    """The batch-1 GEMV (optionally with the SiLU-and-mul epilogue over [gate | up] rows)
+    against F.linear (and the reference silu_and_mul on its rounded output)."""
+    from agent_infer.kernels.triton.gemv import linear_m1
+
+    rows = 2 * n if silu_mul else n
+    x = randn(1, k, dtype=dtype, device=device, seed=31)
+    w = randn(rows, k, dtype=dtype, device=device, seed=32, scale=k**-0.5)
+    b = randn(rows, dtype=dtype, device=device, seed=33) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    if silu_mul:
+        ref = reference.silu_and_mul(ref.to(dtype)).float()
+    with poisoned_empty():
+        out = linear_m1(x, w, b, silu_mul=silu_mul, config=config)
+    assert out.dtype == dtype and out.shape == (1, n)
+    assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config}", dtype)
+
+
 # ---- paged KV cache and attention --------------------------------------------------------
 
 

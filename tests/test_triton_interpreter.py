@@ -42,7 +42,7 @@ else:
     import torch
     from triton.runtime import interpreter as _interpreter
 
-    from agent_infer.kernels.triton.gemv import GemvConfig
+    from agent_infer.kernels.triton.gemv import GemvConfig, RowConfig
     from tests import kernel_checks as kc
 
     def _patch_interpreter_scalar_index() -> None:
@@ -95,6 +95,13 @@ else:
     def test_rotary(dtype, is_neox, head_dim, rot_dim):
         kc.check_rotary(DEV, dtype, 5, 4, 2, head_dim, rot_dim, is_neox)
 
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("qk_norm", [True, False])
+    @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (64, 32)])
+    def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):
+        kc.check_norm_rope_store(DEV, dtype, 7, 4, 2, head_dim, rot_dim, is_neox, qk_norm)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("block_size", [16, 32])
     def test_store_kv(dtype, block_size):
@@ -144,6 +151,15 @@ else:
     def test_gemv(dtype, case):
         kc.check_gemv(DEV, dtype, *case)
 
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize(
+        "n,k,bias,silu_mul,config",
+        [(100, 256, True, False, RowConfig(8, 64)), (48, 512, False, True, RowConfig(4, 128)),
+         (7, 64, True, True, None), (33, 192, False, False, RowConfig(2, 64))],
+    )
+    def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
+        kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
+
     def test_gemv_bf16_fma_path():
         kc.check_gemv(DEV, torch.bfloat16, 1, 100, 256, True, GemvConfig(16, 64, split_k=2))
 
@@ -152,7 +168,8 @@ else:
     def test_engine_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):
         """A tiny checkpoint run by the engine (fp32) with every kernel and the attention
         backend routed to Triton gives the torch path's greedy tokens: ragged prefill,
-        a prefix-cache hit (prefill over cached blocks), decode with GQA and q/k norms."""
+        a prefix-cache hit (prefill over cached blocks), decode with GQA and q/k norms
+        (fused with RoPE and the KV write), and batch-1 decode through the GEMV kernels."""
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
@@ -177,9 +194,9 @@ else:
 
         class CountingBackend(TritonAttentionBackend):
             @staticmethod
-            def forward(q, k, v, k_cache, v_cache, meta, scale):
+            def forward(q, k, v, k_cache, v_cache, meta, scale, store=True):
                 calls.append(meta.is_prefill)
-                return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale)
+                return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale, store)
 
         expected = run()
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)

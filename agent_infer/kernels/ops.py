@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from agent_infer.kernels import reference
 
@@ -66,6 +67,57 @@ def apply_rotary_qk(
         reference.apply_rotary(positions, q, cos_sin_cache, is_neox),
         reference.apply_rotary(positions, k, cos_sin_cache, is_neox),
     )
+
+
+def norm_rope_store(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    cos_sin_cache: torch.Tensor, is_neox: bool,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [T, H, D] and k [T, Hkv, D] (skipped when the weights are
+    None), RoPE on both, then k and v into the paged caches at slot_mapping (-1 = skip).
+    Returns (q, k); the Triton version is one kernel working in place."""
+    if _use_triton(q):
+        from agent_infer.kernels.triton import rope_store
+
+        return rope_store.norm_rope_store(
+            positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping
+        )
+    if q_weight is not None:
+        q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
+    q = reference.apply_rotary(positions, q, cos_sin_cache, is_neox)
+    k = reference.apply_rotary(positions, k, cos_sin_cache, is_neox)
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Batch-1 projections go through the Triton GEMV (reads the weight faster than
+    cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear."""
+    return (
+        _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
+        and x.dtype == weight.dtype and x.shape[1] % 16 == 0
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias)."""
+    if _gemv_ok(x, weight):
+        from agent_infer.kernels.triton import gemv
+
+        return gemv.linear_m1(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
+    one kernel on the batch-1 GEMV path."""
+    if _gemv_ok(x, weight):
+        from agent_infer.kernels.triton import gemv
+
+        return gemv.linear_m1(x, weight, bias, silu_mul=True)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 def gumbel_sample(

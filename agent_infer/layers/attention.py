@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from agent_infer.engine.forward_context import AttentionMetadata, get_attention_metadata
-from agent_infer.kernels import reference
+from agent_infer.kernels import ops, reference
+from agent_infer.layers.norm import RMSNorm
+from agent_infer.layers.rotary import RotaryEmbedding
 
 
 class TorchAttentionBackend:
@@ -20,9 +22,10 @@ class TorchAttentionBackend:
     @staticmethod
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, store: bool = True,
     ) -> torch.Tensor:
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if store:
+            reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return reference.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_lens_host, meta.context_lens_host, scale
@@ -59,7 +62,27 @@ class Attention(nn.Module):
         self.backend = TorchAttentionBackend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self._cache()
+        meta = get_attention_metadata()
+        return self.backend.forward(q, k, v, cache[0], cache[1], meta, self.scale)
+
+    def forward_with_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rotary: RotaryEmbedding, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Per-head q/k RMSNorm (Qwen3; when given), RoPE and the K/V cache write as one
+        op (one kernel on GPU), then attention over the cache."""
+        cache = self._cache()
+        meta = get_attention_metadata()
+        q_w, k_w = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
+        eps = q_norm.eps if q_norm is not None else 0.0
+        q, k = ops.norm_rope_store(
+            positions, q, k, v, q_w, k_w, eps, rotary.cos_sin_cache, rotary.is_neox, cache[0], cache[1],
+            meta.slot_mapping,
+        )
+        return self.backend.forward(q, k, v, cache[0], cache[1], meta, self.scale, store=False)
+
+    def _cache(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("attention has no KV cache bound; run the model through the engine")
-        meta = get_attention_metadata()
-        return self.backend.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], meta, self.scale)
+        return self.kv_cache

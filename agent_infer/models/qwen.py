@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from agent_infer.config import ModelConfig
-from agent_infer.layers.activation import get_act_and_mul
+from agent_infer.layers.activation import SiluAndMul, get_act_and_mul
 from agent_infer.layers.attention import Attention
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
@@ -44,10 +44,9 @@ class DenseAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v)
+            o = self.attn.forward_with_rope(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
+        else:
+            o = self.attn.forward_with_rope(positions, q, k, v, self.rotary)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -60,6 +59,8 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.act, SiluAndMul):
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, narrow, shape_of
 from agent_infer.tp_layers.distributed import ParallelState, all_gather_last_dim, all_reduce_sum
 
@@ -49,7 +50,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     the model points `weight` at the embedding's parameter."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
         if self.tp.world_size > 1:
             logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.vocab_size]

@@ -6,8 +6,9 @@ sliced before (blueprint FM-001) and is copied as is, never sliced twice."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from agent_infer.kernels import ops
 
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 from agent_infer.tp_layers.distributed import ParallelState, all_reduce_sum, divide
@@ -37,7 +38,7 @@ class ReplicatedLinear(nn.Module):
         copy_into(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -60,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param, _shard(loaded, 0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,6 +77,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.out_sizes[:shard_id]) // self.tp.world_size
         part = _shard(loaded, 0, self.tp.rank * size, size)
         copy_into(param.data.narrow(0, offset, size), part)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
+        assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
+        return ops.linear_silu_mul(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -144,5 +150,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = ops.linear(x, self.weight, bias)
         return all_reduce_sum(y, self.tp) if self.reduce else y

@@ -50,6 +50,15 @@ def test_rotary(dtype, is_neox, head_dim, rot_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64)])
+def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):
+    for tokens in (1, 300):
+        kc.check_norm_rope_store(DEV, dtype, tokens, HEADS, KV_HEADS, head_dim, rot_dim, is_neox, qk_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_store_kv(dtype, block_size):
     kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, block_size)
@@ -102,6 +111,13 @@ def test_decode_padding_rows(num_splits):
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 4000)])
 def test_gemv(dtype, m, n, k):
     kc.check_gemv(DEV, dtype, m, n, k, bias=(n == 1000))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,silu_mul", [(6144, 4096, False), (4096, 12288, False), (12288, 4096, True),
+                                          (1000, 4000, False), (151936, 4096, False), (576, 1536, True)])
+def test_gemv_m1(dtype, n, k, silu_mul):
+    kc.check_gemv_m1(DEV, dtype, n, k, bias=(n == 1000), silu_mul=silu_mul)
 
 
 def test_gemv_fp32():

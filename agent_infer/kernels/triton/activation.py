@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import as_rows
+from agent_infer.kernels.triton.utils import as_rows, launch_opts, pdl_begin
 
 _BLOCK = 1024
 
@@ -16,8 +16,9 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr,
     rows_b, d,
     sxa, sxb, soa, sob,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -49,6 +50,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         xv, ov,
         xv.shape[1], d,
         xv.stride(0), xv.stride(1), ov.stride(0), ov.stride(1),
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=4, **launch_opts(x.device),
     )
     return out

@@ -22,10 +22,12 @@ class TritonAttentionBackend:
     @staticmethod
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, store: bool = True,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; caches [blocks, block_size, Hkv, D]."""
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; caches [blocks, block_size, Hkv, D].
+        store=False: the caller already wrote k/v into the caches."""
+        if store:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,

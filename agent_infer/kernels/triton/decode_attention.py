@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import dot_precision, num_sms
+from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -36,8 +36,9 @@ def _decode_split_kernel(
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
     num_heads, group, head_dim, num_splits, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -94,8 +95,9 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     sob, soh, num_heads, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
@@ -178,12 +180,12 @@ def decode_attention(
         num_heads, group, head_dim, splits, scale * _LOG2E,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, DIRECT=direct, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct:
         _decode_combine_kernel[(batch, num_heads)](
             part_o, part_lse, out,
             out.stride(0), out.stride(1), num_heads, head_dim, splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **launch_opts(q.device),
         )
     return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import dot_precision, num_sms
+from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
 
 MAX_M = 16
 
@@ -143,4 +143,98 @@ def linear(
             part, b, out, m, n, out.stride(0), split,
             HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
         )
+    return out
+
+
+# ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of the M = 1 kernel: BLOCK_N rows per program, BLOCK_K columns per load."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    N, K, swn, up_offset,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[n] = sum_k w[n, k] x[k] (+ b[n]); with SILU_MUL, rows n and n + up_offset are a
+    gate/up pair and out[n] = silu(gate) * up (gate rounded to the weight dtype first,
+    as the unfused reference does). K is a multiple of BLOCK_K.
+
+    With PDL (programmatic dependent launch, Hopper+), the first weight tile is loaded
+    before waiting for the previous kernel: weights never depend on it, so the load
+    overlaps that kernel's tail instead of following it."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
+    w = tl.load(rows, mask=n_mask[:, None], other=0.0)
+    if SILU_MUL:
+        up_rows = rows + up_offset * swn
+        wu = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
+    pdl_begin(PDL)
+    x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * x
+    if SILU_MUL:
+        acc_u = wu.to(tl.float32) * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
+        acc += tl.load(rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
+        if SILU_MUL:
+            acc_u += tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        u = tl.sum(acc_u, axis=1)
+        if HAS_BIAS:
+            u += tl.load(b_ptr + up_offset + n, mask=n_mask, other=0.0).to(tl.float32)
+        g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def row_config(n: int, k: int, device: torch.device) -> RowConfig:
+    """4 rows x 2048 columns per load: the fastest in a sweep over the Qwen3-8B shapes at
+    TP = 1 and 2 on an H200 (benchmarks/gemv_chain.py; docs/PERFORMANCE.md). Few rows
+    per program give N / 4 programs, several per SM, each streaming long contiguous
+    rows; the column tile shrinks to a power of two that divides K."""
+    block_k = 2048
+    while k % block_k:
+        block_k //= 2
+    return RowConfig(4, block_k)
+
+
+def linear_m1(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    silu_mul: bool = False, config: RowConfig | None = None, pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]; with silu_mul the N rows are
+    [gate | up] halves and the result is silu(gate) * up, [1, N / 2]."""
+    k = x.shape[-1]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    cfg = config or row_config(n, k, x.device)
+    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if has_bias else out, out,
+        n, k, weight.stride(0), n,
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
     return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import as_rows
+from agent_infer.kernels.triton.utils import as_rows, launch_opts, pdl_begin
 
 # Elements one program handles; short rows (per-head norms) are packed several per program.
 _TILE_ELEMS = 4096
@@ -24,8 +24,9 @@ def _rms_norm_kernel(
     n_rows, rows_b, n_cols,
     sxa, sxb, soa, sob,
     eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_a = (rows // rows_b).to(tl.int64)
@@ -46,8 +47,9 @@ def _fused_add_rms_norm_kernel(
     n_rows, rows_b, n_cols,
     sxa, sxb, sra, srb,
     eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_a = (rows // rows_b).to(tl.int64)
@@ -93,7 +95,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         n_rows, xv.shape[1], n_cols,
         xv.stride(0), xv.stride(1), ov.stride(0), ov.stride(1),
         eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **launch_opts(x.device),
     )
     return out
 
@@ -125,6 +127,6 @@ def fused_add_rms_norm(
         n_rows, xv.shape[1], n_cols,
         xv.stride(0), xv.stride(1), rv.stride(0), rv.stride(1),
         eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **launch_opts(x.device),
     )
     return x, residual

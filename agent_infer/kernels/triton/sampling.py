@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+
 _BLOCK = 2048
 _SPLIT = 8192  # vocabulary entries per program
 
@@ -28,8 +30,9 @@ def _mix32(x):
 def _gumbel_argmax_kernel(
     logits_ptr, stride, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr,
     vocab, num_splits,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -71,6 +74,6 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     idx = torch.empty(rows, splits, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, splits)](
         logits, logits.stride(0), temperature, seeds, steps, vals, idx,
-        vocab, splits, SPLIT=_SPLIT, BLOCK=_BLOCK, num_warps=8,
+        vocab, splits, SPLIT=_SPLIT, BLOCK=_BLOCK, num_warps=8, **launch_opts(logits.device),
     )
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
