@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo): TP = 2 and 3 give the same greedy tokens and the same
-fp32 logprobs as TP = 1; bad sizes fail before any process starts; a dead worker makes the
-engine fail fast and leaves no process behind; torchrun launches work too."""
+"""Tensor parallelism on CPU (gloo): TP = 2 and 3 with async scheduling give the same
+tokens (greedy and seeded sampling) and the same fp32 logprobs as a synchronous TP = 1;
+bad sizes fail before any process starts; a dead worker, or a failed step on rank 0,
+makes the engine fail fast and leaves no process behind; torchrun launches work too."""
 
 from __future__ import annotations
 
@@ -24,12 +25,47 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 12, 13], list(range(20, 61))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=20)
 
 
-def run(path: str, tp: int, prompts=PROMPTS, params=PARAMS):
-    eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=128, tensor_parallel_size=tp))
+def make_engine(path: str, tp: int, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 128)
+    return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, **kw))
+
+
+def run(path: str, tp: int, prompts=PROMPTS, params=PARAMS, **kw):
+    """TP > 1 runs with async scheduling (the default); the TP = 1 reference runs
+    synchronously, so every comparison also checks async TP against plain stepping."""
+    if tp == 1:
+        kw.setdefault("async_scheduling", False)
+    eng = make_engine(path, tp, **kw)
     try:
+        if tp > 1:
+            assert eng.async_scheduling
         return eng.generate(prompts, params)
     finally:
         eng.shutdown()
+
+
+class StepLog:
+    """Records the steps rank 0 sends to its workers."""
+
+    def __init__(self, eng: LLMEngine):
+        self.steps = []
+        send = eng.workers.send_step
+
+        def record(step):
+            self.steps.append(step)
+            send(step)
+
+        eng.workers.send_step = record
+
+    @property
+    def placeholder_steps(self) -> int:
+        """Decode steps whose input ids were (partly) still on the device."""
+        return sum(1 for s in self.steps if s.prev_index is not None and (s.prev_index >= 0).any())
+
+    @property
+    def silent_steps(self) -> int:
+        """Steps that sampled nothing (prompt chunks): no token broadcast on any rank."""
+        return sum(1 for s in self.steps if len(s.sample_indices) == 0)
 
 
 def assert_same(a, b, tol=1e-3):
@@ -48,6 +84,7 @@ def assert_same(a, b, tol=1e-3):
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_untied", "qwen2", "llama"])
 def test_tp2_equals_tp1(name, tiny_model_dirs):
     # qwen3 / qwen3_untied have one KV head: with TP = 2 it is replicated on both ranks.
+    # TP = 2 runs async (placeholder inputs from rank 0's token broadcast), TP = 1 not.
     path = tiny_model_dirs[name]
     assert_same(run(path, 2), run(path, 1))
     assert not dist.is_initialized(), "the rank-0 process must leave no process group behind"
@@ -69,22 +106,106 @@ def test_default_model_tp3_same_text_and_tp2_is_refused(default_model_dir):
         LLMEngine(EngineConfig(model=default_model_dir, device="cpu", tensor_parallel_size=2))
 
 
-def test_killed_worker_fails_fast_and_leaves_no_orphans(tiny_model_dirs):
-    eng = LLMEngine(EngineConfig(model=tiny_model_dirs["qwen3_untied"], device="cpu", dtype="float32",
-                                 num_kv_blocks=128, tensor_parallel_size=2))
+def assert_same_outputs(a, b, tol=1e-3):
+    """Token for token (greedy and seeded sampling), same finish, logprobs within fp32 noise."""
+    for x, y in zip(a, b, strict=True):
+        assert (x.token_ids, x.finish_reason, x.stop_reason) == (y.token_ids, y.finish_reason, y.stop_reason)
+        assert (x.logprobs is None) == (y.logprobs is None)
+        for lx, ly in zip(x.logprobs or [], y.logprobs or [], strict=True):
+            assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < tol
+
+
+MIXED_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 12, 13], list(range(20, 61)), [7, 7, 7, 1], [450, 2, 99, 100, 101]]
+
+
+def mixed_params(stop_token: int | None = None) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3,
+                       stop_token_ids=[stop_token] if stop_token is not None else []),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=14, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=3, ignore_eos=True),  # finishes early
+        SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=10, max_tokens=1, ignore_eos=True),  # prefill only
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_async_tp2_equals_sync_tp1_sampled_mixed_and_chunked(name, tiny_model_dirs):
+    """Async TP = 2 against synchronous TP = 1, token for token. Decode inputs of TP = 2 are
+    placeholders resolved on the device from rank 0's broadcast tokens: a worker with a
+    wrong token would write other K/V for it into its cache shard, and every later
+    all-reduced hidden state (hence token and logprob) would move. A small token budget
+    cuts the 41-token prompt into chunks that sample nothing (no broadcast on any rank);
+    requests end early by length and — known only after a step was already launched
+    for it — by a stop token."""
+    path = tiny_model_dirs[name]
+    sync1 = make_engine(path, 1, async_scheduling=False, max_num_batched_tokens=16)
+    two = make_engine(path, 2, max_num_batched_tokens=16)
+    try:
+        assert two.async_scheduling and not sync1.async_scheduling
+        log = StepLog(two)
+        expected = sync1.generate(MIXED_PROMPTS, mixed_params())
+        assert_same_outputs(two.generate(MIXED_PROMPTS, mixed_params()), expected)
+        assert log.placeholder_steps >= 10 and log.silent_steps >= 2
+        # Stop request 0 at a token it produces mid-way: the stop is seen one step late.
+        stop = expected[0].token_ids[6]
+        expected = sync1.generate(MIXED_PROMPTS, mixed_params(stop))
+        assert expected[0].finish_reason == "stop" and len(expected[0].token_ids) <= 7
+        assert_same_outputs(two.generate(MIXED_PROMPTS, mixed_params(stop)), expected)
+        assert two.block_manager.num_used_blocks == 0
+    finally:
+        two.shutdown()
+        sync1.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_killed_worker_fails_fast_and_leaves_no_orphans(tiny_model_dirs, async_scheduling):
+    eng = make_engine(tiny_model_dirs["qwen3_untied"], 2, async_scheduling=async_scheduling)
+    assert eng.async_scheduling == async_scheduling
     procs = list(eng.workers.procs)
+    control = eng.workers.control
+    record = control._fail
+
+    def slow_record(message):  # a busy host: the reader thread records the death late,
+        time.sleep(0.3)  # after gloo has already failed the collective on rank 0
+        record(message)
+
+    control._fail = slow_record
     eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-    for _ in range(3):
+    eng.add_request([8, 9], SamplingParams(temperature=0.8, seed=3, max_tokens=400, ignore_eos=True))
+    for _ in range(4):
         eng.step()
+    assert (eng._inflight is not None) == async_scheduling  # killed with a decode step in flight
     os.kill(procs[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="worker 1"):
         while eng.has_unfinished_requests():
             eng.step()
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 15  # not a collective timeout (60 s)
     time.sleep(0.5)
     assert all(p.poll() is not None for p in procs), "a worker outlived the engine"
     assert eng.workers is None
+
+
+def test_rank0_failing_mid_step_stops_the_blocked_workers(tiny_model_dirs):
+    """Rank 0 raises after the forward pass, before its token broadcast: the worker is left
+    waiting in that broadcast. The engine must raise at once and kill it, not wait."""
+    eng = make_engine(tiny_model_dirs["llama"], 2)
+    procs = list(eng.workers.procs)
+    eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+
+    def broken_sampler(logits, batch):
+        raise RuntimeError("sampler exploded")
+
+    eng.runner.sampler = broken_sampler
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        eng.step()
+    assert time.monotonic() - t0 < 8
+    assert eng.workers is None
+    assert _wait_for(lambda: all(p.poll() is not None for p in procs)), "a blocked worker outlived the engine"
 
 
 def _control_pair():

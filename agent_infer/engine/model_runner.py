@@ -3,6 +3,11 @@
 Inputs of a step: `input_ids, positions` (flattened over the batch), and the attention
 metadata (`slot_mapping, block_tables, context_lens, query_start_loc`). Only the last
 position of each sequence that samples goes through the LM head.
+
+With tensor parallelism rank 0 runs `launch` and every worker runs `follow` on the same
+`HostStep`: both run the forward pass (whose collectives meet), then rank 0 broadcasts
+its sampled tokens to the workers on the device, so that every rank resolves the next
+step's placeholder inputs to the same tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from agent_infer.engine.structs import PLACEHOLDER, Sequence
 from agent_infer.layers.attention import get_attention_backend
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
-from agent_infer.tp_layers.distributed import ParallelState
+from agent_infer.tp_layers.distributed import ParallelState, broadcast_from_first
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,10 @@ class ModelRunner:
         self.model = self._load_model()
         self.pool: KVMemoryPool | None = None
         self.graphs: DecodeGraphs | None = None
-        self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens
+        # The sampled tokens of the last step that sampled (on a TP worker: rank 0's,
+        # received by broadcast), read by the next step's placeholder inputs.
+        self._prev_tokens: torch.Tensor | None = None
+        self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -195,16 +203,38 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: HostStep, sampling_seqs: list[Sequence]) -> InFlight:
         """Queue the forward pass and sampling (rank 0) without waiting for them;
-        `sampling_seqs` are the batch's sequences that sample, in batch order. The
-        sampled tokens stay on the device for the next step's placeholder inputs and are
-        copied to the host in the background."""
+        `sampling_seqs` are the batch's sequences that sample, in batch order (one per
+        row of `step.sample_indices`). The sampled tokens stay on the device for the next
+        step's placeholder inputs (and go to the TP workers, see `follow`) and are copied
+        to the host in the background."""
         logits = self.execute(step)
         if not sampling_seqs:
-            return InFlight(None)
+            return InFlight(None)  # the workers skip the broadcast too: S = 0 in the step
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
         out = self.sampler(logits, sampling)
-        self._prev_tokens = out.tokens
+        self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
         return InFlight.start(out, self.device)
+
+    @torch.inference_mode()
+    def follow(self, step: HostStep) -> None:
+        """A TP worker's step: the forward pass, then rank 0's sampled tokens received
+        into `_prev_tokens` (a device-side broadcast, no host sync), so the next step's
+        placeholder inputs resolve exactly as on rank 0. The collectives come in the
+        same order as in rank 0's `launch`: the forward pass's, then the broadcast —
+        which every rank skips when the step samples nothing (S is in the step)."""
+        self.execute(step)
+        num_sampled = len(step.sample_indices)
+        if num_sampled:
+            self._prev_tokens = broadcast_from_first(self._receive_buffer(num_sampled), self.tp)
+
+    def _receive_buffer(self, n: int) -> torch.Tensor:
+        """One buffer reused every step: the device stream orders this step's reads of the
+        previous tokens (placeholder fill) before the broadcast that overwrites them."""
+        buf = self._received_tokens
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64, device=self.device)
+            self._received_tokens = buf
+        return buf[:n]
 
     def collect(self, inflight: InFlight) -> StepOutput:
         """Wait for a launched step; its results on the host (the step's one sync)."""

@@ -1,10 +1,24 @@
 """Tensor-parallel workers: ranks 1..N-1 run the same forward passes as rank 0.
 
 Rank 0 owns the tokenizer, scheduler and sampler. Each step it sends the step's host
-arrays (`HostStep`) to every worker; all ranks run the forward pass together (their
-collectives meet inside it) and only rank 0 samples. Workers never need the sampled
-tokens: the next step's input ids come from rank 0 with the step, so every rank writes
-the same tokens into the same cache slots — the KV caches stay in step by construction.
+arrays (`HostStep`) over the control channel to every worker; all ranks run the forward
+pass together (their collectives meet inside it) and only rank 0 samples.
+
+With async scheduling rank 0 launches step N+1 before step N's tokens reach its host, so
+some of step N+1's input ids are placeholders (`HostStep.prev_index`): "the token step N
+sampled in row i", which exists only on the devices. So after sampling, rank 0
+broadcasts the sampled tokens to every rank on the device (no host sync), and each
+worker, after its forward pass, joins that broadcast into the buffer its next step's
+placeholders read (`ModelRunner.follow`). Every rank therefore feeds the same input ids
+at the same positions and writes the same tokens into the same cache slots — the KV
+caches stay in step by construction. All ranks issue the collectives in one order: the
+forward pass's all-reduces, then the token broadcast, which all skip when the step
+samples nothing (a chunk of a prompt), as each knows the count from the `HostStep`.
+Synchronous stepping runs the same protocol (its steps just carry no placeholders).
+
+If a rank fails mid-step the others block in a collective that will never complete; the
+control channel (acks, error reports, closed sockets) is how rank 0 finds out, and the
+failed engine then kills its local workers rather than waiting for an orderly exit.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import replace
 
@@ -89,6 +104,15 @@ class WorkerGroup:
     def check(self) -> None:
         self.control.check()
 
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """The worker failure the control channel recorded, if any. A collective that raised
+        on rank 0 usually means a worker just died; its socket closed at the same moment,
+        so the reader thread gets up to `wait_s` to record that."""
+        deadline = time.monotonic() + wait_s
+        while self.control.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.control.failure
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if getattr(self, "control", None) is not None:
             self.control.closing = True  # workers leaving now is expected, not a failure
@@ -134,7 +158,7 @@ def worker_main(config: EngineConfig, info: LaunchInfo) -> int:
             if msg is None or msg[0] == "shutdown":
                 break
             if msg[0] == "step":
-                runner.execute(msg[2])
+                runner.follow(msg[2])
                 client.send(("ack", msg[1]))
         return 0
     except Exception as e:

@@ -41,6 +41,16 @@ def all_reduce_sum(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
+def broadcast_from_first(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """Overwrite x on every rank with rank 0's x, in place. x must have the same shape and
+    dtype on every rank and be contiguous. On GPUs (NCCL) the copy is ordered on the
+    current stream like any kernel: no host sync."""
+    if ps.world_size == 1:
+        return x
+    dist.broadcast(x, group=ps.group, group_src=0)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """Concatenate every rank's x along the last dimension (rank order)."""
     if ps.world_size == 1:

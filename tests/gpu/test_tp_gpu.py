@@ -1,6 +1,8 @@
-"""Tensor parallelism on 2 GPUs (bf16): TP = 2 agrees with TP = 1 on the same checkpoint
-in the vLLM sense, with symmetric-memory and with NCCL all-reduce, and each rank holds
-about half the weights. Set AGENT_INFER_TP_MODEL_DIR (e.g. the qwen3-8b random preset)."""
+"""Tensor parallelism on 2 GPUs (bf16): TP = 2 (async scheduling: decode inputs resolved
+on each GPU from rank 0's NCCL token broadcast, graphs included) agrees with TP = 1 on the
+same checkpoint in the vLLM sense, with symmetric-memory and with NCCL all-reduce; async
+and synchronous TP = 2 give identical results; each rank holds about half the weights.
+Set AGENT_INFER_TP_MODEL_DIR (e.g. the qwen3-8b random preset)."""
 
 from __future__ import annotations
 
@@ -24,16 +26,24 @@ pytestmark = [
 NEW, TOP = 24, 5
 
 
+def _engine(tp: int, all_reduce: str = "auto", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", tensor_parallel_size=tp, all_reduce=all_reduce,
+                                  kv_cache_bytes=4 << 30, max_num_seqs=8, max_model_len=4096, **kw))
+
+
+def _prompts(eng: LLMEngine) -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(0, eng.model_config.vocab_size) for _ in range(n)] for n in (7, 100, 512)]
+
+
 def _run(tp: int, all_reduce: str = "auto"):
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(0)
-    eng = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", tensor_parallel_size=tp, all_reduce=all_reduce,
-                                 kv_cache_bytes=4 << 30, max_num_seqs=8, max_model_len=4096))
-    rng = random.Random(11)
-    prompts = [[rng.randrange(0, eng.model_config.vocab_size) for _ in range(n)] for n in (7, 100, 512)]
+    eng = _engine(tp, all_reduce)
     try:
-        outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP))
+        assert eng.async_scheduling  # TP = 2 included: placeholders come from the token broadcast
+        outs = eng.generate(_prompts(eng), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP))
         mem = torch.cuda.memory_allocated(0) - base
         impl = eng.runner.tp.all_reduce_impl if tp > 1 else None
         return outs, mem, impl
@@ -65,3 +75,31 @@ def test_tp2_matches_tp1_and_halves_the_weights():
     # rank 0 allocates about half of TP=1's weights (+ its 4 GiB KV budget in both cases)
     print(f"cuda:0 allocated: TP1 {mem1 / 2**30:.2f} GiB, TP2 {mem2 / 2**30:.2f} GiB")
     assert mem2 < 0.6 * mem1 + (2 << 30)
+
+
+def test_tp2_async_equals_tp2_sync():
+    """One TP = 2 engine (same kernels, same graphs), stepped async then synchronously: a
+    worker that read a wrong or stale token (a broadcast ordered wrongly on its stream)
+    would change its KV shard and so every later token. Prefix caching is off so the
+    second pass runs the very same batches."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = _engine(2, enable_prefix_caching=False)
+    try:
+        prompts = _prompts(eng)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP),
+            SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=NEW, ignore_eos=True, logprobs=TOP),
+            SamplingParams(temperature=1.0, seed=6, max_tokens=NEW // 2, ignore_eos=True),
+        ]
+        assert eng.async_scheduling
+        fast = eng.generate(prompts, params)
+        eng.async_scheduling = False
+        slow = eng.generate(prompts, params)
+    finally:
+        eng.shutdown()
+        del eng
+    for x, y in zip(fast, slow):
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.logprobs or [], y.logprobs or []):
+            assert abs(lx.logprob - ly.logprob) < 1e-3
