@@ -6,7 +6,8 @@ here — ever calls into it. Everything else talks to that thread through messag
 * asyncio code calls `submit()` / `abort()`; they put commands on one thread-safe
   queue, which the engine thread drains between steps (never during one);
 * the engine thread hands each step's outputs back to the loop that submitted the
-  request with one `loop.call_soon_threadsafe` per loop per step;
+  request with one `loop.call_soon_threadsafe` per loop per step, right after it has
+  launched the next step (`LLMEngine.on_launched`);
 * with no work the engine thread blocks on the command queue, so an idle server
   uses no CPU.
 
@@ -27,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -134,6 +135,14 @@ class EngineObserver:
     def on_inter_token(self, seconds: float) -> None:  # between two tokens of one request
         pass
 
+    def on_token_latencies(self, first_token: list[float], inter_token: list[float]) -> None:
+        """One step's TTFTs and inter-token gaps at once (a decode step has one gap per
+        request in the batch); override to record them in bulk."""
+        for seconds in first_token:
+            self.on_first_token(seconds)
+        for seconds in inter_token:
+            self.on_inter_token(seconds)
+
     def on_request_finished(
         self, reason: str, seconds: float, num_prompt_tokens: int, num_output_tokens: int
     ) -> None:  # reason: stop | length | abort | rejected | error
@@ -155,7 +164,10 @@ class RequestGroup:
         self._engine = engine
         self.request_ids = request_ids
         self.loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # Outputs not read yet, and the future a reader waits on while there are none: a
+        # plain deque and one future cost less than an asyncio.Queue per token.
+        self._items: deque[tuple[int, object]] = deque()
+        self._waiter: asyncio.Future | None = None
         self._open = set(range(len(request_ids)))
         self._error: Exception | None = None  # raised by the next read (see next_batch)
 
@@ -171,7 +183,9 @@ class RequestGroup:
             raise self._error
         if not self._open:
             raise StopAsyncIteration
-        return self._accept(*await self._queue.get())
+        if not self._items:
+            await self._wait()
+        return self._accept(*self._items.popleft())
 
     async def next_batch(self) -> list[tuple[int, RequestOutput]]:
         """At least one output, plus every other one already queued, so that a consumer
@@ -180,14 +194,24 @@ class RequestGroup:
             raise self._error
         if not self._open:
             return []
-        batch = [self._accept(*await self._queue.get())]
-        while self._open and not self._queue.empty():
+        if not self._items:
+            await self._wait()
+        items = self._items
+        batch = [self._accept(*items.popleft())]
+        while self._open and items:
             try:
-                batch.append(self._accept(*self._queue.get_nowait()))
+                batch.append(self._accept(*items.popleft()))
             except Exception as e:  # hand out what came before it first
                 self._error = e
                 break
         return batch
+
+    async def _wait(self) -> None:
+        """Until an output is queued (a reader that is cancelled meanwhile just leaves)."""
+        while not self._items:
+            if self._waiter is None or self._waiter.done():
+                self._waiter = self.loop.create_future()
+            await self._waiter
 
     def _accept(self, index: int, item) -> tuple[int, RequestOutput]:
         if isinstance(item, BaseException):
@@ -213,7 +237,10 @@ class RequestGroup:
         self.abort()
 
     def _put(self, index: int, item) -> None:  # on the loop thread
-        self._queue.put_nowait((index, item))
+        self._items.append((index, item))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 def _deliver(items: list[tuple[RequestGroup, int, object]]) -> None:
@@ -282,6 +309,10 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._outbox: list[tuple[RequestGroup, int, object]] = []  # engine thread only: outputs to hand out
+        self._launches = 0  # engine thread only: steps launched so far
+        # Hand a step's outputs to the event loop right after the next step is launched
+        # (see _after_launch).
+        engine.on_launched = self._after_launch
         self._observers: tuple[EngineObserver, ...] = ()
         self._adds_processed = 0  # engine thread only
         self._snapshot = self._take_snapshot(0)
@@ -414,6 +445,7 @@ class AsyncEngine:
         (None: as long as it takes); False when asked to stop."""
         cmds = []
         if timeout is None or timeout > 0:
+            self._flush()  # about to wait: no output may be left behind
             try:
                 cmds.append(self._commands.get(timeout=timeout))
             except queue.Empty:
@@ -435,7 +467,8 @@ class AsyncEngine:
                 self._engine.abort(cmd.request_id)
             else:
                 stop = True
-        self._publish()
+        # When a step follows at once, its launch hands out what these commands produced.
+        self._publish(flush=stop or not self._engine.has_unfinished_requests())
         return not stop
 
     def _add(self, cmd: _Add, aborted: bool) -> None:
@@ -473,6 +506,7 @@ class AsyncEngine:
         before = engine.stats
         prefill0, prompt0, gen0 = before.prefill_steps, before.prompt_tokens, before.generation_tokens
         steps0 = before.steps
+        launches0 = self._launches
         t0 = time.perf_counter()
         try:
             outputs = engine.step()
@@ -488,43 +522,65 @@ class AsyncEngine:
             for obs in self._observers:
                 self._safe(obs.on_step, info)
         self._outbox.extend(self._route(outputs))
-        self._publish()
+        # These outputs go out right after the next launch (see _after_launch), unless this
+        # step launched nothing (then the next one may not either) or nothing follows.
+        self._publish(flush=self._launches == launches0 or not engine.has_unfinished_requests())
         return bool(outputs) or stats.steps != steps0
 
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[RequestGroup, int, object]]:
         """Match outputs to their groups, update timings and the live set."""
         now = time.monotonic()
         items = []
+        first_token: list[float] = []
+        inter_token: list[float] = []
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # e.g. the abort output of a request already failed or dropped
             if out.delta_token_ids:
                 if live.last_token_time is None:
-                    self._notify("on_first_token", now - live.submit_time)
+                    first_token.append(now - live.submit_time)
                 else:
-                    self._notify("on_inter_token", now - live.last_token_time)
+                    inter_token.append(now - live.last_token_time)
                 live.last_token_time = now
             if out.finished or out.rejected:
                 del self._live[out.request_id]
                 reason = "rejected" if out.rejected else (out.finish_reason or "stop")
                 self._notify_finished(reason, now - live.submit_time, live.num_prompt_tokens, len(out.token_ids))
             items.append((live.group, live.index, out))
+        if first_token or inter_token:
+            for obs in self._observers:  # once per step, not once per token
+                self._safe(obs.on_token_latencies, first_token, inter_token)
         return items
 
-    def _publish(self) -> None:
-        """Publish the engine state, then hand out the pending outputs: whoever sees an
-        output also sees a snapshot at least as new as the step that produced it."""
+    def _publish(self, flush: bool = True) -> None:
+        """Publish the engine state, then (with `flush`) hand out the pending outputs:
+        whoever sees an output also sees a snapshot at least as new as the step that
+        produced it."""
         try:
             self._snapshot = self._take_snapshot(len(self._live))
         except Exception:  # a broken engine must not keep the outputs (errors) from their owners
             log.exception("could not read the engine state")
+        if flush:
+            self._flush()
+
+    def _after_launch(self) -> None:
+        """Called inside `engine.step()` right after it launched a step: the moment to hand
+        out the previous step's outputs. Waking the event loop any earlier would make it
+        compete for the GIL with the engine thread's own work before the launch (the
+        device would wait for it); now the loop turns the outputs into HTTP writes while
+        the device computes and the engine thread waits for the tokens."""
+        self._launches += 1
+        self._flush()
+
+    def _flush(self) -> None:
         items, self._outbox = self._outbox, []
         if items:
             self._post(items)
 
     def _post(self, items: list[tuple[RequestGroup, int, object]]) -> None:
-        """One call_soon_threadsafe per event loop for the whole batch of items."""
+        """One call_soon_threadsafe per event loop for the whole batch of items. May run
+        inside `engine.step()` (from _after_launch), so it never calls into the engine."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for item in items:
             by_loop[item[0].loop].append(item)
@@ -536,7 +592,7 @@ class AsyncEngine:
                     rid = group.request_ids[index]
                     if rid in self._live:
                         del self._live[rid]
-                        self._engine.abort(rid)
+                        self._commands.put(_Abort(rid))  # applied before the next step
 
     def _recover(self, exc: Exception) -> None:
         """A step raised: fail every in-flight request and abort it in the engine so its
@@ -580,10 +636,6 @@ class AsyncEngine:
         )
 
     # ---- observer plumbing ------------------------------------------------------------
-
-    def _notify(self, method: str, seconds: float) -> None:
-        for obs in self._observers:
-            self._safe(getattr(obs, method), seconds)
 
     def _notify_finished(self, reason: str, seconds: float, num_prompt: int, num_output: int) -> None:
         for obs in self._observers:

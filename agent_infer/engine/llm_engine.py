@@ -8,6 +8,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Sequence as Seq
 
@@ -90,9 +91,13 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
         self._inflight: tuple[ScheduledBatch, object, float] | None = None  # launched, not read back
         self._penalty_requests: set[str] = set()
-        # Overlap needs the sampled tokens to stay on one device: TP workers would need
-        # them too, and recompute preemption would re-prefill unknown tokens.
-        self.async_scheduling = config.async_scheduling and self.workers is None and config.preemption_mode == "none"
+        # Overlap keeps the sampled tokens on the device (TP workers get them by a device
+        # broadcast, see workers.py). Recompute preemption would re-prefill tokens the
+        # host does not know yet, so it runs synchronously.
+        self.async_scheduling = config.async_scheduling and config.preemption_mode == "none"
+        # Called right after each step is queued on the device (before the previous step
+        # is read back): the server hands out the last outputs then, while the device works.
+        self.on_launched: Callable[[], None] | None = None
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._generation_ids: list[str] = []
@@ -179,8 +184,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance by one batch; returns an output for every request that changed.
 
-        With async scheduling (one process, no recompute preemption, no penalties in
-        play) the batch is launched before the previous one's tokens are read back, so
+        With async scheduling (no recompute preemption, no penalties in play; TP workers
+        or not) the batch is launched before the previous one's tokens are read back, so
         the host's bookkeeping overlaps the device's work; outputs then trail the device
         by one step. Otherwise each batch is launched and read back in the same call."""
         outputs, self._pending = self._pending, []
@@ -214,6 +219,8 @@ class LLMEngine:
             except Exception as e:
                 self._worker_failed(e)
         self.scheduler.on_launch(batch)
+        if self.on_launched is not None:
+            self.on_launched()
         return batch, handle, t0
 
     def _resolve(self) -> list[RequestOutput]:
@@ -229,8 +236,13 @@ class LLMEngine:
         return self._postprocess(batch, result)
 
     def _worker_failed(self, error: Exception):
-        failure = self.workers.control.failure
-        self.shutdown()
+        """A TP step failed part-way (a worker died or failed, or rank 0's own part of the
+        step raised): the ranks are out of step and a live worker may be blocked in a
+        collective that will never complete, so the workers get only a short grace to
+        leave before they are killed. A dead worker is reported as WorkerError even when
+        the collective noticed before the control channel's reader did."""
+        failure = self.workers.failure(wait_s=2.0)
+        self._stop_workers(timeout_s=1.0)
         if failure is not None:
             raise WorkerError(failure) from error
         raise error
@@ -364,9 +376,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (bounded); a single-process engine has nothing to stop."""
+        self._stop_workers(timeout_s=10.0)
+
+    def _stop_workers(self, timeout_s: float) -> None:
         workers, self.workers = getattr(self, "workers", None), None
         if workers is not None:
-            workers.shutdown()
+            workers.shutdown(timeout_s)
 
 
 @dataclass

@@ -27,6 +27,9 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="requests allowed to wait for a slot; beyond it the server answers 503 with Retry-After")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when the queue is full")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="Python's GIL switch interval in the server process, where the engine thread and the "
+                        "event loop share the GIL (sys.setswitchinterval; default: Python's, 5 ms)")
     p.set_defaults(handler=cmd_serve)
     return p
 
@@ -41,6 +44,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("agent_infer").setLevel(getattr(logging, args.log_level.upper()))
     async_config = AsyncEngineConfig(max_waiting=args.max_waiting)  # validate before loading a model
+    if args.switch_interval_ms is not None:
+        if not args.switch_interval_ms > 0:
+            raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
     engine = LLMEngine(config)

@@ -23,6 +23,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from json.encoder import encode_basestring as _encode_json_str
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import jinja2
@@ -444,6 +445,7 @@ class _CompletionView:
         self.created = created
         self.prompts = prompts
         self.model = serving.config.served_model_name
+        self._templates: dict[int, _TextTemplate] = {}
 
     def _prompt_of(self, k: int) -> _Prompt:
         return self.prompts[k // self.req.n]
@@ -480,11 +482,19 @@ class _CompletionView:
         return _sse(P.CompletionChunk(id=self.rid, created=self.created, model=self.model,
                                       choices=[choice] if choice else [], usage=usage))
 
+    def _text_chunk(self, k: int, text: str) -> str:
+        """The chunk of choice k carrying only new text: `_chunk`'s bytes, without pydantic."""
+        template = self._templates.get(k)
+        if template is None:
+            template = self._templates[k] = _TextTemplate(self._chunk(P.CompletionChoice(index=k, text=_MARK)))
+        return template.fill(text)
+
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         total = len(group.request_ids)
         sent_logprobs = [0] * total
         offsets = [0] * total
         num_tokens = [0] * total
+        tail: list[str] = []  # sent in the stream's last write
         try:
             async with group:
                 if self.req.echo:
@@ -504,17 +514,23 @@ class _CompletionView:
                             offsets[k] += sum(len(t) for t in logprobs.tokens)
                         if not (text or out.finished or (logprobs and logprobs.tokens)):
                             continue  # text held back (partial character or possible stop string)
+                        if logprobs is None and not out.finished:
+                            events.append(self._text_chunk(k, text))  # the common case, per token
+                            continue
                         events.append(self._chunk(P.CompletionChoice(
                             index=k, text=text, logprobs=logprobs,
                             finish_reason=out.finish_reason if out.finished else None,
                             stop_reason=out.stop_reason if out.finished else None)))
-                    if events:
+                    if group.finished:  # the last chunks go out in one write with what ends the stream
+                        tail = events
+                    elif events:
                         yield "".join(events)
             if self.req.include_usage:
-                yield self._chunk(None, self._usage(sum(num_tokens)))
+                tail.append(self._chunk(None, self._usage(sum(num_tokens))))
         except Exception as e:
-            yield _sse_error(e)
-        yield "data: [DONE]\n\n"
+            tail.append(_sse_error(e))
+        tail.append("data: [DONE]\n\n")
+        yield "".join(tail)
 
 
 class _ChatView:
@@ -527,6 +543,7 @@ class _ChatView:
         self.created = created
         self.num_prompt = num_prompt
         self.model = serving.config.served_model_name
+        self._templates: dict[int, _TextTemplate] = {}
 
     def _usage(self, completion_tokens: int) -> P.Usage:
         return P.Usage(prompt_tokens=self.num_prompt, completion_tokens=completion_tokens,
@@ -556,10 +573,19 @@ class _ChatView:
         return _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
                                           choices=[choice] if choice else [], usage=usage))
 
+    def _text_chunk(self, k: int, text: str) -> str:
+        """The chunk of choice k carrying only new content: `_chunk`'s bytes, without pydantic."""
+        template = self._templates.get(k)
+        if template is None:
+            template = self._templates[k] = _TextTemplate(
+                self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(content=_MARK))))
+        return template.fill(text)
+
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         total = len(group.request_ids)
         sent_logprobs = [0] * total
         num_tokens = [0] * total
+        tail: list[str] = []  # sent in the stream's last write
         try:
             async with group:
                 for k in range(total):  # OpenAI's first chunk of each choice carries the role
@@ -574,17 +600,23 @@ class _ChatView:
                             sent_logprobs[k] = len(out.logprobs)
                         if not (text or out.finished or logprobs):
                             continue
+                        if logprobs is None and not out.finished:
+                            events.append(self._text_chunk(k, text))  # the common case, per token
+                            continue
                         events.append(self._chunk(P.ChatChunkChoice(
                             index=k, delta=P.ChatDelta(content=text) if text else P.ChatDelta(), logprobs=logprobs,
                             finish_reason=out.finish_reason if out.finished else None,
                             stop_reason=out.stop_reason if out.finished else None)))
-                    if events:
+                    if group.finished:  # the last chunks go out in one write with what ends the stream
+                        tail = events
+                    elif events:
                         yield "".join(events)
             if self.req.include_usage:
-                yield self._chunk(None, self._usage(sum(num_tokens)))
+                tail.append(self._chunk(None, self._usage(sum(num_tokens))))
         except Exception as e:
-            yield _sse_error(e)
-        yield "data: [DONE]\n\n"
+            tail.append(_sse_error(e))
+        tail.append("data: [DONE]\n\n")
+        yield "".join(tail)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -637,6 +669,29 @@ def _coalesce(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, str, Re
 
 def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+# A text no tokenizer produces, written into a chunk once to find where the text goes.
+_MARK = "\x00agent-infer text\x00"
+
+
+class _TextTemplate:
+    """A stream chunk whose only variable part is one string: the event pydantic wrote
+    for it with `_MARK` as the string, cut around the mark. Filling in a text gives the
+    same bytes as serialising the models again (pydantic, like `encode_basestring`,
+    escapes quotes, backslashes and control characters and writes other characters as
+    they are), at a fraction of the cost: streaming builds one chunk per token."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, event: str):
+        head, sep, tail = event.partition(_encode_json_str(_MARK))
+        if not sep or _encode_json_str(_MARK) in tail:
+            raise ValueError("the chunk must hold the mark exactly once")
+        self.head, self.tail = head, tail
+
+    def fill(self, text: str) -> str:
+        return self.head + _encode_json_str(text) + self.tail
 
 
 def _sse_error(e: Exception) -> str:
