@@ -144,6 +144,26 @@ class ControlServer:
                 self._fail(f"tensor-parallel worker {rank} is unreachable ({e})")
                 self.check()
 
+    def wait_disconnected(self, timeout_s: float) -> None:
+        """After telling the workers to stop (`closing` set): wait, bounded, until each has
+        closed its end, which it does last, after leaving the process group. Tearing
+        the group down on rank 0 while a worker was still in it sometimes aborted rank 0
+        at interpreter exit (gloo: "terminate called without an active exception")."""
+        deadline = time.monotonic() + timeout_s
+        if self._reader is not None:  # it stops within its 0.5 s poll once `closing` is set
+            self._reader.join(timeout_s)
+        for sock in list(self._socks.values()):
+            try:
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    sock.settimeout(left)
+                    if not sock.recv(1 << 16):
+                        break
+            except OSError:
+                continue
+
     def close(self) -> None:
         self.closing = True
         self._noticed.set()

@@ -120,6 +120,7 @@ class WorkerGroup:
                 self.control.broadcast(("shutdown",))
             except WorkerError:
                 pass
+            self.control.wait_disconnected(timeout_s)
             self.control.close()
         for p in self.procs:
             try:
@@ -171,9 +172,9 @@ def worker_main(config: EngineConfig, info: LaunchInfo) -> int:
                 pass
         return 1
     finally:
+        destroy_group()
         if client is not None:
             client.close()
-        destroy_group()
 
 
 def local_launch(world_size: int) -> LaunchInfo:
