@@ -32,6 +32,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from agent_infer.engine.control import WorkerError
 from agent_infer.engine.llm_engine import LLMEngine, RequestError
 from agent_infer.engine.outputs import RequestOutput
 from agent_infer.loader.tokenizer import load_tokenizer
@@ -596,10 +597,13 @@ class AsyncEngine:
 
     def _recover(self, exc: Exception) -> None:
         """A step raised: fail every in-flight request and abort it in the engine so its
-        blocks are freed. If even that fails, the engine is unusable: stop the loop."""
+        blocks are freed. If even that fails, or a tensor-parallel worker is gone (the
+        engine has already stopped the rest), the engine is unusable: stop the loop."""
         log.error("engine step failed; failing %d in-flight request(s)", len(self._live), exc_info=exc)
         ids = list(self._live)
         self._fail_all(EngineFailedError("the engine failed while running this request; see the server log"), "error")
+        if isinstance(exc, WorkerError):
+            raise _Fatal() from exc
         try:
             for rid in ids:
                 self._engine.abort(rid)

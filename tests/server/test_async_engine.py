@@ -224,3 +224,45 @@ def test_shutdown_fails_in_flight_requests_and_refuses_new_ones(default_model_di
 
     asyncio.run(main())
     assert not ae._thread.is_alive() and not ae.is_running
+
+
+def test_dead_tensor_parallel_worker_stops_the_loop(tiny_model_dirs):
+    """A TP worker killed mid-stream: the stream fails, the loop stops with the reason
+    (so /health turns 503), new requests are refused, and no worker process is left."""
+    import signal
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dirs["llama"], device="cpu", dtype="float32", num_kv_blocks=64,
+                                    max_model_len=MAX_LEN, max_num_seqs=2, tensor_parallel_size=2))
+    procs = list(engine.workers.procs)
+    ae = AsyncEngine(engine, AsyncEngineConfig(max_waiting=3))
+    ae.start()
+    try:
+        async def main():
+            group = ae.submit([EngineRequest([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                       ignore_eos=True))])
+            seen = 0
+            async with group:
+                with pytest.raises(Exception) as info:
+                    async for _, out in group:
+                        seen += len(out.delta_token_ids)
+                        if seen == 3:
+                            os.kill(procs[0].pid, signal.SIGKILL)
+            return info.value, seen
+
+        t0 = time.monotonic()
+        error, seen = asyncio.run(asyncio.wait_for(main(), 60))
+        assert 3 <= seen < 200 and time.monotonic() - t0 < 20
+        deadline = time.monotonic() + 10
+        while ae.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ae.is_running and "WorkerError" in (ae.dead_reason or "")
+
+        async def again():
+            ae.submit([EngineRequest([1, 2], SamplingParams(max_tokens=2))])
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(again())
+        time.sleep(0.5)
+        assert all(p.poll() is not None for p in procs), "a worker outlived the engine"
+    finally:
+        ae.shutdown()
