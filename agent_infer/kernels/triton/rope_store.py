@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from agent_infer.kernels.triton.rotary import rope_pair_index
 from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 
@@ -41,12 +42,7 @@ def _rope_store_kernel(
         w_ptr = kw_ptr
     r = tl.arange(0, BLOCK_R)
     r_mask = r < half
-    if IS_NEOX:
-        idx1 = r
-        idx2 = r + half
-    else:
-        idx1 = 2 * r
-        idx2 = 2 * r + 1
+    idx1, idx2 = rope_pair_index(r, half, IS_NEOX)
     tail_idx = 2 * half + tl.arange(0, BLOCK_T)
     tail_mask = tl.arange(0, BLOCK_T) < tail
     x1 = tl.load(row + idx1, mask=r_mask, other=0.0)

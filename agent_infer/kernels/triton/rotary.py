@@ -14,6 +14,19 @@ import triton.language as tl
 
 
 @triton.jit
+def rope_pair_index(r, half, IS_NEOX: tl.constexpr):
+    """Feature indices of rotation pairs r = 0..half-1: (r, r + half) in Neox style,
+    (2r, 2r + 1) in GPT-J (interleaved) style."""
+    if IS_NEOX:
+        first = r
+        second = r + half
+    else:
+        first = 2 * r
+        second = 2 * r + 1
+    return first, second
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, stride_h, n_heads, cos, sin, idx1, idx2, pair_mask,
     BLOCK_H: tl.constexpr,
@@ -44,12 +57,7 @@ def _rotary_kernel(
     pair_mask = r < half
     cos = tl.load(cs_ptr + pos * scs + r, mask=pair_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * scs + half + r, mask=pair_mask, other=0.0)
-    if IS_NEOX:
-        idx1 = r
-        idx2 = r + half
-    else:
-        idx1 = 2 * r
-        idx2 = 2 * r + 1
+    idx1, idx2 = rope_pair_index(r, half, IS_NEOX)
     _rotate_heads(q_ptr + t * sqt, sqh, n_q_heads, cos, sin, idx1, idx2, pair_mask, BLOCK_HQ)
     _rotate_heads(k_ptr + t * skt, skh, n_k_heads, cos, sin, idx1, idx2, pair_mask, BLOCK_HK)
 
