@@ -29,10 +29,8 @@ class DenseAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
@@ -43,10 +41,7 @@ class DenseAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            o = self.attn.forward_with_rope(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
-        else:
-            o = self.attn.forward_with_rope(positions, q, k, v, self.rotary)
+        o = self.attn.forward_with_rope(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 

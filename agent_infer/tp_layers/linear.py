@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from agent_infer.kernels import ops
-
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 from agent_infer.tp_layers.distributed import ParallelState, all_reduce_sum, divide
 
