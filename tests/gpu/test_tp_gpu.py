@@ -7,8 +7,11 @@ Set AGENT_INFER_TP_MODEL_DIR (e.g. the qwen3-8b random preset)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,29 +39,52 @@ def _prompts(eng: LLMEngine) -> list[list[int]]:
     return [[rng.randrange(0, eng.model_config.vocab_size) for _ in range(n)] for n in (7, 100, 512)]
 
 
-def _run(tp: int, all_reduce: str = "auto"):
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(0)
-    eng = _engine(tp, all_reduce)
-    try:
-        assert eng.async_scheduling  # TP = 2 included: placeholders come from the token broadcast
-        outs = eng.generate(_prompts(eng), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP))
-        mem = torch.cuda.memory_allocated(0) - base
-        impl = eng.runner.tp.all_reduce_impl if tp > 1 else None
-        return outs, mem, impl
-    finally:
-        eng.shutdown()
-        del eng
+# Each configuration runs in a fresh process: tearing a process group down after
+# symmetric-memory use can outlast destroy_group's bound, and a process holds one TP
+# engine at a time.
+_CHILD = """
+import json, os, sys, torch
+from tests.gpu import test_tp_gpu as t
+tp, all_reduce = int(sys.argv[1]), sys.argv[2]
+base = torch.cuda.memory_allocated(0)
+eng = t._engine(tp, all_reduce)
+try:
+    assert eng.async_scheduling  # TP = 2 included: placeholders come from the token broadcast
+    outs = eng.generate(t._prompts(eng), t.SamplingParams(temperature=0.0, max_tokens=t.NEW, ignore_eos=True,
+                                                          logprobs=t.TOP))
+    impl = eng.runner.tp.all_reduce_impl if tp > 1 else None
+    result = {
+        "tokens": [o.token_ids for o in outs],
+        "top": [[[list(p) for p in lp.top] for lp in o.logprobs] for o in outs],
+        "mem": torch.cuda.memory_allocated(0) - base,
+        "impl": type(impl).__name__ if impl is not None else None,
+    }
+finally:
+    eng.shutdown()
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)  # like the CLI after TP runs: no interpreter teardown of the process group
+"""
 
 
-def _close(a, b) -> list[int]:
+def _run(tp: int, all_reduce: str = "auto") -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tp), all_reduce], capture_output=True, text=True,
+                       timeout=300, cwd=root, env=env)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"TP={tp} {all_reduce} (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _close(a: dict, b: dict) -> list[int]:
+    """Tokens matched before the first difference, per prompt; a difference must be a
+    near-tie (each pick in the other's top-k, vLLM's rule)."""
     matched = []
-    for x, y in zip(a, b):
-        n = len(x.token_ids)
-        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)):
+    for xs, ys, x_top, y_top in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+        n = len(xs)
+        for i, (s, t) in enumerate(zip(xs, ys)):
             if s != t:
-                assert s in dict(y.logprobs[i].top) and t in dict(x.logprobs[i].top), f"step {i}: {s} vs {t}"
+                assert s in {p[0] for p in y_top[i]} and t in {p[0] for p in x_top[i]}, f"step {i}: {s} vs {t}"
                 n = i
                 break
         matched.append(n)
@@ -66,11 +92,10 @@ def _close(a, b) -> list[int]:
 
 
 def test_tp2_matches_tp1_and_halves_the_weights():
-    one, mem1, _ = _run(1)
-    two, mem2, impl = _run(2, "auto")
-    nccl, _, impl_nccl = _run(2, "nccl")
-    assert impl_nccl is None
-    print(f"all-reduce chosen by auto: {type(impl).__name__ if impl else 'NCCL'}")
+    one, two, nccl = _run(1), _run(2, "auto"), _run(2, "nccl")
+    mem1, mem2 = one["mem"], two["mem"]
+    assert nccl["impl"] is None
+    print(f"all-reduce chosen by auto: {two['impl'] or 'NCCL'}")
     print(f"matched tokens TP2(auto) vs TP1: {_close(two, one)}; TP2(nccl) vs TP1: {_close(nccl, one)}")
     # rank 0 allocates about half of TP=1's weights (+ its 4 GiB KV budget in both cases)
     print(f"cuda:0 allocated: TP1 {mem1 / 2**30:.2f} GiB, TP2 {mem2 / 2**30:.2f} GiB")
