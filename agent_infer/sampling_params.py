@@ -39,6 +39,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
+    # Logprobs of the prompt's own tokens (each given the ones before it), with this many
+    # top alternatives; such a request is computed in full (no prefix-cache reuse).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -67,6 +70,10 @@ class SamplingParams:
             raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingParamsError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise SamplingParamsError("seed", f"seed must be an integer, got {self.seed!r}")
         if any(t < 0 for t in self.stop_token_ids):

@@ -64,8 +64,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that can serve the start of `seq` (without taking them)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         bs = self.block_size
         # Only blocks wholly before the last token: that token must be computed anyway.
         max_blocks = (seq.num_tokens - 1) // bs

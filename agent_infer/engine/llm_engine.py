@@ -43,6 +43,7 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None  # per-token text, when streaming or stop strings need it
     sent_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # built once the whole prompt has them
 
 
 class LLMEngine:
@@ -248,6 +249,10 @@ class LLMEngine:
         raise error
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+        if result.prompt_logprobs is not None:
+            for seq, lps in zip(batch.seqs, result.prompt_logprobs):
+                k = seq.sampling_params.prompt_logprobs or 0
+                seq.prompt_logprobs.extend((lp, top[:k]) for lp, top in lps)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
         if result.logprobs is not None:
             for i, seq in enumerate(sampling):
@@ -304,6 +309,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=self._prompt_logprobs(req),
             token_ids=seq.output_token_ids[:done],
             text=text,
             finished=finished,
@@ -318,6 +324,19 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: _Request) -> list[TokenLogprob | None] | None:
+        """[None, logprob of prompt token 1 given token 0, ...] once every prompt token has
+        one (they arrive chunk by chunk), for a request that asked."""
+        seq = req.seq
+        if req.prompt_logprobs is None and seq.sampling_params.prompt_logprobs is not None:
+            ids = seq.prompt_token_ids
+            if len(seq.prompt_logprobs) == len(ids) - 1:
+                req.prompt_logprobs = [None] + [
+                    TokenLogprob(t, lp, top) for t, (lp, top) in zip(ids[1:], seq.prompt_logprobs)
+                ]
+        return req.prompt_logprobs
 
     # ---- whole generations ---------------------------------------------------------
 

@@ -49,11 +49,25 @@ def build_context(device: torch.device, dtype: torch.dtype):
 
 @dataclass
 class StepOutput:
-    """What one step produced, on the host: one token per sampling sequence, in batch order."""
+    """What one step produced, on the host: one token per sampling sequence, in batch order;
+    and, for sequences that asked for prompt logprobs, those of the prompt tokens this step
+    computed (per batch sequence, in order; empty for the others)."""
 
     tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens given the tokens before them, for the rows of a prefill
+    step listed in `HostStep.prompt_lp_rows`: the target token's logprob [R] and the
+    top-k [R, k] (k = 0: none)."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
 
 
 @dataclass
@@ -191,14 +205,36 @@ class ModelRunner:
         return torch.where(prev_index >= 0, self._prev_tokens[prev_index.clamp(min=0)], input_ids)
 
     @torch.inference_mode()
-    def execute(self, step: HostStep) -> torch.Tensor:
-        """Forward pass; returns the logits of the sampling rows [num_sampling, vocab]."""
+    def execute(self, step: HostStep) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        """Forward pass; returns the logits of the sampling rows [num_sampling, vocab] and
+        the prompt logprobs the step asks for (None when none)."""
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            return self.graphs.run(step, self._prev_tokens)  # every decode row samples
+            return self.graphs.run(step, self._prev_tokens), None  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        return self.model.compute_logits(hidden[inputs.sample_indices])
+        prompt_lp = self._prompt_logprobs(hidden, step) if step.prompt_lp_rows is not None else None
+        return self.model.compute_logits(hidden[inputs.sample_indices]), prompt_lp
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: HostStep, rows_per_pass: int = 1024) -> PromptLogprobs:
+        """log_softmax over the vocabulary at each listed row, a bounded number of rows at a
+        time (a row of fp32 logprobs is vocab x 4 bytes). Every TP rank runs this: the
+        vocabulary-parallel LM head gathers across ranks."""
+        rows = torch.from_numpy(step.prompt_lp_rows).to(self.device, non_blocking=True)
+        targets = torch.from_numpy(step.prompt_lp_targets).to(self.device, non_blocking=True)
+        k = step.prompt_lp_k
+        lps, top_ids, top_lps = [], [], []
+        for lo in range(0, rows.numel(), rows_per_pass):
+            logits = self.model.compute_logits(hidden[rows[lo : lo + rows_per_pass]])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            lps.append(logprobs.gather(1, targets[lo : lo + rows_per_pass, None]).squeeze(1))
+            if k > 0:
+                values, ids = logprobs.topk(k, dim=-1)
+                top_lps.append(values)
+                top_ids.append(ids)
+        return PromptLogprobs(
+            torch.cat(lps), torch.cat(top_ids) if k > 0 else None, torch.cat(top_lps) if k > 0 else None
+        )
 
     @torch.inference_mode()
     def launch(self, step: HostStep, sampling_seqs: list[Sequence]) -> InFlight:
@@ -207,13 +243,13 @@ class ModelRunner:
         row of `step.sample_indices`). The sampled tokens stay on the device for the next
         step's placeholder inputs (and go to the TP workers, see `follow`) and are copied
         to the host in the background."""
-        logits = self.execute(step)
-        if not sampling_seqs:
-            return InFlight(None)  # the workers skip the broadcast too: S = 0 in the step
+        logits, prompt_lp = self.execute(step)
+        if not sampling_seqs:  # the workers skip the broadcast too: S = 0 in the step
+            return InFlight.start(None, prompt_lp, step, self.device)
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
         out = self.sampler(logits, sampling)
         self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
-        return InFlight.start(out, self.device)
+        return InFlight.start(out, prompt_lp, step, self.device)
 
     @torch.inference_mode()
     def follow(self, step: HostStep) -> None:
@@ -242,30 +278,39 @@ class ModelRunner:
 
 
 class InFlight:
-    """A launched step's sampler output, being copied to pinned host memory."""
+    """A launched step's sampler output (and prompt logprobs), being copied to pinned host
+    memory."""
 
-    def __init__(self, out: SamplerOutput | None, host: SamplerOutput | None = None, event=None):
-        self.out, self.host, self.event = out, host, event
+    def __init__(
+        self, host: SamplerOutput | None, prompt: PromptLogprobs | None = None,
+        prompt_counts: np.ndarray | None = None, event=None,
+    ):
+        self.host, self.prompt, self.prompt_counts, self.event = host, prompt, prompt_counts, event
 
     @staticmethod
-    def start(out: SamplerOutput, device: torch.device) -> InFlight:
+    def start(out: SamplerOutput | None, prompt: PromptLogprobs | None, step: HostStep, device: torch.device) -> InFlight:
         if device.type != "cuda":
-            return InFlight(out, out)
+            return InFlight(out, prompt, step.prompt_lp_counts)
 
         def copy(t):
             return None if t is None else t.to("cpu", non_blocking=True)
 
-        host = SamplerOutput(copy(out.tokens), copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs))
+        host = None if out is None else SamplerOutput(
+            copy(out.tokens), copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs)
+        )
+        if prompt is not None:
+            prompt = PromptLogprobs(copy(prompt.logprobs), copy(prompt.top_ids), copy(prompt.top_logprobs))
         event = torch.cuda.Event()
         event.record()
-        return InFlight(out, host, event)
+        return InFlight(host, prompt, step.prompt_lp_counts, event)
 
     def wait(self) -> StepOutput:
-        if self.out is None:
-            return StepOutput(tokens=[])
         if self.event is not None:
             self.event.synchronize()
-        return to_host(self.host)
+        result = StepOutput(tokens=[]) if self.host is None else to_host(self.host)
+        if self.prompt is not None:
+            result.prompt_logprobs = _split_prompt_logprobs(self.prompt, self.prompt_counts)
+        return result
 
 
 @dataclass
@@ -284,6 +329,13 @@ class HostStep:
     # Rows whose input token is still on the device: index into the previous step's
     # sampled tokens (-1: the id in input_ids is real). None when there are none.
     prev_index: np.ndarray | None = None
+    # Prompt logprobs (prefill only; None when no sequence asks): the rows whose logits
+    # predict a later prompt token, that token, how many rows each sequence has (batch
+    # order), and the top-k to return.
+    prompt_lp_rows: np.ndarray | None = None  # [R] int64
+    prompt_lp_targets: np.ndarray | None = None  # [R] int64
+    prompt_lp_counts: np.ndarray | None = None  # [B] int64
+    prompt_lp_k: int = 0
 
 
 def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
@@ -312,6 +364,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     positions = starts[owner] + (np.arange(len(owner)) - qsl[owner])
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     samples = np.asarray(batch.samples, dtype=bool)
+    prompt_lp = _prompt_lp_rows(batch, starts, qsl) if batch.is_prefill else None
     return HostStep(
         is_prefill=batch.is_prefill,
         input_ids=np.asarray(ids, dtype=np.int64),
@@ -323,7 +376,48 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         query_start_loc=qsl,
         sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
         prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
+        **(prompt_lp or {}),
     )
+
+
+def _prompt_lp_rows(batch: ScheduledBatch, starts: np.ndarray, qsl: np.ndarray) -> dict | None:
+    """For sequences asking for prompt logprobs: each row of this chunk at a position p
+    whose next token p + 1 is still a prompt token (the last prompt position predicts
+    the first output token, which the sampler reports)."""
+    rows: list[np.ndarray] = []
+    targets: list[int] = []
+    counts = np.zeros(len(batch.seqs), dtype=np.int64)
+    k = -1
+    for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
+        want = seq.sampling_params.prompt_logprobs
+        if want is None:
+            continue
+        end = min(int(start) + n, seq.num_prompt_tokens - 1)  # positions start .. end - 1
+        if end <= start:
+            continue
+        rows.append(qsl[i] + np.arange(end - start))
+        targets.extend(seq.prompt_token_ids[start + 1 : end + 1])
+        counts[i] = end - start
+        k = max(k, want)
+    if not rows:
+        return None
+    return {
+        "prompt_lp_rows": np.concatenate(rows).astype(np.int64),
+        "prompt_lp_targets": np.asarray(targets, dtype=np.int64),
+        "prompt_lp_counts": counts,
+        "prompt_lp_k": k,
+    }
+
+
+def _split_prompt_logprobs(p: PromptLogprobs, counts: np.ndarray) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+    lps = p.logprobs.tolist()
+    ids = p.top_ids.tolist() if p.top_ids is not None else None
+    tops = p.top_logprobs.tolist() if p.top_logprobs is not None else None
+    out, at = [], 0
+    for n in counts.tolist():
+        out.append([(lps[r], list(zip(ids[r], tops[r])) if ids is not None else []) for r in range(at, at + n)])
+        at += n
+    return out
 
 
 def to_host(out: SamplerOutput) -> StepOutput:

@@ -26,6 +26,9 @@ class RequestOutput:
     error: str | None = None  # set when the request was rejected
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # all so far, when asked for
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: None for the first
+    # prompt token (nothing precedes it), then each token's logprob given those before.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     arrival_time: float = 0.0
     first_token_time: float | None = None

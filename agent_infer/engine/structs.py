@@ -79,6 +79,8 @@ class Sequence:
     num_preemptions: int = 0
     # Per generated token: (sampled logprob, top-k [(token, logprob)]) when asked for.
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Prompt tokens 1, 2, ... in order as their prefill chunks finish (token 0 has none).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -173,13 +173,12 @@ class OpenAIServing:
         req = await self._parse(request, P.CompletionRequest)
         self._check_model(req.model)
         self._check_stream_options(req)
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo together with logprobs is not supported: prompt logprobs are not computed",
-                           param="echo", code="unsupported")
         prompts = self._completion_prompts(req)
         for p in prompts:
             self._check_length(len(p.ids), req.max_tokens, "prompt")
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # OpenAI's echo + logprobs covers the prompt too
+            params = replace(params, prompt_logprobs=req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = self._submit(self._fan_out(prompts, params, req.n, rid, req.stream))
         view = _CompletionView(self, req, rid, int(time.time()), prompts)
@@ -455,24 +454,38 @@ class _CompletionView:
         return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                        total_tokens=prompt_tokens + completion_tokens)
 
-    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+    def _logprobs(self, lps: list[TokenLogprob | None], offset: int, prompt_ids: list[int] | None = None
+                  ) -> P.CompletionLogprobs:
+        """OpenAI's logprobs object; `prompt_ids` with prompt logprobs, whose first entry is
+        None (the first prompt token has nothing before it)."""
         out = P.CompletionLogprobs()
-        for lp in lps:
-            text = self.s.token_text(lp.token_id)
-            top = {self.s.token_text(t): _finite(v) for t, v in lp.top}
-            top.setdefault(text, _finite(lp.logprob))
+        for i, lp in enumerate(lps):
+            text = self.s.token_text(lp.token_id if lp is not None else prompt_ids[i])
             out.tokens.append(text)
-            out.token_logprobs.append(_finite(lp.logprob))
-            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            top = {self.s.token_text(t): _finite(v) for t, v in lp.top}
+            top.setdefault(text, _finite(lp.logprob))
+            out.token_logprobs.append(_finite(lp.logprob))
+            out.top_logprobs.append(top)
         return out
+
+    def _echo_logprobs(self, k: int, out: RequestOutput) -> P.CompletionLogprobs:
+        return self._logprobs(out.prompt_logprobs or [], 0, self._prompt_of(k).ids)
 
     def response(self, finals: list[RequestOutput]) -> P.CompletionResponse:
         choices = []
         for k, out in enumerate(finals):
             prefix = self.s.prompt_text(self._prompt_of(k)) if self.req.echo else ""
             logprobs = self._logprobs(out.logprobs, len(prefix)) if self.req.logprobs is not None and out.logprobs is not None else None
+            if logprobs is not None and self.req.echo:
+                echoed = self._echo_logprobs(k, out)
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    setattr(logprobs, name, getattr(echoed, name) + getattr(logprobs, name))
             choices.append(P.CompletionChoice(index=k, text=prefix + out.text, logprobs=logprobs,
                                               finish_reason=out.finish_reason, stop_reason=out.stop_reason))
         return P.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
@@ -497,14 +510,24 @@ class _CompletionView:
         tail: list[str] = []  # sent in the stream's last write
         try:
             async with group:
-                if self.req.echo:
+                # The echo goes first; with logprobs it waits for the prompt's, which come
+                # with the request's first output.
+                echo_pending = set(range(total)) if self.req.echo else set()
+                if self.req.echo and self.req.logprobs is None:
                     for k in range(total):
                         text = self.s.prompt_text(self._prompt_of(k))
                         offsets[k] = len(text)
                         yield self._chunk(P.CompletionChoice(index=k, text=text))
+                    echo_pending.clear()
                 while batch := await group.next_batch():
                     events = []
                     for k, text, out in _coalesce(batch):
+                        if k in echo_pending:
+                            echo_pending.discard(k)
+                            prompt_text = self.s.prompt_text(self._prompt_of(k))
+                            offsets[k] = len(prompt_text)
+                            events.append(self._chunk(P.CompletionChoice(
+                                index=k, text=prompt_text, logprobs=self._echo_logprobs(k, out))))
                         num_tokens[k] = len(out.token_ids)
                         logprobs = None
                         if self.req.logprobs is not None and out.logprobs is not None:

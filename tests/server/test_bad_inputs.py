@@ -72,7 +72,6 @@ CASES = [
     ("empty-token-list-in-batch", "POST", COMPLETIONS, _completion(prompt=[[1, 2], []]), 400, "prompt", ["empty"]),
     ("stream_options-without-stream", "POST", COMPLETIONS, _completion(stream_options={"include_usage": True}), 400,
      "stream_options", []),
-    ("echo-with-logprobs", "POST", COMPLETIONS, _completion(echo=True, logprobs=1), 400, "echo", []),
     ("reserved-template-kwarg", "POST", CHAT, _chat(chat_template_kwargs={"tokenize": True}), 400,
      "chat_template_kwargs", ["tokenize"]),
     ("lone-surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "prompt", ["surrogate"]),

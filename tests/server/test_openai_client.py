@@ -209,6 +209,29 @@ def test_echo_prepends_the_prompt(oai, idle_server):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == PROMPT + plain
 
 
+def test_echo_with_logprobs_covers_the_prompt(oai, idle_server, smol_engine):
+    """OpenAI's echo + logprobs: the prompt's tokens come first, the first with a null
+    logprob, the others with their logprobs given the tokens before them (the engine's
+    prompt logprobs), then the completion's; streaming sends the same tokens."""
+    from agent_infer.sampling_params import SamplingParams
+
+    r = oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = idle_server.async_engine.tokenizer.encode(PROMPT)
+    n = len(ids)
+    assert len(lp.tokens) == n + 4 and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = smol_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    assert all(abs(a - b.logprob) < 1e-4 for a, b in zip(lp.token_logprobs[1:n], ref.prompt_logprobs[1:]))
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(PROMPT)
+    chunks = list(oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                         logprobs=2, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+
+
 def test_vllm_style_extra_fields(oai, idle_server):
     # ignore_eos / top_k / repetition_penalty / stop_token_ids travel in extra_body.
     r = oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, temperature=0,
