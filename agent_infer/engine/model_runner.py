@@ -289,8 +289,8 @@ class InFlight:
 
     @staticmethod
     def start(out: SamplerOutput | None, prompt: PromptLogprobs | None, step: HostStep, device: torch.device) -> InFlight:
-        if device.type != "cuda":
-            return InFlight(out, prompt, step.prompt_lp_counts)
+        if device.type != "cuda" or (out is None and prompt is None):
+            return InFlight(out, prompt, step.prompt_lp_counts)  # nothing to wait for
 
         def copy(t):
             return None if t is None else t.to("cpu", non_blocking=True)
