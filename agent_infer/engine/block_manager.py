@@ -82,6 +82,28 @@ class BlockManager:
             parent = key
         return hits
 
+    def prompt_block_keys(self, seq: Sequence, start_block: int, end_block: int) -> list[int]:
+        """Chained keys of `seq`'s prompt blocks [start_block, end_block) (all full)."""
+        bs, tokens = self.block_size, seq.prompt_token_ids
+        parent, keys = _NO_HASH, []
+        for i in range(end_block):
+            parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if i >= start_block:
+                keys.append(parent)
+        return keys
+
+    def next_uncached_key(self, seq: Sequence, hits: list[int]) -> int | None:
+        """Key of the block right after `seq`'s cache hits, if that block could itself be
+        served from the cache once computed (it lies wholly before the last token)."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return None
+        i = len(hits)
+        if i >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        parent = self.block_key[hits[-1]] if hits else _NO_HASH
+        bs = self.block_size
+        return chain_hash(parent, tuple(seq.all_token_ids[i * bs : (i + 1) * bs]))
+
     def num_blocks_to_take(self, seq: Sequence, hits: list[int], num_tokens: int) -> int:
         """Free blocks consumed if `seq` is given room for `num_tokens` reusing `hits`."""
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
@@ -123,15 +145,16 @@ class BlockManager:
     def blocks_needed_for(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Publish the keys of `seq`'s blocks that are now full of computed tokens."""
+    def commit_full_blocks(self, seq: Sequence, limit: int | None = None) -> None:
+        """Publish the keys of `seq`'s blocks that are now full of computed tokens (of its
+        first `limit` tokens only, when given: those whose ids are known)."""
         if not self.enable_prefix_caching:
             return
         keys = self._seq_keys.get(seq.request_id)
         if keys is None:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_full = (seq.num_computed_tokens if limit is None else min(limit, seq.num_computed_tokens)) // bs
         parent = keys[-1] if keys else _NO_HASH
         for i in range(len(keys), num_full):
             chunk = tuple(seq.token_at(j) for j in range(i * bs, (i + 1) * bs))

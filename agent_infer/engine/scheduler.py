@@ -104,6 +104,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        computing: set[int] = set()  # keys of the prompt blocks this batch fills
 
         def take(seq: Sequence) -> bool:
             nonlocal budget
@@ -114,6 +115,10 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            if self.bm.enable_prefix_caching:
+                bs = self.bm.block_size
+                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens) // bs
+                computing.update(self.bm.prompt_block_keys(seq, seq.num_computed_tokens // bs, end))
             return True
 
         # Prompts already admitted and half computed go first, in admission order.
@@ -124,6 +129,10 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 hits = self.bm.match_prefix(seq)
+                if self.bm.next_uncached_key(seq, hits) in computing:
+                    # A request in this batch computes the next block of this prompt (n > 1
+                    # choices, a burst with one system prompt): wait a step and reuse it.
+                    break
                 if not self._can_admit(seq, hits):
                     break
                 self.waiting.popleft()
@@ -223,6 +232,10 @@ class Scheduler:
         row = 0
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
+            if batch.is_prefill:
+                # Prompt blocks this step fills can serve requests scheduled from now on:
+                # the device runs steps in order, so they are computed before any reader.
+                self.bm.commit_full_blocks(seq, limit=seq.num_prompt_tokens)
             if samples:
                 if seq.status == SequenceStatus.RUNNING_PREFILL:
                     seq.transition_to(SequenceStatus.RUNNING_DECODE)
