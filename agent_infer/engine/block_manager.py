@@ -83,10 +83,15 @@ class BlockManager:
         return hits
 
     def prompt_block_keys(self, seq: Sequence, start_block: int, end_block: int) -> list[int]:
-        """Chained keys of `seq`'s prompt blocks [start_block, end_block) (all full)."""
+        """Chained keys of `seq`'s prompt blocks [start_block, end_block) (all full),
+        continuing from its published keys where they reach start_block (the usual case:
+        its cache hits, or the chunks launched before)."""
         bs, tokens = self.block_size, seq.prompt_token_ids
-        parent, keys = _NO_HASH, []
-        for i in range(end_block):
+        known = self._seq_keys.get(seq.request_id, [])
+        first = start_block if len(known) >= start_block else 0
+        parent = known[first - 1] if first else _NO_HASH
+        keys = []
+        for i in range(first, end_block):
             parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             if i >= start_block:
                 keys.append(parent)

@@ -63,6 +63,15 @@ def _check_choice_text(p: dict, text: str) -> None:
         assert not any(s in text for s in p["stop"]), (p, text)
 
 
+def _check_usage(p: dict, reasons: list[str], completion_tokens: int) -> None:
+    """A choice that ended on length generated exactly max_tokens tokens, one that
+    stopped between 1 and max_tokens: usage must be their sum."""
+    assert len(reasons) == p["n"] and all(r in ("stop", "length") for r in reasons), (p, reasons)
+    lengths = reasons.count("length") * p["max_tokens"]
+    stops = reasons.count("stop")
+    assert lengths + stops <= completion_tokens <= lengths + stops * p["max_tokens"], (p, reasons, completion_tokens)
+
+
 async def _run_one(client: httpx.AsyncClient, p: dict) -> str:
     path, body = _body(p)
     if not p["stream"]:
@@ -81,12 +90,8 @@ async def _run_one(client: httpx.AsyncClient, p: dict) -> str:
         data = r.json()
         assert sorted(c["index"] for c in data["choices"]) == list(range(p["n"]))
         for c in data["choices"]:
-            assert c["finish_reason"] in ("stop", "length")
             _check_choice_text(p, c["message"]["content"] if p["chat"] else c["text"])
-        used = data["usage"]["completion_tokens"]
-        assert 1 <= used <= p["max_tokens"] * p["n"]
-        if all(c["finish_reason"] == "length" for c in data["choices"]):
-            assert used == p["max_tokens"] * p["n"], (p, data["usage"])
+        _check_usage(p, [c["finish_reason"] for c in data["choices"]], data["usage"]["completion_tokens"])
         return "ok"
 
     async with client.stream("POST", path, json=body) as r:
@@ -94,7 +99,7 @@ async def _run_one(client: httpx.AsyncClient, p: dict) -> str:
             assert r.status_code == 400
             return "invalid"
         assert r.status_code == 200
-        finished, texts, usage, done, chunks = set(), {}, None, False, 0
+        finished, texts, usage, done, chunks = {}, {}, None, False, 0
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -112,12 +117,13 @@ async def _run_one(client: httpx.AsyncClient, p: dict) -> str:
                 piece = (c["delta"].get("content") or "") if p["chat"] else c["text"]
                 texts[c["index"]] = texts.get(c["index"], "") + piece
                 if c["finish_reason"]:
-                    assert c["finish_reason"] in ("stop", "length")
-                    finished.add(c["index"])
-        assert done and finished == set(range(p["n"])), (p, finished)
+                    assert c["index"] not in finished, (p, obj)  # one final chunk per choice
+                    finished[c["index"]] = c["finish_reason"]
+        assert done and set(finished) == set(range(p["n"])), (p, finished)
         for text in texts.values():
             _check_choice_text(p, text)
-        assert usage and 1 <= usage["completion_tokens"] <= p["max_tokens"] * p["n"]
+        assert usage is not None, p
+        _check_usage(p, [finished[k] for k in range(p["n"])], usage["completion_tokens"])
         return "ok"
 
 
