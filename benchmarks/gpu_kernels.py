@@ -32,7 +32,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from agent_infer.kernels import reference  # noqa: E402
-from agent_infer.kernels.triton import activation, norm, rotary  # noqa: E402
+from agent_infer.kernels.triton import activation, norm, rope_store  # noqa: E402
 from agent_infer.kernels.triton.decode_attention import DecodeConfig, decode_attention, decode_num_splits  # noqa: E402
 from agent_infer.kernels.triton.gemv import GemvConfig, default_config, linear  # noqa: E402
 from agent_infer.kernels.triton.kv_store import store_kv  # noqa: E402
@@ -105,7 +105,7 @@ def add(row: Row) -> None:
 
 
 def bench_elementwise() -> None:
-    print("\n== norms, activation, rotary, KV store (bf16) ==")
+    print("\n== norms, activation, RoPE + KV write, KV store (bf16) ==")
     eps = 1e-6
     for tokens in ELEMENTWISE_TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=DEV)
@@ -144,14 +144,19 @@ def bench_elementwise() -> None:
         f = torch.arange(max_pos, device=DEV).float()[:, None] * inv[None]
         cache = torch.cat((f.cos(), f.sin()), -1)
         pos = torch.randint(0, max_pos, (tokens,), device=DEV)
+        # RoPE as the engine runs it (with the KV write, one kernel), without q/k norms.
+        vr = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(tokens, KV_HEADS, HEAD_DIM)
+        kcr = torch.zeros(tokens // 16 + 2, 16, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        vcr = torch.zeros_like(kcr)
+        rslots = torch.arange(tokens, device=DEV)
         ref_q, ref_k = reference.apply_rotary(pos, q, cache, True), reference.apply_rotary(pos, k, cache, True)
         q2, k2 = q.clone(), k.clone()
-        rotary.apply_rotary_qk(pos, q2, k2, cache, True)
+        rope_store.norm_rope_store(pos, q2, k2, vr, None, None, 0.0, cache, True, kcr, vcr, rslots)
         err = max(rel_err(q2, ref_q), rel_err(k2, ref_k))
-        t = bench(lambda: rotary.apply_rotary_qk(pos, q, k, cache, True))
-        nbytes = 2 * (q.numel() + k.numel()) * ELEM + tokens * HEAD_DIM * 4
+        t = bench(lambda: rope_store.norm_rope_store(pos, q, k, vr, None, None, 0.0, cache, True, kcr, vcr, rslots))
+        nbytes = 2 * (q.numel() + 2 * k.numel()) * ELEM + tokens * HEAD_DIM * 4
         t_ref = bench(lambda: (reference.apply_rotary(pos, q, cache, True), reference.apply_rotary(pos, k, cache, True)))
-        add(Row("rotary_neox", f"T={tokens} q{HEADS}+k{KV_HEADS} heads", t, gbps(nbytes, t), t_ref, "torch", err))
+        add(Row("rope_store", f"T={tokens} q{HEADS}+k{KV_HEADS} heads", t, gbps(nbytes, t), t_ref, "torch", err))
 
         v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(tokens, KV_HEADS, HEAD_DIM)
         blocks = 4096

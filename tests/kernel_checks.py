@@ -113,32 +113,6 @@ def check_silu_and_mul(device, dtype: torch.dtype, shape: tuple[int, ...]) -> No
     assert_close(out, reference.silu_and_mul(x), "silu_and_mul")
 
 
-def check_rotary(
-    device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool
-) -> None:
-    """q and k are strided views into one merged QKV buffer; v must stay untouched."""
-    from agent_infer.kernels.triton import rotary
-
-    max_pos = 4 * tokens + 50
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=7)
-    q = qkv[:, :q_size].view(tokens, heads, head_dim)
-    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
-    positions = torch.randint(0, max_pos, (tokens,), generator=_gen(8)).to(device)
-    ref_q = reference.apply_rotary(positions, q, cache, is_neox)
-    ref_k = reference.apply_rotary(positions, k, cache, is_neox)
-    v_before = qkv[:, q_size + kv_size :].clone()
-    with poisoned_empty():
-        out_q, out_k = rotary.apply_rotary_qk(positions, q, k, cache, is_neox)
-    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "rotary must work in place"
-    assert_close(q, ref_q, "rotary q")
-    assert_close(k, ref_k, "rotary k")
-    assert torch.equal(qkv[:, q_size + kv_size :], v_before), "rotary wrote outside q and k"
-
-
 def check_norm_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
     is_neox: bool, qk_norm: bool, block_size: int = 16,

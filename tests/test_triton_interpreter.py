@@ -91,12 +91,6 @@ else:
 
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize("is_neox", [True, False])
-    @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (64, 32), (96, 96)])
-    def test_rotary(dtype, is_neox, head_dim, rot_dim):
-        kc.check_rotary(DEV, dtype, 5, 4, 2, head_dim, rot_dim, is_neox)
-
-    @pytest.mark.parametrize("dtype", ALL)
-    @pytest.mark.parametrize("is_neox", [True, False])
     @pytest.mark.parametrize("qk_norm", [True, False])
     @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (64, 32)])
     def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):

@@ -55,20 +55,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-def apply_rotary_qk(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, Hkv, D]; the Triton version rotates in place."""
-    if _use_triton(q):
-        from agent_infer.kernels.triton import rotary
-
-        return rotary.apply_rotary_qk(positions, q, k, cos_sin_cache, is_neox)
-    return (
-        reference.apply_rotary(positions, q, cos_sin_cache, is_neox),
-        reference.apply_rotary(positions, k, cos_sin_cache, is_neox),
-    )
-
-
 def norm_rope_store(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from agent_infer.config import RopeConfig
-from agent_infer.kernels import ops
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -81,6 +80,9 @@ def build_cos_sin_cache(rope: RopeConfig, rotary_dim: int, max_pos: int, device:
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table shared by every layer and the RoPE style; the rotation itself is
+    part of `ops.norm_rope_store` (with the q/k norms and the KV write)."""
+
     def __init__(self, head_dim: int, rope: RopeConfig, max_pos: int, is_neox: bool = True):
         super().__init__()
         self.head_dim = head_dim
@@ -88,9 +90,3 @@ class RotaryEmbedding(nn.Module):
         self.is_neox = is_neox
         cache = build_cos_sin_cache(rope, self.rotary_dim, max_pos, torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] -> rotated (possibly in place)."""
-        return ops.apply_rotary_qk(positions, q, k, self.cos_sin_cache, self.is_neox)

@@ -43,14 +43,6 @@ def test_silu_and_mul(dtype, tokens):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64), (64, 64)])
-def test_rotary(dtype, is_neox, head_dim, rot_dim):
-    for tokens in (1, 300):
-        kc.check_rotary(DEV, dtype, tokens, HEADS, KV_HEADS, head_dim, rot_dim, is_neox)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64)])
 def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):

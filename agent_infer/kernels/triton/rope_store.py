@@ -15,8 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.rotary import rope_pair_index
 from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+
+
+@triton.jit
+def rope_pair_index(r, half, IS_NEOX: tl.constexpr):
+    """Feature indices of rotation pairs r = 0..half-1: (r, r + half) in Neox style,
+    (2r, 2r + 1) in GPT-J (interleaved) style."""
+    if IS_NEOX:
+        first = r
+        second = r + half
+    else:
+        first = 2 * r
+        second = 2 * r + 1
+    return first, second
 
 
 @triton.jit
