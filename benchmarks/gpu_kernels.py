@@ -33,7 +33,9 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.kernels.triton import activation, norm, rope_store  # noqa: E402
-from agent_infer.kernels.triton.decode_attention import DecodeConfig, decode_attention, decode_num_splits  # noqa: E402
+from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
+    DecodeConfig, decode_attention, decode_counters, decode_num_splits,
+)
 from agent_infer.kernels.triton.gemv import GemvConfig, default_config, linear  # noqa: E402
 from agent_infer.kernels.triton.kv_store import store_kv  # noqa: E402
 from agent_infer.kernels.triton.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
@@ -187,6 +189,7 @@ def bench_decode() -> None:
     block_size = 16
     scale = HEAD_DIM**-0.5
     k_cache, v_cache, perm = paged_cache(max(DECODE_BATCHES) * max(DECODE_CONTEXTS), block_size)
+    counters = decode_counters(max(DECODE_BATCHES), KV_HEADS, DEV)  # splits merged in the same launch
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             nb = triton.cdiv(ctx, block_size)
@@ -196,6 +199,7 @@ def bench_decode() -> None:
             out = decode_attention(q, k_cache, v_cache, tables, lens, scale)
             ref = reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
             err = rel_err(out, ref)
+            err_m = rel_err(decode_attention(q, k_cache, v_cache, tables, lens, scale, counters=counters), ref)
             del ref
             t = bench(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale))
             tg = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale))
@@ -220,6 +224,12 @@ def bench_decode() -> None:
             add(Row("decode_attn", f"B={batch} ctx={ctx}", t, gbps(nbytes, t), t_sdpa, "sdpa(contig)", err,
                     f"graph {tg:.1f} us = {nbytes / tg / 1e3:.0f} GB/s; splits {splits}; torch ref {t_ref:.0f} us; "
                     f"best {best[1]} {best[0]:.1f} us"))
+            # One launch (the last program of each KV head merges) against the two-kernel path above.
+            tm = bench(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, counters=counters))
+            tmg = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, counters=counters))
+            assert not counters.any(), "merged decode left its counters set"
+            add(Row("decode_merged", f"B={batch} ctx={ctx}", tm, gbps(nbytes, tm), t, "2 kernels", err_m,
+                    f"graph {tmg:.1f} us vs {tg:.1f} us with 2 kernels ({tg - tmg:+.1f} us saved)"))
             if batch == 1 and ctx == max(DECODE_CONTEXTS):
                 t1 = bench(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=1))
                 add(Row("decode_attn", f"B=1 ctx={ctx} splits=1 (no split-K)", t1, gbps(nbytes, t1), None, "", err))

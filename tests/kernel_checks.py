@@ -179,6 +179,43 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
     assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config}", dtype)
 
 
+def check_gemv_m1_residual(
+    device, dtype: torch.dtype, hidden: int, k: int, inter: int, bias: bool, silu_mul: bool, config=None
+) -> None:
+    """The residual stream folded into the batch-1 GEMVs: a projection [hidden, k] adds
+    into the residual in its epilogue and leaves partial sums of squares
+    (`linear_m1_add_`); the next projection [inter, hidden] (optionally SiLU-and-mul)
+    normalises its input from them as it loads it. Compared with the unfused reference:
+    linear, fused add + RMSNorm, linear."""
+    from agent_infer.kernels.triton.gemv import linear_m1, linear_m1_add_
+
+    x = randn(1, k, dtype=dtype, device=device, seed=41)
+    w = randn(hidden, k, dtype=dtype, device=device, seed=42, scale=k**-0.5)
+    b = randn(hidden, dtype=dtype, device=device, seed=43) if bias else None
+    residual = randn(1, hidden, dtype=dtype, device=device, seed=44, scale=3.0)
+    norm_w = randn(hidden, dtype=dtype, device=device, seed=45, scale=0.5) + 1
+    rows = 2 * inter if silu_mul else inter
+    w2 = randn(rows, hidden, dtype=dtype, device=device, seed=46, scale=hidden**-0.5)
+    b2 = randn(rows, dtype=dtype, device=device, seed=47) if bias else None
+
+    ref_normed, ref_residual = reference.fused_add_rms_norm(
+        torch.nn.functional.linear(x, w, b), residual.clone(), norm_w, 1e-6
+    )
+    ref = torch.nn.functional.linear(ref_normed.float(), w2.float(), None if b2 is None else b2.float())
+    if silu_mul:
+        ref = reference.silu_and_mul(ref.to(dtype)).float()
+    with poisoned_empty():
+        sumsq = linear_m1_add_(x, w, b, residual, config=config)
+        out = linear_m1(residual, w2, b2, silu_mul=silu_mul, norm=(sumsq, norm_w, 1e-6), config=config)
+    what = f"gemv M=1 residual hidden={hidden} K={k} silu_mul={silu_mul} {config}"
+    assert_close(residual.float(), ref_residual.float(), f"{what}: residual", dtype)
+    assert sumsq.dtype == torch.float32 and torch.isfinite(sumsq).all(), f"{what}: unwritten sum-of-squares part"
+    ref_sumsq = residual.float().pow(2).sum()  # of the residual the kernel wrote
+    assert abs(sumsq.sum().item() - ref_sumsq.item()) <= 1e-4 * ref_sumsq.item(), f"{what}: sum of squares"
+    assert out.dtype == dtype and out.shape == (1, inter)
+    assert_close(out.float(), ref, f"{what}: output", dtype)
+
+
 # ---- paged KV cache and attention --------------------------------------------------------
 
 
@@ -318,6 +355,82 @@ def check_decode_padding_rows(device, dtype: torch.dtype, block_size: int, num_s
     ref = reference.decode_attention(batch.q[:2], ref_k, ref_v, m.block_tables, m.context_lens, batch.scale)
     assert_close(out[:2], ref, "decode attention, real rows of a padded batch")
     assert torch.equal(out[2:], torch.zeros_like(out[2:])), "padding rows (context 0) must be zeros"
+
+
+def check_decode_merged(
+    device, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+    block_size: int, split_counts: tuple[int, ...], padding_rows: int = 0,
+) -> None:
+    """Splits merged in the same launch (the counter workspace): for each forced split
+    count, two calls in a row on the same counters (the first must leave them zero, or
+    the second merges at the wrong time), with `padding_rows` rows of context 0 that must
+    come out as zeros. The two-kernel combine is taken away, so the merge must happen in
+    the one launch; counter slack past batch x KV heads must stay untouched. Then once
+    through the backend with the counters in the metadata and the default split count."""
+    from unittest import mock
+
+    from agent_infer.kernels.triton import decode_attention as dec
+    from agent_infer.kernels.triton.kv_store import store_kv
+
+    batch = PagedBatch(
+        device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens],
+        heads, kv_heads, head_dim, block_size, False, padding_rows=padding_rows,
+    )
+    m = batch.meta
+    real = len(context_lens)
+    contexts = torch.cat([m.context_lens, torch.zeros(padding_rows, dtype=torch.int32, device=device)])
+    pad_tables = torch.zeros(padding_rows, m.block_tables.shape[1], dtype=torch.int32, device=device)
+    tables = torch.cat([m.block_tables, pad_tables])
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.store_kv(batch.k, batch.v, ref_k, ref_v, m.slot_mapping)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, m.slot_mapping)
+    ref = reference.decode_attention(batch.q[:real], ref_k, ref_v, m.block_tables, m.context_lens, batch.scale)
+    total = real + padding_rows
+    counters = dec.decode_counters(total + 2, kv_heads, device)
+    counters[total * kv_heads :] = 7  # slack: must not be touched
+    slack = counters[total * kv_heads :].clone()
+    with mock.patch.object(dec, "_decode_combine_kernel", None):
+        for splits in split_counts:
+            for call in range(2):
+                what = f"merged decode (contexts {context_lens} + {padding_rows} empty, {splits} splits, call {call})"
+                with poisoned_empty():
+                    out = dec.decode_attention(
+                        batch.q, batch.k_cache, batch.v_cache, tables, contexts, batch.scale, splits, counters=counters
+                    )
+                assert_close(out[:real], ref, what)
+                assert torch.equal(out[real:], torch.zeros_like(out[real:])), f"{what}: padding rows must be zeros"
+                assert not counters[: total * kv_heads].any(), f"{what}: counters not reset"
+                assert torch.equal(counters[total * kv_heads :], slack), f"{what}: counter slack written"
+    if padding_rows == 0:
+        m.decode_counters = counters
+        out, ref2, _ = _run_backends(batch)
+        assert_close(out, ref2, f"merged decode through the backend (contexts {context_lens})")
+        assert not counters[: total * kv_heads].any(), "backend call left counters set"
+
+
+def check_decode_merged_repeat(
+    device, dtype: torch.dtype, batch_size: int, max_context: int, splits: int, iters: int
+) -> None:
+    """Many merged launches queued back to back (no sync in between), each with a new q
+    and NaN-poisoned scratch, checked afterwards against the two-kernel path on the same
+    inputs: a merge that ran before every split's partial was visible would read NaN or
+    an earlier launch's values, and a counter left set would skip or misplace a merge. A
+    GPU check of the memory ordering (the interpreter runs programs one after another)."""
+    from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
+
+    gen = _gen(77)
+    contexts = torch.randint(1, max_context + 1, (batch_size,), generator=gen).tolist()
+    contexts[0] = max_context
+    batch = PagedBatch(device, dtype, [1] * batch_size, [c - 1 for c in contexts], 32, 8, 128, 16, False, seed=78)
+    m = batch.meta
+    counters = decode_counters(batch_size, 8, device)
+    args = (batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, splits)
+    qs = [randn(batch_size, 32, 128, dtype=dtype, device=device, seed=1000 + i) for i in range(iters)]
+    with poisoned_empty():
+        got = [decode_attention(q, *args, counters=counters) for q in qs]
+    for i, q in enumerate(qs):
+        assert_close(got[i], decode_attention(q, *args), f"merged vs two-kernel decode, launch {i}")
+    assert not counters.any(), "counters not reset"
 
 
 # ---- skinny GEMM -----------------------------------------------------------------------

@@ -131,6 +131,21 @@ else:
     def test_decode_padding_rows(num_splits):
         kc.check_decode_padding_rows(DEV, torch.float32, 16, num_splits)
 
+    MERGED_DECODE_CASES = [
+        # context lens, heads, kv heads, head_dim, block size, forced split counts, padding rows
+        ([1, 17, 100, 300], 8, 2, 64, 16, (2, 3, 8), 2),  # GQA 4; short contexts write directly
+        ([33, 64, 65, 250], 8, 1, 64, 32, (5, 16), 0),  # GQA 8; most of 16 shares are empty
+        ([129, 7], 4, 4, 96, 16, (2, 4), 1),  # MHA, head_dim 96 (masked)
+        ([600, 90], 16, 1, 128, 16, (5, 16), 0),  # GQA 16: the merge takes 4 splits a round
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "case", MERGED_DECODE_CASES, ids=lambda c: f"c{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-pad{c[6]}"
+    )
+    def test_decode_attention_merged(dtype, case):
+        kc.check_decode_merged(DEV, dtype, *case)
+
     GEMV_CASES = [
         # M, N, K, bias, config (None = default heuristic)
         (1, 100, 256, True, None),
@@ -154,6 +169,17 @@ else:
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
+    # bf16 is left to the GPU test: the interpreter truncates each of the in-kernel norm's
+    # roundings, a bias that adds up along K, where the reference rounds to nearest.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize(
+        "hidden,k,inter,bias,silu_mul,config",
+        [(192, 128, 40, True, False, RowConfig(4, 64)), (64, 256, 48, False, True, RowConfig(8, 32)),
+         (48, 64, 24, False, False, None)],
+    )
+    def test_gemv_m1_residual(dtype, hidden, k, inter, bias, silu_mul, config):
+        kc.check_gemv_m1_residual(DEV, dtype, hidden, k, inter, bias, silu_mul, config)
+
     def test_gemv_bf16_fma_path():
         kc.check_gemv(DEV, torch.bfloat16, 1, 100, 256, True, GemvConfig(16, 64, split_k=2))
 
@@ -163,7 +189,8 @@ else:
         """A tiny checkpoint run by the engine (fp32) with every kernel and the attention
         backend routed to Triton gives the torch path's greedy tokens: ragged prefill,
         a prefix-cache hit (prefill over cached blocks), decode with GQA and q/k norms
-        (fused with RoPE and the KV write), and batch-1 decode through the GEMV kernels."""
+        (fused with RoPE and the KV write), and batch-1 decode through the GEMV kernels with
+        the residual adds and norms folded into them."""
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
@@ -192,8 +219,19 @@ else:
                 calls.append(meta.is_prefill)
                 return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale, store)
 
+        from agent_infer.kernels.triton import gemv
+
+        folded: list[int] = []
+        add_into_residual = gemv.linear_m1_add_
+
+        def counting_add(*args, **kwargs):
+            folded.append(1)
+            return add_into_residual(*args, **kwargs)
+
         expected = run()
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
         monkeypatch.setattr(model_runner, "get_attention_backend", lambda name, device: CountingBackend)
+        monkeypatch.setattr(gemv, "linear_m1_add_", counting_add)
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
+        assert folded, "batch-1 decode did not fold the residual adds into the GEMVs"

@@ -62,9 +62,13 @@ class _Pinned:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device,
+        decode_workspace: torch.Tensor | None = None,
+    ):
         self.model = model
         self.device = device
+        self.decode_workspace = decode_workspace
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
@@ -90,6 +94,7 @@ class DecodeGraphs:
             max_context_len=self.block_tables.dev.shape[1],  # unused by graph-safe decode kernels
             query_lens_host=[1] * bs,
             context_lens_host=[1] * bs,
+            decode_counters=self.decode_workspace,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:

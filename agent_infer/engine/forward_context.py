@@ -30,6 +30,10 @@ class AttentionMetadata:
     # Host copies, so the plain-PyTorch path never reads back from the device.
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # Decode only, optional: the runner's zeroed int32 workspace (at least batch x KV heads,
+    # allocated once: a fixed address for CUDA graphs) that lets the Triton decode kernel
+    # merge its splits in the same launch; each call leaves it zero. None: two launches.
+    decode_counters: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

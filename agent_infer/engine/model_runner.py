@@ -98,6 +98,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.backend = get_attention_backend(engine_config.attention_backend, device)
         self.model = self._load_model()
+        # Lets the decode kernel merge its splits in the same launch; allocated once, so
+        # its address is fixed for CUDA graphs (None: the backend needs none).
+        self.decode_workspace = self.backend.decode_workspace(
+            engine_config.max_num_seqs, self.kv_spec().num_kv_heads, device
+        )
         self.pool: KVMemoryPool | None = None
         self.graphs: DecodeGraphs | None = None
         # The sampled tokens of the last step that sampled (on a TP worker: rank 0's,
@@ -130,7 +135,7 @@ class ModelRunner:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
-            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device
+            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.decode_workspace
         )
         self.graphs.capture()
 
@@ -192,6 +197,7 @@ class ModelRunner:
             max_context_len=int(step.context_lens.max()),
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
+            decode_counters=None if step.is_prefill else self.decode_workspace,
         )
         input_ids = to_dev(step.input_ids)
         if step.prev_index is not None:

@@ -32,6 +32,10 @@ class TorchAttentionBackend:
             )
         return reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
+    @staticmethod
+    def decode_workspace(max_batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
+        return None
+
 
 def get_attention_backend(name: str, device: torch.device):
     if name == "auto":

@@ -98,6 +98,33 @@ def test_decode_padding_rows(num_splits):
     kc.check_decode_padding_rows(DEV, torch.bfloat16, 16, num_splits)
 
 
+MERGED_DECODE_CASES = [
+    # context lens, heads, kv heads, head_dim, block size, forced split counts, padding rows
+    ([4000], HEADS, KV_HEADS, HEAD_DIM, 16, (2, 7, 33, 64), 0),
+    ([1, 15, 16, 17, 513, 2047, 3000, 4096], HEADS, KV_HEADS, HEAD_DIM, 16, (2, 5, 17), 3),
+    ([int(x) for x in torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(1))],
+     HEADS, KV_HEADS, HEAD_DIM, 32, (3, 8), 0),
+    ([100, 2500], 16, 16, 64, 16, (4, 64), 1),  # MHA, head_dim 64
+    ([100, 2500], 32, 4, 128, 32, (9,), 0),  # GQA 8
+    ([77, 1000], 8, 2, 96, 16, (2, 6), 0),  # head_dim 96
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case", MERGED_DECODE_CASES,
+    ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-pad{c[6]}",
+)
+def test_decode_attention_merged(dtype, case):
+    kc.check_decode_merged(DEV, dtype, *case)
+
+
+@pytest.mark.parametrize("batch,max_context,splits", [(1, 8000, 64), (8, 4000, 16), (64, 2000, 4)])
+def test_decode_merged_memory_ordering(batch, max_context, splits):
+    """Hundreds of back-to-back merged launches, each checked against the two-kernel path."""
+    kc.check_decode_merged_repeat(DEV, torch.bfloat16, batch, max_context, splits, iters=200)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 4000)])
@@ -112,6 +139,13 @@ def test_gemv_m1(dtype, n, k, silu_mul):
     kc.check_gemv_m1(DEV, dtype, n, k, bias=(n == 1000), silu_mul=silu_mul)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,k,inter,silu_mul", [(4096, 4096, 6144, False), (4096, 12288, 12288, True),
+                                                     (2048, 2048, 3000, False)])
+def test_gemv_m1_residual(dtype, hidden, k, inter, silu_mul):
+    kc.check_gemv_m1_residual(DEV, dtype, hidden, k, inter, bias=(inter == 3000), silu_mul=silu_mul)
+
+
 def test_gemv_fp32():
     kc.check_gemv(DEV, torch.float32, 1, 4096, 4096, True)
     kc.check_gemv(DEV, torch.float32, 5, 4096, 4096, False)
@@ -122,11 +156,14 @@ def test_gemv_fp32():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_attention_cuda_graph(dtype, block_size):
+@pytest.mark.parametrize("merged", [False, True], ids=["two-kernel", "merged"])
+def test_decode_attention_cuda_graph(dtype, block_size, merged):
     """Capture store + decode attention once; replay with context lengths longer and
     shorter than at capture time (and a padding row of context 0), new block tables, new
-    q/k/v. Each replay must match the reference on the same data."""
+    q/k/v. Each replay must match the reference on the same data. `merged`: with the
+    counter workspace in the metadata (one launch), which every replay must leave zero."""
     from agent_infer.kernels.triton.attention import TritonAttentionBackend
+    from agent_infer.kernels.triton.decode_attention import decode_counters
 
     batch, max_blocks = 4, 4200 // block_size + 2
     num_blocks = batch * max_blocks + 5
@@ -148,6 +185,7 @@ def test_decode_attention_cuda_graph(dtype, block_size):
         max_context_len=-1,  # decode must not use it
         query_lens_host=[1] * batch,
         context_lens_host=[],  # nor host lists
+        decode_counters=decode_counters(batch, KV_HEADS, DEV) if merged else None,
     )
     scale = HEAD_DIM**-0.5
 
@@ -193,6 +231,8 @@ def test_decode_attention_cuda_graph(dtype, block_size):
         pad = [i for i, c in enumerate(contexts) if c == 0]
         if pad:
             assert torch.equal(out[pad], torch.zeros_like(out[pad])), "padding row must be zeros"
+        if merged:
+            assert not meta.decode_counters.any(), f"replay {seed}: counters not reset"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,7 +3,8 @@
 
 Prefill uses the ragged paged kernel (its grid uses the host's max_query_len). Decode
 uses the split-K kernel, whose launch depends on shapes only, so it can be captured in
-a CUDA graph and replayed with new context lengths and block tables.
+a CUDA graph and replayed with new context lengths and block tables; with the runner's
+`meta.decode_counters` it merges its splits in the same launch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from agent_infer.engine.forward_context import AttentionMetadata
-from agent_infer.kernels.triton.decode_attention import decode_attention
+from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
 from agent_infer.kernels.triton.kv_store import store_kv
 from agent_infer.kernels.triton.prefill_attention import prefill_attention
 
@@ -33,4 +34,11 @@ class TritonAttentionBackend:
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                 meta.max_query_len, scale,
             )
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, counters=meta.decode_counters
+        )
+
+    @staticmethod
+    def decode_workspace(max_batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
+        """`AttentionMetadata.decode_counters` for decode batches up to `max_batch`."""
+        return decode_counters(max_batch, num_kv_heads, device)

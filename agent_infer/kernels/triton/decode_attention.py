@@ -5,9 +5,15 @@ KV heads, SM count), never by context lengths, so one captured graph replays cor
 for any lengths and block tables written into its static inputs. Each program takes the
 whole GQA group of one KV head as the M rows of its dots, so K/V are read once per KV
 head, and handles the S-th share of its sequence's context (computed in the kernel from
-context_lens, rounded to key tiles); shares past the end are empty. Partials (normalised
-output + log2-sum-exp) go to fp32 scratch that a second kernel merges. With S == 1 the
-first kernel writes the output directly.
+context_lens, rounded to key tiles); shares past the end are empty. With S == 1 the
+kernel writes the output directly. Otherwise each program writes a partial (normalised
+output + log2-sum-exp) to fp32 scratch, and the partials are merged in one of two ways:
+
+- merged in the same launch (when the caller passes `counters`): the last program to
+  finish for a (sequence, KV head) — found with an atomic counter — merges that KV
+  head's group over the splits that hold keys and writes the output; a sequence whose
+  keys fit in one share writes directly. One kernel per call instead of two.
+- by a second kernel over all S partials (no counters).
 
 Scratch is allocated per call from shapes alone: under CUDA-graph capture the caching
 allocator hands out the same addresses on every replay. A context length of 0 (a padding
@@ -27,16 +33,60 @@ from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+# fp32 partial-output elements the merging program loads per round (64 per thread at 4 warps).
+_MERGE_TILE = 8192
+
+
+@triton.jit
+def _merge_group(
+    part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group, head_dim, num_splits, used,
+    GROUP_P: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the partials of the first `used` splits (all hold keys) for one KV head's
+    group of query heads, and write the output. Each round loads MERGE_S splits of every
+    head of the group at once: walking the splits one by one would put one L2 round trip
+    per split on the critical path of the merging program."""
+    g = tl.arange(0, GROUP_P)
+    g_mask = g < group
+    heads = kv_head * group + g
+    sp = tl.arange(0, MERGE_S)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    rows0 = (seq * num_heads + heads) * num_splits  # part_o [B, H, S, D], part_lse [B, H, S]
+    acc = tl.zeros([GROUP_P, BLOCK_D], dtype=tl.float32)
+    m = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([GROUP_P], dtype=tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        s_mask = (s0 + sp) < used
+        rows = rows0[:, None] + (s0 + sp)[None, :]  # [G, S]
+        r_mask = g_mask[:, None] & s_mask[None, :]
+        # The acquire (and barrier) before the merge already order these loads; .cg also
+        # keeps them out of this SM's L1, which other SMs' stores do not update. Read once.
+        lse = tl.load(part_lse_ptr + rows, mask=r_mask, other=float("-inf"), cache_modifier=".cg")
+        # Padded group rows get a finite lse, so no row's running max stays -inf (NaN).
+        lse = tl.where(g_mask[:, None], lse, 0.0)
+        o = tl.load(part_o_ptr + rows[:, :, None] * head_dim + d[None, None, :],
+                    mask=r_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))  # finite: each round has a split with keys
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])  # splits past `used`: exp2(-inf) = 0
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        total = total * alpha + tl.sum(w, axis=1)
+        m = m_new
+    res = acc / total[:, None]
+    out_ptrs = out_ptr + seq * sob + heads[:, None] * soh + d[None, :]
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     sqb, sqh, sob, soh,
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
-    num_heads, group, head_dim, num_splits, qk_scale,
+    num_heads, num_kv_heads, group, head_dim, num_splits, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -82,12 +132,39 @@ def _decode_split_kernel(
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     out_mask = g_mask[:, None] & d_mask[None, :]
+    out_ptrs = out_ptr + seq * sob + heads[:, None] * soh + d[None, :]
+    row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, D], part_lse [B, H, S]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if DIRECT:
-        tl.store(out_ptr + seq * sob + heads[:, None] * soh + d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif MERGE:
+        # Splits holding keys; split 0 stands for an empty context (o = 0). Programs past
+        # them have nothing to contribute and skip the counter, so it counts to `used`.
+        used = tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)
+        if split < used:
+            if used == 1:
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
+                tl.store(part_lse_ptr + row, lse, mask=g_mask)
+                # Triton executes a scalar atomic in one thread, so its release covers only
+                # that thread's own stores; the barrier first makes every thread's partial
+                # stores visible to it (CTA scope), and release is cumulative, so they are
+                # published at GPU scope before the count. Same pattern as a grid sync.
+                tl.debug_barrier()
+                counter = counter_ptr + seq * num_kv_heads + kv_head
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == used - 1:
+                    # Symmetrically, the acquire is that one thread's: the barrier orders the
+                    # other threads' partial loads after it.
+                    tl.debug_barrier()
+                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group,
+                                 head_dim, num_splits, used, GROUP_P, MERGE_S, BLOCK_D)
+                    # Every other program of this (sequence, KV head) has counted already, so
+                    # a plain store re-arms the counter for the next launch (kernel boundary).
+                    tl.store(counter, 0)
     else:
-        row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, D], part_lse [B, H, S]
         tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
@@ -122,6 +199,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, batch * num_kv_heads))))
 
 
+def decode_counters(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 workspace that lets `decode_attention` merge its splits in one
+    launch: one counter per (sequence, KV head) for batches up to `max_batch`. Allocate it
+    once (its address must stay fixed for CUDA graphs) and pass it to every decode call;
+    each call leaves it zero again. Calls sharing it must not run concurrently (one
+    stream); `num_kv_heads` is the per-rank count under tensor parallelism."""
+    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int  # keys per inner step (split shares are rounded to it)
@@ -145,12 +231,15 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
 
     Sequence b attends to its context_lens[b] cached tokens under block_tables[b]. Reads
     no device value on the host. `num_splits` overrides the shape-derived split count and
-    `config` the tile configuration.
+    `config` the tile configuration. `counters` (from `decode_counters`, at least
+    B * KV heads, zero on entry and left zero) merges the splits in the same launch;
+    without it a second kernel merges them.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -159,6 +248,11 @@ def decode_attention(
     assert k_cache.dtype == q.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    if counters is not None:
+        assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.device == q.device
+        assert counters.numel() >= batch * num_kv_heads, (
+            f"decode counters hold {counters.numel()} < batch {batch} x KV heads {num_kv_heads}"
+        )
     block_d = check_head_dim(head_dim)
     group = num_heads // num_kv_heads
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -167,6 +261,9 @@ def decode_attention(
     splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
     cfg = config or default_config(head_dim, q.dtype)
     direct = splits == 1
+    merge = counters is not None and not direct
+    group_p = triton.next_power_of_2(group) if merge else 1
+    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (group_p * block_d))) if merge else 1
     if direct:
         part_o = part_lse = out  # unused
     else:
@@ -174,15 +271,16 @@ def decode_attention(
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse,
+        counters if merge else context_lens,  # unused without MERGE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_heads, group, head_dim, splits, scale * _LOG2E,
+        num_heads, num_kv_heads, group, head_dim, splits, scale * _LOG2E,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, DIRECT=direct, PRECISION=dot_precision(q.dtype),
+        BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=group_p, MERGE_S=merge_s, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
-    if not direct:
+    if not direct and not merge:
         _decode_combine_kernel[(batch, num_heads)](
             part_o, part_lse, out,
             out.stride(0), out.stride(1), num_heads, head_dim, splits,
