@@ -179,43 +179,6 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
     assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config}", dtype)
 
 
-def check_gemv_m1_residual(
-    device, dtype: torch.dtype, hidden: int, k: int, inter: int, bias: bool, silu_mul: bool, config=None
-) -> None:
-    """The residual stream folded into the batch-1 GEMVs: a projection [hidden, k] adds
-    into the residual in its epilogue and leaves partial sums of squares
-    (`linear_m1_add_`); the next projection [inter, hidden] (optionally SiLU-and-mul)
-    normalises its input from them as it loads it. Compared with the unfused reference:
-    linear, fused add + RMSNorm, linear."""
-    from agent_infer.kernels.triton.gemv import linear_m1, linear_m1_add_
-
-    x = randn(1, k, dtype=dtype, device=device, seed=41)
-    w = randn(hidden, k, dtype=dtype, device=device, seed=42, scale=k**-0.5)
-    b = randn(hidden, dtype=dtype, device=device, seed=43) if bias else None
-    residual = randn(1, hidden, dtype=dtype, device=device, seed=44, scale=3.0)
-    norm_w = randn(hidden, dtype=dtype, device=device, seed=45, scale=0.5) + 1
-    rows = 2 * inter if silu_mul else inter
-    w2 = randn(rows, hidden, dtype=dtype, device=device, seed=46, scale=hidden**-0.5)
-    b2 = randn(rows, dtype=dtype, device=device, seed=47) if bias else None
-
-    ref_normed, ref_residual = reference.fused_add_rms_norm(
-        torch.nn.functional.linear(x, w, b), residual.clone(), norm_w, 1e-6
-    )
-    ref = torch.nn.functional.linear(ref_normed.float(), w2.float(), None if b2 is None else b2.float())
-    if silu_mul:
-        ref = reference.silu_and_mul(ref.to(dtype)).float()
-    with poisoned_empty():
-        sumsq = linear_m1_add_(x, w, b, residual, config=config)
-        out = linear_m1(residual, w2, b2, silu_mul=silu_mul, norm=(sumsq, norm_w, 1e-6), config=config)
-    what = f"gemv M=1 residual hidden={hidden} K={k} silu_mul={silu_mul} {config}"
-    assert_close(residual.float(), ref_residual.float(), f"{what}: residual", dtype)
-    assert sumsq.dtype == torch.float32 and torch.isfinite(sumsq).all(), f"{what}: unwritten sum-of-squares part"
-    ref_sumsq = residual.float().pow(2).sum()  # of the residual the kernel wrote
-    assert abs(sumsq.sum().item() - ref_sumsq.item()) <= 1e-4 * ref_sumsq.item(), f"{what}: sum of squares"
-    assert out.dtype == dtype and out.shape == (1, inter)
-    assert_close(out.float(), ref, f"{what}: output", dtype)
-
-
 # ---- paged KV cache and attention --------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ and GPU. Triton is imported only when a CUDA tensor first needs it."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -82,78 +81,29 @@ def norm_rope_store(
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
     cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear."""
-    return fused_row_ok(x) and weight.is_contiguous() and x.dtype == weight.dtype
+    return (
+        _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
+        and x.dtype == weight.dtype and x.shape[1] % 16 == 0
+    )
 
 
-def fused_row_ok(x: torch.Tensor) -> bool:
-    """Whether x [1, K] is a row the batch-1 GEMV takes, so a residual stream of such rows
-    can fold its adds and norms into the projections (`linear_add_`, `PendingNorm`)."""
-    return _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and x.shape[1] % 16 == 0
-
-
-@dataclass(frozen=True)
-class PendingNorm:
-    """rms_norm(residual) * weight, not computed yet. The projection that consumes it
-    normalises its input as it loads it, from the sums of squares that the projection
-    which produced `residual` left (`linear_add_`): no norm kernel of its own."""
-
-    residual: torch.Tensor  # [rows, K]
-    sumsq: torch.Tensor  # [rows, parts] fp32; each row's sum of squares, split in parts
-    weight: torch.Tensor
-    eps: float
-
-    def materialize(self) -> torch.Tensor:
-        return reference.normed_rows(self.residual, self.sumsq, self.weight, self.eps)
-
-
-def _gemv_args(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None] | None:
-    """(input row, norm) for the batch-1 GEMV, or None when the product goes through
-    F.linear."""
-    if isinstance(x, PendingNorm):
-        if not _gemv_ok(x.residual, weight):
-            return None
-        return x.residual, (x.sumsq.view(-1), x.weight, x.eps)
-    return (x, None) if _gemv_ok(x, weight) else None
-
-
-def _dense(x: torch.Tensor | PendingNorm) -> torch.Tensor:
-    return x.materialize() if isinstance(x, PendingNorm) else x
-
-
-def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias)."""
-    args = _gemv_args(x, weight)
-    if args is not None:
+    if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
-        return gemv.linear_m1(args[0], weight, bias, norm=args[1])
-    return F.linear(_dense(x), weight, bias)
+        return gemv.linear_m1(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-def linear_silu_mul(
-    x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
     one kernel on the batch-1 GEMV path."""
-    args = _gemv_args(x, weight)
-    if args is not None:
+    if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
-        return gemv.linear_m1(args[0], weight, bias, silu_mul=True, norm=args[1])
-    return silu_and_mul(F.linear(_dense(x), weight, bias))
-
-
-def linear_add_(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
-) -> torch.Tensor:
-    """residual += linear(x, weight, bias) in place; returns the new residual's sums of
-    squares, [rows, parts] fp32, for a `PendingNorm`. On the batch-1 GEMV path this is
-    the GEMV's epilogue."""
-    if _gemv_ok(x, weight) and residual.is_contiguous():
-        from agent_infer.kernels.triton import gemv
-
-        return gemv.linear_m1_add_(x, weight, bias, residual).view(1, -1)
-    return reference.linear_add_(x, weight, bias, residual)
+        return gemv.linear_m1(x, weight, bias, silu_mul=True)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 def gumbel_sample(

@@ -23,23 +23,6 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
-def linear_add_(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
-) -> torch.Tensor:
-    """residual <- linear(x) + residual in place; returns the new residual's sums of
-    squares per row (fp32, shape [rows, 1]) for `normed_rows`."""
-    residual.copy_(F.linear(x, weight, bias) + residual)
-    return residual.float().pow(2).sum(-1, keepdim=True)
-
-
-def normed_rows(residual: torch.Tensor, sumsq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(residual) given its sums of squares `sumsq` [rows, parts] (any split of
-    each row's sum; a batch-1 GEMV leaves one partial per program)."""
-    dtype = residual.dtype
-    rstd = torch.rsqrt(sumsq.sum(-1, keepdim=True) / residual.shape[-1] + eps)
-    return weight * (residual.float() * rstd).to(dtype)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]

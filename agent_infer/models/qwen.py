@@ -11,11 +11,9 @@ import torch
 from torch import nn
 
 from agent_infer.config import ModelConfig
-from agent_infer.kernels.ops import PendingNorm
 from agent_infer.layers.activation import SiluAndMul, get_act_and_mul
 from agent_infer.layers.attention import Attention
 from agent_infer.layers.norm import RMSNorm
-from agent_infer.layers.residual import ResidualStream
 from agent_infer.layers.rotary import RotaryEmbedding
 from agent_infer.loader.weights import Weight, copy_into, materialize
 from agent_infer.tp_layers.distributed import ParallelState
@@ -36,16 +34,15 @@ class DenseAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, stream: ResidualStream) -> None:
-        """stream += o_proj(attention(qkv_proj(x)))."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        tokens = qkv.shape[0]
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         o = self.attn.forward_with_rope(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
-        stream.add(self.o_proj, o.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class DenseMLP(nn.Module):
@@ -56,13 +53,10 @@ class DenseMLP(nn.Module):
         self.act = get_act_and_mul(cfg.hidden_act)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor | PendingNorm, stream: ResidualStream) -> None:
-        """stream += down_proj(act(gate_up_proj(x)))."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.act, SiluAndMul):
-            h = self.gate_up_proj.forward_silu_mul(x)
-        else:
-            h = self.act(self.gate_up_proj(x))
-        stream.add(self.down_proj, h)
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -73,25 +67,34 @@ class DenseDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, stream: ResidualStream) -> None:
-        self.self_attn(positions, stream.normed(self.input_layernorm), stream)
-        self.mlp(stream.normed(self.post_attention_layernorm), stream)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DenseModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
         super().__init__()
-        self.tp_size = tp.world_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_pos, is_neox=True)
         self.layers = nn.ModuleList(DenseDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        stream = ResidualStream.start(self.embed_tokens(input_ids), self.tp_size)
+        x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            layer(positions, stream)
-        return stream.final(self.norm)
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class DenseForCausalLM(nn.Module):

@@ -59,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         copy_into(param, _shard(loaded, 0, self.tp.rank * size, size))
 
-    def forward(self, x: torch.Tensor | ops.PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
 
@@ -77,7 +77,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         part = _shard(loaded, 0, self.tp.rank * size, size)
         copy_into(param.data.narrow(0, offset, size), part)
 
-    def forward_silu_mul(self, x: torch.Tensor | ops.PendingNorm) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
         assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
         return ops.linear_silu_mul(x, self.weight, self.bias)
@@ -151,10 +151,3 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.tp.rank == 0 else None
         y = ops.linear(x, self.weight, bias)
         return all_reduce_sum(y, self.tp) if self.reduce else y
-
-    def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += self(x) in place; returns the new residual's sums of squares for
-        the next norm (`ops.linear_add_`). One rank only: with tp > 1 the add has to
-        follow the all-reduce."""
-        assert self.tp.world_size == 1 and self.reduce, "forward_add_ needs the whole output on this rank"
-        return ops.linear_add_(x, self.weight, self.bias, residual)

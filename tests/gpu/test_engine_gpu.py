@@ -50,7 +50,7 @@ def test_tiny_models_close_to_transformers_graphs_and_eager(name, tiny_model_dir
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
     graph_eng = _engine(path, eager=False)
     graph_outs = graph_eng.generate(prompts, params)
-    # One at a time: batch-1 decode takes the GEMV path with the residual folded into it.
+    # One at a time: batch-1 decode takes the GEMV path.
     single_outs = [graph_eng.generate([p], params)[0] for p in prompts]
     eager_outs = _engine(path, eager=True).generate(prompts, params)
     assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs], "graphs and eager differ"

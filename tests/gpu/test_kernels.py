@@ -139,13 +139,6 @@ def test_gemv_m1(dtype, n, k, silu_mul):
     kc.check_gemv_m1(DEV, dtype, n, k, bias=(n == 1000), silu_mul=silu_mul)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden,k,inter,silu_mul", [(4096, 4096, 6144, False), (4096, 12288, 12288, True),
-                                                     (2048, 2048, 3000, False)])
-def test_gemv_m1_residual(dtype, hidden, k, inter, silu_mul):
-    kc.check_gemv_m1_residual(DEV, dtype, hidden, k, inter, bias=(inter == 3000), silu_mul=silu_mul)
-
-
 def test_gemv_fp32():
     kc.check_gemv(DEV, torch.float32, 1, 4096, 4096, True)
     kc.check_gemv(DEV, torch.float32, 5, 4096, 4096, False)

@@ -160,32 +160,15 @@ class RowConfig:
 
 
 @triton.jit
-def _load_input(x_ptr, nw_ptr, k0, kk, rstd, NORM_IN: tl.constexpr):
-    """x[k0 : k0 + BLOCK_K] as fp32 [1, BLOCK_K]; with NORM_IN, x is a residual row and the
-    tile is RMS-normalised with the arithmetic of the rms_norm kernel (value rounded to
-    x's dtype, times the weight, rounded again), so the product sees the same input."""
-    x = tl.load(x_ptr + k0 + kk)
-    if NORM_IN:
-        h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-        x = (h * tl.load(nw_ptr + k0 + kk).to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)[None, :]
-
-
-@triton.jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, sumsq_in_ptr, sumsq_out_ptr,
-    N, K, swn, up_offset, n_sumsq_in, eps,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_RES: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUMSQ_BLOCK: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    N, K, swn, up_offset,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[n] = sum_k w[n, k] x[k] (+ b[n]). K is a multiple of BLOCK_K. Options:
-    - SILU_MUL: rows n and n + up_offset are a gate/up pair and out[n] = silu(gate) * up
-      (gate rounded to the weight dtype first, as the unfused reference does).
-    - NORM_IN: x is a residual row whose sum of squares is the sum of the n_sumsq_in
-      partials at sumsq_in; the input is rms_norm(x) * nw, applied as it is loaded.
-    - ADD_RES: out is the residual row, updated in place to out + y (rounded as the
-      fused add + RMSNorm kernel rounds it); each program also writes the sum of
-      squares of its rows of the new residual to sumsq_out[pid] for the next NORM_IN.
+    """out[n] = sum_k w[n, k] x[k] (+ b[n]); with SILU_MUL, rows n and n + up_offset are a
+    gate/up pair and out[n] = silu(gate) * up (gate rounded to the weight dtype first,
+    as the unfused reference does). K is a multiple of BLOCK_K.
 
     With PDL (programmatic dependent launch, Hopper+), the first weight tile is loaded
     before waiting for the previous kernel: weights never depend on it, so the load
@@ -200,17 +183,12 @@ def _gemv_row_kernel(
         up_rows = rows + up_offset * swn
         wu = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
     pdl_begin(PDL)
-    rstd = 1.0
-    if NORM_IN:
-        j = tl.arange(0, SUMSQ_BLOCK)
-        sumsq = tl.sum(tl.load(sumsq_in_ptr + j, mask=j < n_sumsq_in, other=0.0), axis=0)
-        rstd = tl.rsqrt(sumsq / K + eps)
-    x = _load_input(x_ptr, nw_ptr, 0, kk, rstd, NORM_IN)
+    x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
     acc = w.to(tl.float32) * x
     if SILU_MUL:
         acc_u = wu.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x = _load_input(x_ptr, nw_ptr, k0, kk, rstd, NORM_IN)
+        x = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
         acc += tl.load(rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
         if SILU_MUL:
             acc_u += tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
@@ -224,12 +202,6 @@ def _gemv_row_kernel(
         g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
-    if ADD_RES:
-        # Rows past N load 0 and stay 0, so they add nothing to the sum of squares.
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (y + tl.load(out_ptr + n, mask=n_mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        h = y.to(tl.float32)
-        tl.store(sumsq_out_ptr + pid, tl.sum(h * h, axis=0))
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -246,59 +218,23 @@ def row_config(n: int, k: int, device: torch.device) -> RowConfig:
 
 def linear_m1(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    silu_mul: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    config: RowConfig | None = None, pdl: bool | None = None,
+    silu_mul: bool = False, config: RowConfig | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]; with silu_mul the N rows are
-    [gate | up] halves and the result is silu(gate) * up, [1, N / 2]. With
-    norm = (sumsq_parts, norm_weight, eps), x is a residual row and the product takes
-    rms_norm(x) * norm_weight instead, its statistics from the partial sums of squares
-    that `linear_m1_add_` left."""
+    [gate | up] halves and the result is silu(gate) * up, [1, N / 2]."""
     k = x.shape[-1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, silu_mul=silu_mul, norm=norm, sumsq_out=None, config=config, pdl=pdl)
-    return out
-
-
-def linear_m1_add_(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, *,
-    config: RowConfig | None = None, pdl: bool | None = None,
-) -> torch.Tensor:
-    """residual [1, N] += x [1, K] @ weight[N, K]^T (+ bias), in place. Returns the partial
-    sums of squares of the new residual (fp32, one per program) for the next
-    `linear_m1(..., norm=...)`: the residual add and the RMSNorm statistics happen in
-    this GEMV's epilogue instead of a kernel of their own."""
-    n = weight.shape[0]
-    assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
-    cfg = config or row_config(n, x.shape[-1], x.device)
-    sumsq = torch.empty(triton.cdiv(n, cfg.block_n), dtype=torch.float32, device=x.device)
-    _launch(x, weight, bias, residual, silu_mul=False, norm=None, sumsq_out=sumsq, config=cfg, pdl=pdl)
-    return sumsq
-
-
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *,
-    silu_mul: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None, sumsq_out: torch.Tensor | None,
-    config: RowConfig | None, pdl: bool | None,
-) -> None:
-    k = x.shape[-1]
-    n = out.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     cfg = config or row_config(n, k, x.device)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     has_bias = bias is not None
-    if norm is not None:
-        sumsq_in, norm_weight, eps = norm
-        assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and sumsq_in.dtype == torch.float32
-    else:
-        sumsq_in, norm_weight, eps = out, out, 0.0  # unused
-    n_sumsq_in = sumsq_in.numel() if norm is not None else 1
     opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if has_bias else out, out, norm_weight, sumsq_in, out if sumsq_out is None else sumsq_out,
-        n, k, weight.stride(0), n, n_sumsq_in, eps,
-        HAS_BIAS=has_bias, SILU_MUL=silu_mul, NORM_IN=norm is not None, ADD_RES=sumsq_out is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUMSQ_BLOCK=triton.next_power_of_2(n_sumsq_in),
+        x, weight, bias if has_bias else out, out,
+        n, k, weight.stride(0), n,
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
+    return out
