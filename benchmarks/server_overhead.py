@@ -115,12 +115,13 @@ class FakeRunner:
     """ModelRunner's interface (build_step / launch / collect) on a FakeDevice."""
 
     def __init__(self, device: FakeDevice, block_size: int, launch_cpu_ms: float, launch_gil_releases: int,
-                 seed: int = 0):
+                 prefill_launch_cpu_ms: float = 0.0, seed: int = 0):
         import numpy as np
 
         self.device = device
         self.block_size = block_size
         self.launch_cpu_s = launch_cpu_ms / 1e3
+        self.prefill_launch_cpu_s = prefill_launch_cpu_ms / 1e3
         self.launch_gil_releases = launch_gil_releases
         self.rng = np.random.default_rng(seed)
         self.inflight = 0
@@ -131,8 +132,11 @@ class FakeRunner:
         return build_host_step(batch, self.block_size)  # the real host-side input building
 
     def launch(self, step, sampling_seqs):
-        if self.launch_cpu_s:  # host cost of a graph replay + sampler launch, GIL held
-            end = time.perf_counter() + self.launch_cpu_s
+        # Host cost with the GIL held: a decode step replays a graph; a prefill step runs
+        # eagerly, every kernel launched from Python.
+        cpu_s = self.prefill_launch_cpu_s if step.is_prefill else self.launch_cpu_s
+        if cpu_s:
+            end = time.perf_counter() + cpu_s
             while time.perf_counter() < end:
                 pass
         # Every PyTorch call of a real launch (input copies, graph replay, sampler kernels,
@@ -167,7 +171,8 @@ def install_fake_runner(args) -> FakeDevice:
     def setup_runner(config, model_config, dev, dtype, tp):
         max_model_len = resolve_max_model_len(config, model_config)
         blocks = config.max_num_seqs * -(-max_model_len // config.block_size) + 64
-        runner = FakeRunner(device, config.block_size, args.launch_cpu_ms, args.launch_gil_releases)
+        runner = FakeRunner(device, config.block_size, args.launch_cpu_ms, args.launch_gil_releases,
+                            args.prefill_launch_cpu_ms)
         return runner, RunnerPlan(blocks, max_model_len)
 
     llm_engine.setup_runner = setup_runner
@@ -348,6 +353,7 @@ def run_server(args, server: ServerProcess, seed: int) -> dict:
 def _model_flags(args) -> list[str]:
     return ["--decode-ms", str(args.decode_ms), "--decode-us-per-seq", str(args.decode_us_per_seq),
             "--prefill-us-per-token", str(args.prefill_us_per_token), "--launch-cpu-ms", str(args.launch_cpu_ms),
+            "--prefill-launch-cpu-ms", str(args.prefill_launch_cpu_ms),
             "--launch-gil-releases", str(args.launch_gil_releases)]
 
 
@@ -369,6 +375,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--prefill-us-per-token", type=float, default=25.0, help="fake prefill time per prompt token")
     p.add_argument("--launch-cpu-ms", type=float, default=0.0,
                    help="host time (GIL held) of launching a step, on top of the real input building")
+    p.add_argument("--prefill-launch-cpu-ms", type=float, default=0.0,
+                   help="host time (GIL held) of launching a prefill step, which runs eagerly")
     p.add_argument("--launch-gil-releases", type=int, default=20,
                    help="times a launch lets go of the GIL (each PyTorch call of a real launch does)")
     p.add_argument("--repeats", type=int, default=3)
