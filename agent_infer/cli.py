@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gib", type=float, default=None, help="explicit KV cache budget in GiB")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--preemption", default="none", choices=["none", "recompute"])
+    g.add_argument("--mixed-batches", action="store_true",
+                   help="steps that prefill also carry every running decode (default: prefill-only steps)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (pure eager mode)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -57,6 +59,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,
+        mixed_batches=args.mixed_batches,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tp,

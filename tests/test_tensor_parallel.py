@@ -158,6 +158,34 @@ def test_async_tp2_equals_sync_tp1_sampled_mixed_and_chunked(name, tiny_model_di
         sync1.shutdown()
 
 
+def test_async_tp2_mixed_batches_equal_sync_tp1(tiny_model_dirs):
+    """Mixed steps under TP = 2: each worker builds the same mixed step from the HostStep
+    (decode rows first, their inputs placeholders resolved from rank 0's broadcast, the
+    41-token prompt's chunks beside them) and the tokens equal synchronous TP = 1 with
+    prefill-only steps."""
+    path = tiny_model_dirs["qwen3"]
+    sync1 = make_engine(path, 1, async_scheduling=False, max_num_batched_tokens=16)
+    two = make_engine(path, 2, max_num_batched_tokens=16, mixed_batches=True)
+    try:
+        mixed: list[int] = []
+        schedule = two.scheduler.schedule
+
+        def recording_schedule():
+            batch = schedule()
+            if batch is not None and batch.num_decode:
+                mixed.append(batch.num_decode)
+            return batch
+
+        two.scheduler.schedule = recording_schedule
+        expected = sync1.generate(MIXED_PROMPTS, mixed_params())
+        assert_same_outputs(two.generate(MIXED_PROMPTS, mixed_params()), expected)
+        assert mixed, "no step mixed decodes with prefill"
+        assert two.block_manager.num_used_blocks == 0
+    finally:
+        two.shutdown()
+        sync1.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_killed_worker_fails_fast_and_leaves_no_orphans(tiny_model_dirs, async_scheduling):
     eng = make_engine(tiny_model_dirs["qwen3_untied"], 2, async_scheduling=async_scheduling)

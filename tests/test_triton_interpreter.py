@@ -212,3 +212,29 @@ else:
         monkeypatch.setattr(model_runner, "get_attention_backend", lambda name, device: CountingBackend)
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
+
+    def test_mixed_batches_on_triton_kernels_match_torch_path(tmp_path, monkeypatch):
+        """Mixed steps on the Triton path (decode rows through the decode kernel, prompt
+        chunks through the prefill kernel, in one step) give the torch path's tokens."""
+        from agent_infer.engine import model_runner
+        from agent_infer.kernels import ops
+        from agent_infer.kernels.triton.attention import TritonAttentionBackend
+        from tests.test_mixed_batches import _run
+        from tests.tiny_models import write_tiny_model
+
+        path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
+        expected, _ = _run(path, mixed=True, async_scheduling=True)
+        mixed_calls: list[int] = []
+
+        class CountingBackend(TritonAttentionBackend):
+            @staticmethod
+            def forward(q, k, v, k_cache, v_cache, meta, scale, store=True):
+                if meta.is_prefill and meta.num_decode:
+                    mixed_calls.append(meta.num_decode)
+                return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale, store)
+
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "get_attention_backend", lambda name, device: CountingBackend)
+        got, _ = _run(path, mixed=True, async_scheduling=True)
+        assert got == expected
+        assert mixed_calls, "no mixed step reached the Triton backend"

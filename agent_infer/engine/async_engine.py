@@ -116,7 +116,7 @@ class EngineSnapshot:
 @dataclass(frozen=True)
 class StepInfo:
     is_prefill: bool
-    num_seqs: int  # sequences that sampled a token in this step (decode: the batch size)
+    num_seqs: int  # prefill: prompts finished in this step; decode: the batch size
     num_tokens: int  # tokens computed (prefill: prompt tokens; decode: one per sequence)
     seconds: float
 
@@ -519,6 +519,8 @@ class AsyncEngine:
         if stats.steps != steps0:
             is_prefill = stats.prefill_steps != prefill0
             num_seqs = stats.generation_tokens - gen0
+            if is_prefill:
+                num_seqs -= stats.last_batch_decode_rows  # count the prompts that finished only
             info = StepInfo(is_prefill, num_seqs, stats.prompt_tokens - prompt0 if is_prefill else num_seqs, seconds)
             for obs in self._observers:
                 self._safe(obs.on_step, info)

@@ -34,6 +34,9 @@ class AttentionMetadata:
     # allocated once: a fixed address for CUDA graphs) that lets the Triton decode kernel
     # merge its splits in the same launch; each call leaves it zero. None: two launches.
     decode_counters: torch.Tensor | None = None
+    # A mixed step (is_prefill): the first num_decode sequences are decode rows, one query
+    # token each, which a backend may run through its decode kernel.
+    num_decode: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -84,7 +84,10 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode),
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode,
+                config.mixed_batches,
+            ),
             self.block_manager,
             self.eos_token_ids,
         )
@@ -415,14 +418,16 @@ class EngineStats:
     last_batch_size: int = 0  # sequences in the latest step
     last_batch_tokens: int = 0
     last_batch_prefill: bool = False
+    last_batch_decode_rows: int = 0  # a mixed step's decode rows
 
     def record_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.steps += 1
         self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
+        self.last_batch_decode_rows = batch.num_decode
         self.busy_seconds += seconds
         if batch.is_prefill:
             self.prefill_steps += 1
-            self.prompt_tokens += batch.num_tokens
+            self.prompt_tokens += batch.num_tokens - batch.num_decode  # a mixed step's decode rows are not prompt
             self.generation_tokens += sum(batch.samples)
         else:
             self.decode_steps += 1

@@ -197,7 +197,8 @@ class ModelRunner:
             max_context_len=int(step.context_lens.max()),
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
-            decode_counters=None if step.is_prefill else self.decode_workspace,
+            decode_counters=self.decode_workspace if not step.is_prefill or step.num_decode else None,
+            num_decode=step.num_decode,
         )
         input_ids = to_dev(step.input_ids)
         if step.prev_index is not None:
@@ -205,8 +206,8 @@ class ModelRunner:
         return PreparedInputs(input_ids, to_dev(step.positions), meta, to_dev(step.sample_indices))
 
     def _fill_placeholders(self, input_ids: torch.Tensor, prev_index: torch.Tensor) -> torch.Tensor:
-        """Input tokens still on the device: row i takes the previous step's sampled token
-        prev_index[i] (where >= 0)."""
+        """Input tokens still on the device: token i takes the previous step's sampled
+        token prev_index[i] (where >= 0)."""
         assert self._prev_tokens is not None, "placeholder inputs without a previous step"
         return torch.where(prev_index >= 0, self._prev_tokens[prev_index.clamp(min=0)], input_ids)
 
@@ -332,9 +333,11 @@ class HostStep:
     query_lens: np.ndarray  # [B] int32
     query_start_loc: np.ndarray  # [B + 1] int32
     sample_indices: np.ndarray  # [S] int64
-    # Rows whose input token is still on the device: index into the previous step's
-    # sampled tokens (-1: the id in input_ids is real). None when there are none.
+    # Input tokens still on the device: index into the previous step's sampled tokens
+    # (-1: the id in input_ids is real), one per input token. None when there are none.
     prev_index: np.ndarray | None = None
+    # A mixed step (is_prefill): its first num_decode sequences are one-token decode rows.
+    num_decode: int = 0
     # Prompt logprobs (prefill only; None when no sequence asks): the rows whose logits
     # predict a later prompt token, that token, how many rows each sequence has (batch
     # order), and the top-k to return.
@@ -349,14 +352,17 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     query_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
     starts = np.asarray([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
     prev: list[int] | None = None
+    decode_rows = len(batch.seqs) if not batch.is_prefill else batch.num_decode
     for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
-        if batch.is_prefill:
+        if i >= decode_rows:
             ids.extend(seq.all_token_ids[start : start + n])
             continue
+        # A decode row: its one token is the last sampled, maybe not read back yet. Decode
+        # rows come first, so row i is input token i.
         token = seq.last_token_id
         if token == PLACEHOLDER:
             if prev is None:
-                prev = [-1] * len(batch.seqs)
+                prev = [-1] * sum(batch.num_new_tokens)
             prev[i] = seq.pending_row
         ids.append(token)
     width = max(len(s.block_table) for s in batch.seqs)
@@ -382,6 +388,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         query_start_loc=qsl,
         sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
         prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
+        num_decode=batch.num_decode,
         **(prompt_lp or {}),
     )
 

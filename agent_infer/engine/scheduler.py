@@ -2,7 +2,10 @@
 
 Policy (from the blueprint): prefill first; a step is either a prefill batch (several
 prompts, ragged, up to `max_num_batched_tokens`; a prompt larger than the budget is cut
-into chunks) or a decode batch of every running sequence.
+into chunks) or a decode batch of every running sequence. With `mixed_batches` a step
+that prefills also carries every running decode, one token each and first in the batch,
+and the prefill gets what is left of the token budget: arriving prompts no longer stall
+the sequences already generating.
 
 No preemption by default, and no deadlock: a request is admitted only while the running
 set stays *safe* in the banker's sense: some order exists in which every running request
@@ -28,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     preemption_mode: str = "none"
+    mixed_batches: bool = False
 
 
 @dataclass
@@ -39,6 +43,8 @@ class ScheduledBatch:
     is_prefill: bool
     num_new_tokens: list[int]
     samples: list[bool] = field(default_factory=list)
+    # A mixed batch (is_prefill): its first num_decode sequences are decode rows.
+    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -95,13 +101,26 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
+        if self.config.mixed_batches:
+            return self._schedule_mixed()
+        batch = self._schedule_prefill(self.config.max_num_batched_tokens)
         if batch is None:
             batch = self._schedule_decode()
         return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        """Every decode that can grow, then prefill in the budget they leave."""
+        decode = self._schedule_decode()
+        used = len(decode) if decode is not None else 0
+        prefill = self._schedule_prefill(self.config.max_num_batched_tokens - used)
+        if prefill is None or decode is None:
+            return prefill or decode
+        return ScheduledBatch(
+            decode.seqs + prefill.seqs, True, decode.num_new_tokens + prefill.num_new_tokens,
+            decode.samples + prefill.samples, num_decode=len(decode),
+        )
+
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
         counts: list[int] = []
         computing: set[int] = set()  # keys of the prompt blocks this batch fills

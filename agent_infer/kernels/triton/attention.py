@@ -29,6 +29,8 @@ class TritonAttentionBackend:
         store=False: the caller already wrote k/v into the caches."""
         if store:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill and meta.num_decode:
+            return _mixed(q, k_cache, v_cache, meta, scale)
         if meta.is_prefill:
             return prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
@@ -42,3 +44,22 @@ class TritonAttentionBackend:
     def decode_workspace(max_batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
         """`AttentionMetadata.decode_counters` for decode batches up to `max_batch`."""
         return decode_counters(max_batch, num_kv_heads, device)
+
+
+def _mixed(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """A mixed step: the decode rows (first, one token each) through the decode kernel,
+    which reads each KV head once for its whole query group; the prompt chunks after them
+    through the prefill kernel."""
+    d = meta.num_decode
+    out = torch.empty_like(q)
+    out[:d] = decode_attention(
+        q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, counters=meta.decode_counters
+    )
+    if q.shape[0] > d:
+        out[d:] = prefill_attention(
+            q[d:], k_cache, v_cache, meta.block_tables[d:], meta.query_start_loc[d:] - d, meta.context_lens[d:],
+            meta.max_query_len, scale,
+        )
+    return out
