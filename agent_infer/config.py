@@ -193,7 +193,8 @@ class EngineConfig:
     # False: the blueprint's policy, a step is a prefill batch or a decode batch. True:
     # while prompts wait, a step carries every running decode as well (one token each,
     # first) and fills the rest of the token budget with prefill, so decodes never
-    # stall behind a prefill step.
+    # stall behind a prefill step (decodes come first: a budget no larger than the number
+    # of running sequences leaves prompts waiting until some finish).
     mixed_batches: bool = False
     enforce_eager: bool = False
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens back
