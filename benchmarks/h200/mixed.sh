@@ -3,12 +3,7 @@
 # H200, with .whl/ and .carry_tok (SmolLM2's tokenizer files) carried. 1. The nano-vllm
 # throughput workload, Qwen3-8B shape. 2. The server at concurrency 64 against offline at
 # the same batch (the issue-4 overhead), each policy in turn.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export AGENT_INFER_CACHE=/tmp/aic AGENT_INFER_GIT_COMMIT=${COMMIT:-unknown}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-M8=/tmp/aic/random/qwen3-8b
-[ -d $M8 ] || timeout 150 python3 -c "from agent_infer.bench.random_weights import ensure_random_model as e; e('qwen3-8b')" > $OUT/w.log 2>&1
+source benchmarks/h200/setup.sh
 cp .carry_tok/* $M8/
 for P in "" "--mixed-batches"; do
   T=${P:+mixed}; T=${T:-plain}
