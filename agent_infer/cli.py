@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-batches", action="store_true",
                    help="steps that prefill also carry every running decode (default: prefill-only steps)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (pure eager mode)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up requests that compile kernels before the first real one (GPU)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "symm_mem"],
@@ -61,6 +63,7 @@ def engine_config_from_args(args: argparse.Namespace):
         preemption_mode=args.preemption,
         mixed_batches=args.mixed_batches,
         enforce_eager=args.enforce_eager,
+        warmup=not args.no_warmup,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tp,
         all_reduce=args.all_reduce,

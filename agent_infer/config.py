@@ -197,6 +197,9 @@ class EngineConfig:
     # of running sequences leaves prompts waiting until some finish).
     mixed_batches: bool = False
     enforce_eager: bool = False
+    # GPU: a few made-up requests at start-up compile the kernel variants that the first
+    # real requests would otherwise wait for (engine/warmup.py).
+    warmup: bool = True
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens back
     attention_backend: str = "auto"  # auto | torch | triton
     tensor_parallel_size: int = 1

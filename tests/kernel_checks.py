@@ -273,9 +273,26 @@ def check_prefill(
     device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
     heads: int, kv_heads: int, head_dim: int, block_size: int,
 ) -> None:
+    """Through the backend (store + attend); then, with several sequences, the kernel from
+    the second sequence on into a given output (a mixed step's call): the first
+    sequence's rows keep what they held, the others match the reference."""
+    from agent_infer.kernels.triton.prefill_attention import prefill_attention
+
     batch = PagedBatch(device, dtype, query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, True)
     out, ref, _ = _run_backends(batch)
     assert_close(out, ref, f"prefill attention (q {query_lens}, prefix {prefix_lens})")
+    if len(query_lens) > 1:
+        m = batch.meta
+        given = torch.randn_like(out)
+        before = given.clone()
+        res = prefill_attention(
+            batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.query_start_loc, m.context_lens,
+            m.max_query_len, batch.scale, out=given, first_seq=1,
+        )
+        assert res is given
+        first = query_lens[0]
+        assert torch.equal(given[:first], before[:first]), "rows before first_seq were written"
+        assert_close(given[first:], ref[first:], f"prefill attention from the second sequence (q {query_lens})")
 
 
 def check_decode(
@@ -297,6 +314,16 @@ def check_decode(
         with poisoned_empty():
             out = decode_attention(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, num_splits)
         assert_close(out, ref, f"decode attention (contexts {context_lens}, {num_splits} splits)")
+    if len(context_lens) > 1:  # a mixed step's call: the first rows, whole tables, a given output
+        m, k = batch.meta, len(context_lens) - 1
+        given = torch.randn_like(ref)
+        before = given.clone()
+        decode_attention(
+            batch.q[:k], batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, num_splits,
+            out=given[:k],
+        )
+        assert torch.equal(given[k:], before[k:]), "decode wrote past its rows"
+        assert_close(given[:k], ref[:k], f"decode attention into a given output (contexts {context_lens[:k]})")
 
 
 def check_decode_padding_rows(device, dtype: torch.dtype, block_size: int, num_splits: int) -> None:

@@ -13,6 +13,10 @@ exact. Token counts come from the server's usage report (`stream_options.include
 
 Reported: request / output / total token throughput, and TTFT, TPOT (time per output
 token after the first), ITL and end-to-end latency as mean, median and p99.
+
+The client is aiohttp, as in vLLM's benchmark: at 64 streams of ~165 chunks/s each,
+httpx spent three times the CPU per chunk and its one event loop became the bottleneck,
+so the benchmark measured the client (docs/PERFORMANCE.md, issue 4).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-import httpx
+import aiohttp
 
 # Common English words; each is one token (with its leading space) in most BPE vocabularies.
 _WORDS = (
@@ -167,23 +171,23 @@ def _body(cfg: BenchConfig, model: str, spec: PromptSpec) -> dict:
     return body
 
 
-async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, spec: PromptSpec) -> RequestResult:
+async def run_request(session: aiohttp.ClientSession, cfg: BenchConfig, model: str, spec: PromptSpec) -> RequestResult:
     path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
     result = RequestResult()
     start = time.perf_counter()
     last = None
     chunks = 0
     try:
-        async with client.stream("POST", path, json=_body(cfg, model, spec)) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+        async with session.post(_url(cfg, path), json=_body(cfg, model, spec)) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode("utf-8", "replace")
+                result.error = f"HTTP {resp.status}: {text[:200]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -200,7 +204,7 @@ async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, s
                         result.itl.append(now - last)
                     last = now
                     chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.e2e = time.perf_counter() - start
@@ -211,6 +215,10 @@ async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, s
         result.output_tokens = chunks
     result.ok = True
     return result
+
+
+def _url(cfg: BenchConfig, path: str) -> str:
+    return cfg.base_url.rstrip("/") + path
 
 
 def _chunk_text(obj: dict, endpoint: str) -> str:
@@ -230,17 +238,16 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[PromptSpec] | None = Non
     prompts = prompts if prompts is not None else make_prompts(cfg)
     limit = cfg.max_concurrency or len(prompts)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    async with httpx.AsyncClient(
-        base_url=cfg.base_url.rstrip("/"), timeout=httpx.Timeout(cfg.timeout_s), headers=headers,
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit), trust_env=False,
-    ) as client:
-        model = cfg.model or await _first_model(client)
+    connector = aiohttp.TCPConnector(limit=limit)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+        model = cfg.model or await _first_model(session, cfg)
         gate = asyncio.Semaphore(limit)
         rng = random.Random(cfg.seed + 1)
 
         async def gated(spec: PromptSpec) -> RequestResult:
             async with gate:
-                return await run_request(client, cfg, model, spec)
+                return await run_request(session, cfg, model, spec)
 
         start = time.perf_counter()
         tasks = []
@@ -253,10 +260,10 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[PromptSpec] | None = Non
     return summarize(cfg, model, results, duration)
 
 
-async def _first_model(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+async def _first_model(session: aiohttp.ClientSession, cfg: BenchConfig) -> str:
+    async with session.get(_url(cfg, "/models")) as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict:

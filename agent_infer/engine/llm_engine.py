@@ -25,6 +25,7 @@ from agent_infer.engine.structs import FinishReason, Sequence
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.sampling_params import SamplingParams
 from agent_infer.engine.runner_setup import check_tp_divisibility, setup_runner
+from agent_infer.engine.warmup import warm_up
 from agent_infer.engine.workers import WorkerGroup, local_launch, rank_device, worker_main
 from agent_infer.tp_layers.distributed import SINGLE
 from agent_infer.tp_layers.group import torchrun_launch
@@ -106,6 +107,15 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._generation_ids: list[str] = []
         self._generation_outputs: dict[str, RequestOutput] = {}
+        self.stats = EngineStats()
+        if config.warmup and self.device.type == "cuda":
+            try:
+                log.info("warm-up (kernel compilation before the first request): %.1f s", warm_up(self))
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def reset_stats(self) -> None:
         self.stats = EngineStats()
 
     # ---- requests ------------------------------------------------------------------

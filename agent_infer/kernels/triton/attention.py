@@ -53,13 +53,16 @@ def _mixed(
     which reads each KV head once for its whole query group; the prompt chunks after them
     through the prefill kernel."""
     d = meta.num_decode
+    # Whole tensors with a row count or a first sequence, not slices: a slice starting at
+    # an odd row is a misaligned pointer, which Triton would compile a new variant for.
     out = torch.empty_like(q)
-    out[:d] = decode_attention(
-        q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, counters=meta.decode_counters
+    decode_attention(
+        q[:d], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+        counters=meta.decode_counters, out=out[:d],
     )
     if q.shape[0] > d:
-        out[d:] = prefill_attention(
-            q[d:], k_cache, v_cache, meta.block_tables[d:], meta.query_start_loc[d:] - d, meta.context_lens[d:],
-            meta.max_query_len, scale,
+        prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            meta.max_query_len, scale, out=out, first_seq=d,
         )
     return out

@@ -78,7 +78,9 @@ def _merge_group(
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+# The block-table width varies between eager steps (the batch's longest table) and the
+# graphs' static buffers; specialising on it would compile a variant mid-serving.
+@triton.jit(do_not_specialize=["s_table"])
 def _decode_split_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     sqb, sqh, sob, soh,
@@ -232,19 +234,22 @@ def decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
 
-    Sequence b attends to its context_lens[b] cached tokens under block_tables[b]. Reads
-    no device value on the host. `num_splits` overrides the shape-derived split count and
-    `config` the tile configuration. `counters` (from `decode_counters`, at least
-    B * KV heads, zero on entry and left zero) merges the splits in the same launch;
-    without it a second kernel merges them.
+    Sequence b attends to its context_lens[b] cached tokens under block_tables[b] (the
+    tables and lengths may hold more rows, e.g. a mixed step's prefill rows after the
+    decode rows; those are ignored). Reads no device value on the host. `num_splits`
+    overrides the shape-derived split count and `config` the tile configuration.
+    `counters` (from `decode_counters`, at least B * KV heads, zero on entry and left
+    zero) merges the splits in the same launch; without it a second kernel merges them.
+    `out`, when given, receives the result (strided rows allowed).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert block_tables.shape[0] == batch and context_lens.shape[0] == batch
+    assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
     assert k_cache.dtype == q.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
@@ -255,7 +260,9 @@ def decode_attention(
         )
     block_d = check_head_dim(head_dim)
     group = num_heads // num_kv_heads
-    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
     splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)

@@ -62,18 +62,20 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+# The block-table width and the first sequence vary from step to step; specialising on
+# their values (== 1, divisible by 16) would compile a new variant mid-serving for no gain.
+@triton.jit(do_not_specialize=["s_table", "first_seq"])
 def _prefill_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qsl_ptr, ctx_ptr,
     sqt, sqh, sot, soh,
-    kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
+    kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table, first_seq,
     group, head_dim, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Reversed so the longest (last) query tiles of the causal triangle start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -145,13 +147,17 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
     """q [T, H, D] (rows of all sequences, flattened) -> out [T, H, D].
 
     Sequence i owns rows query_start_loc[i]:query_start_loc[i+1]; its context_lens[i]
     tokens (cached prefix + these queries) are in the cache under block_tables[i]. Query j
     of sequence i sits at position context_len - query_len + j and sees keys at positions
-    <= its own. Rows not covered by query_start_loc are left unwritten.
+    <= its own. Only sequences from `first_seq` on are computed (a mixed step's decode
+    rows come first and go to the decode kernel), into `out` when given; rows of other
+    sequences, or not covered by query_start_loc, are left unwritten.
     """
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -160,9 +166,12 @@ def prefill_attention(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     block_d = check_head_dim(head_dim)
-    out = torch.empty((tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    batch = block_tables.shape[0]
-    if tokens == 0 or batch == 0 or max_query_len <= 0:
+    if out is None:
+        out = torch.empty((tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    batch = block_tables.shape[0] - first_seq
+    assert first_seq >= 0 and context_lens.shape[0] >= first_seq + batch
+    if tokens == 0 or batch <= 0 or max_query_len <= 0:
         return out
     cfg = config or default_config(head_dim, q.dtype)
     block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max_query_len)))
@@ -171,7 +180,7 @@ def prefill_attention(
         q, out, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), first_seq,
         num_heads // num_kv_heads, head_dim, scale * _LOG2E,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype),

@@ -1,0 +1,66 @@
+"""Start-up warm-up: a few made-up requests through the normal path before the first
+real one, so that what a step compiles on first use (Triton kernel variants: prefill tile
+sizes chosen by the longest query, element-wise kernels specialised on a token count of
+1 or a multiple of 16, the sampling kernel, mixed steps) is compiled at start-up and not
+while clients wait. Measured on an H200 with a cold Triton cache: each new variant stalls
+its step by 1.5-2 s, and a server's first wave met four of them (docs/PERFORMANCE.md).
+
+The engine is left as it was: no request, every block free, the prefix cache and every
+counter empty. Tensor-parallel workers follow these steps like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from agent_infer.engine.block_manager import PrefixCacheStats
+from agent_infer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from agent_infer.engine.llm_engine import LLMEngine
+
+# One request at a time, so each step's longest query picks another prefill tile
+# (16, 32, 64, 128 rows) and the token count is 1, "other" or a multiple of 16.
+PROMPT_LENGTHS = (1, 17, 48, 129)
+# Then a wave of this many sampled requests, one arriving a step late: sampling over
+# 15 and 16 rows, and a mixed step when mixed batches are on.
+WAVE = 16
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Run the warm-up requests to completion and reset the engine's state; returns the
+    seconds it took. Call before any real request."""
+    assert not engine.has_unfinished_requests(), "warm up before the first request"
+    t0 = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    room = engine.max_model_len - 3  # prompt + up to 3 new tokens must fit
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # Temperature alone samples the model's logits; with top-p, masked float32 ones.
+    sampled = SamplingParams(max_tokens=3, temperature=1.0, seed=0, ignore_eos=True)
+    nucleus = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+
+    def prompt(n: int, salt: int) -> list[int]:
+        return [(salt * 7919 + 31 * i + 1) % vocab for i in range(max(1, min(n, room)))]
+
+    def add(n: int, params: SamplingParams, salt: int) -> None:
+        engine.add_request("", params, request_id=f"warm-up-{salt}", prompt_token_ids=prompt(n, salt))
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    for salt, n in enumerate(PROMPT_LENGTHS):
+        add(n, sampled if salt % 2 else greedy, salt)
+        drain()
+    base = len(PROMPT_LENGTHS)
+    for i in range(WAVE - 1):
+        add(16, nucleus, base + i)
+    engine.step()
+    add(16, nucleus, base + WAVE)
+    drain()
+
+    engine.block_manager.reset_prefix_cache()
+    engine.block_manager.stats = PrefixCacheStats()
+    engine.reset_stats()
+    return time.perf_counter() - t0
