@@ -6,7 +6,10 @@ requests: device idle with no work queued vs work queued but not launched.
 
     TRACE_OUT=/tmp/t.json python3 benchmarks/h200/server_trace.py --model M --port 8011 &
     ... load ...; kill %1
-    python3 benchmarks/h200/server_trace.py analyze /tmp/t.json
+    python3 benchmarks/h200/server_trace.py analyze /tmp/t.json [FIRST]
+
+FIRST: the index of the first request to look at (20 skips the server's start-up
+warm-up requests, engine/warmup.py).
 """
 
 from __future__ import annotations
@@ -57,10 +60,13 @@ def install(out_path: str) -> None:
     threading.Thread(target=dump_every_second, daemon=True).start()
 
 
-def analyze(path: str) -> None:
+def analyze(path: str, first: int = 0) -> None:
     """Print the stretches between a step's read-back and the next launch longer than
-    5 ms, with the requests that arrived in them, and the totals."""
+    5 ms, with the requests that arrived in them, the host time of each prefill launch,
+    and the totals; from the `first`-th request's arrival on."""
     events = sorted(json.load(open(path)), key=lambda e: e[1])
+    start = sorted(e[1] for e in events if e[0] == "add")[first]
+    events = [e for e in events if e[1] >= start - 1e-3]
     launches = [e for e in events if e[0] == "launch"]
     adds = [e[1] for e in events if e[0] == "add"]
     t0 = launches[0][1]
@@ -86,13 +92,15 @@ def analyze(path: str) -> None:
     decode_ms = [1e3 * (e[2] - e[1]) for e in launches if not e[3]]
     print(f"span {span:.3f} s, {steps} steps, nothing in flight {idle:.3f} s ({100 * idle / span:.1f} %), "
           f"{len(adds)} requests")
+    print("prefill launches, host ms (sequences): "
+          + " ".join(f"{1e3 * (e[2] - e[1]):.0f}({e[4]})" for e in launches if e[3]))
     print(f"host time in launches: {len(prefill_ms)} prefill {sum(prefill_ms):.0f} ms (max {max(prefill_ms, default=0):.0f}), "
           f"{len(decode_ms)} decode {sum(decode_ms):.0f} ms (max {max(decode_ms, default=0):.1f})")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["analyze"]:
-        analyze(sys.argv[2])
+        analyze(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     else:
         install(os.environ["TRACE_OUT"])
         from agent_infer.cli import main
