@@ -13,6 +13,7 @@ from agent_infer.config import EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.sampling_params import SamplingParams
+from tests.scheduling import record_batches
 from tests.tiny_models import VOCAB, write_tiny_model
 
 BUDGET = 48  # tokens per step: long prompts are cut into chunks beside the decodes
@@ -46,16 +47,7 @@ def _run(path: str, mixed: bool, async_scheduling: bool) -> tuple[list[tuple], l
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=96, block_size=16,
                                  max_num_batched_tokens=BUDGET, mixed_batches=mixed,
                                  async_scheduling=async_scheduling))
-    batches: list[ScheduledBatch] = []
-    schedule = eng.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule()
-        if batch is not None:
-            batches.append(batch)
-        return batch
-
-    eng.scheduler.schedule = recording_schedule
+    batches = record_batches(eng)
     pending = _arrivals()
     order: list[str] = []
     final: dict[str, tuple] = {}

@@ -9,9 +9,9 @@ import pytest
 
 from agent_infer.config import EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine
-from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.warmup import PROMPT_LENGTHS, warm_up
 from agent_infer.sampling_params import SamplingParams
+from tests.scheduling import record_batches
 from tests.tiny_models import VOCAB, write_tiny_model
 
 
@@ -36,19 +36,10 @@ def _generate(eng: LLMEngine) -> list[list[int]]:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_warm_up_covers_its_variants_and_leaves_no_trace(qwen3_dir, mixed):
     eng = _engine(qwen3_dir, mixed)
-    batches: list[ScheduledBatch] = []
-    schedule = eng.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule()
-        if batch is not None:
-            batches.append(batch)
-        return batch
-
-    eng.scheduler.schedule = recording_schedule
+    batches = record_batches(eng)
     seconds = warm_up(eng)
     assert seconds > 0
-    eng.scheduler.schedule = schedule
+    del eng.scheduler.schedule  # back to the class's method
 
     # Each prompt length alone in its step (the longest query picks the prefill tile).
     prefill_lens = [b.num_tokens for b in batches if b.is_prefill and len(b) == 1 and not b.num_decode]

@@ -2,8 +2,8 @@
 real one, so that what a step compiles on first use (Triton kernel variants: prefill tile
 sizes chosen by the longest query, element-wise kernels specialised on a token count of
 1 or a multiple of 16, the sampling kernel, mixed steps) is compiled at start-up and not
-while clients wait. Measured on an H200 with a cold Triton cache: each new variant stalls
-its step by 1.5-2 s, and a server's first wave met four of them (docs/PERFORMANCE.md).
+while clients wait. Measured on an H200 with a cold Triton cache: each new variant stalled
+its step by 1.5-2.3 s, and the first mixed steps of a server met four (docs/PERFORMANCE.md).
 
 The engine is left as it was: no request, every block free, the prefix cache and every
 counter empty. Tensor-parallel workers follow these steps like any other.
