@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import torch
 
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
-from agent_infer.engine.block_manager import BlockManager
+from agent_infer.engine.block_manager import BlockManager, PrefixCacheStats
 from agent_infer.engine.detokenizer import IncrementalDetokenizer
 from agent_infer.engine.control import WorkerError
 from agent_infer.engine.model_runner import StepOutput
@@ -115,7 +115,12 @@ class LLMEngine:
                 self.shutdown()
                 raise
 
-    def reset_stats(self) -> None:
+    def reset_history(self) -> None:
+        """Forget what has run (the start-up warm-up): the prefix cache and every counter.
+        Only on an idle engine: live requests keep their blocks, but their cached keys go."""
+        assert not self.has_unfinished_requests(), "reset_history needs an idle engine"
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.stats = PrefixCacheStats()
         self.stats = EngineStats()
 
     # ---- requests ------------------------------------------------------------------

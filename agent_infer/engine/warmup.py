@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from agent_infer.engine.block_manager import PrefixCacheStats
 from agent_infer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,7 +59,5 @@ def warm_up(engine: LLMEngine) -> float:
     add(16, nucleus, base + WAVE)
     drain()
 
-    engine.block_manager.reset_prefix_cache()
-    engine.block_manager.stats = PrefixCacheStats()
-    engine.reset_stats()
+    engine.reset_history()
     return time.perf_counter() - t0
