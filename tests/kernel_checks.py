@@ -179,6 +179,35 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
     assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config}", dtype)
 
 
+def check_gemv_m1_add_norm(device, dtype: torch.dtype, n: int, k: int, bias: bool, config=None, calls: int = 3) -> None:
+    """The batch-1 GEMV with the residual add + RMSNorm done by its last program, against
+    F.linear then the reference fused_add_rms_norm, several calls in a row on one counter
+    (which must come back to zero each time: the next call, or graph replay, relies on it)."""
+    from agent_infer.kernels.triton.gemv import linear_m1_add_rms_norm
+
+    w = randn(n, k, dtype=dtype, device=device, seed=34, scale=k**-0.5)
+    b = randn(n, dtype=dtype, device=device, seed=35) if bias else None
+    norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=36)).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    residual = randn(1, n, dtype=dtype, device=device, seed=37)
+    ref_res = residual.clone()
+    for i in range(calls):
+        x = randn(1, k, dtype=dtype, device=device, seed=38 + i)
+        y = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        ref_out, ref_res = reference.fused_add_rms_norm(y, ref_res, norm_w, 1e-6)
+        with poisoned_empty():
+            out, res = linear_m1_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counter, config=config)
+        assert res.data_ptr() == residual.data_ptr(), "the residual must be updated in place"
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert int(counter.item()) == 0, "the last program must re-arm the counter"
+        label = f"gemv+add+norm N={n} K={k} call {i} {config}"
+        # The projection's bf16 rounding may differ by one ulp from F.linear's; after that
+        # both sides add and normalise identically, so the tolerance is the GEMV's.
+        assert_close(residual.float(), ref_res.float(), label + " residual", dtype)
+        assert_close(out.float(), ref_out.float(), label + " normed", dtype)
+        residual = res
+
+
 # ---- paged KV cache and attention --------------------------------------------------------
 
 
@@ -455,3 +484,35 @@ def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> No
     assert torch.equal(got.cpu(), want.cpu()), f"{got.tolist()} != {want.tolist()}"
     greedy = temperature == 0.0
     assert torch.equal(got[greedy].cpu(), logits.float().argmax(-1)[greedy].cpu())
+
+
+def check_argmax(device, dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """The two-pass greedy argmax equals torch.argmax, including ties (first index wins:
+    the maximum is planted twice, in different slices) and -inf entries (masked logits)."""
+    from agent_infer.kernels.triton.tokens import argmax
+
+    gen = torch.Generator().manual_seed(rows * 7 + vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    for r in range(rows):
+        if r % 2 == 0:  # a tie across slices: the earlier one must win
+            a, b = sorted(torch.randperm(vocab, generator=gen)[:2].tolist())
+            logits[r, a] = logits[r, b] = logits[r].max() + 1.0
+        if r % 3 == 1:
+            logits[r, : vocab // 2] = float("-inf")
+    logits = logits.to(dtype).to(device)
+    got = argmax(logits)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got.cpu(), logits.cpu().float().argmax(-1)), f"{got.tolist()}"
+
+
+def check_fill_placeholders(device, n: int) -> None:
+    """Rows with prev_index >= 0 take that previous sample, the others keep their id."""
+    from agent_infer.kernels.triton.tokens import fill_placeholders
+
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 1000, (n,), generator=gen)
+    prev_tokens = torch.randint(1000, 2000, (max(1, n // 2),), generator=gen)
+    prev_index = torch.randint(-1, prev_tokens.numel(), (n,), generator=gen)
+    want = torch.where(prev_index >= 0, prev_tokens[prev_index.clamp(min=0)], ids)
+    got = fill_placeholders(ids.to(device), prev_index.to(device), prev_tokens.to(device))
+    assert torch.equal(got.cpu(), want)

@@ -169,6 +169,22 @@ else:
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize(
+        "n,k,bias,config", [(100, 256, True, RowConfig(8, 64)), (64, 128, False, None), (33, 192, False, RowConfig(2, 64))]
+    )
+    def test_gemv_m1_add_norm(dtype, n, k, bias, config):
+        kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias, config)
+
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize("rows,vocab", [(1, 20000), (3, 8192), (4, 100)])
+    def test_argmax(dtype, rows, vocab):
+        kc.check_argmax(DEV, dtype, rows, vocab)
+
+    @pytest.mark.parametrize("n", [1, 37, 1500])
+    def test_fill_placeholders(n):
+        kc.check_fill_placeholders(DEV, n)
+
     def test_gemv_bf16_fma_path():
         kc.check_gemv(DEV, torch.bfloat16, 1, 100, 256, True, GemvConfig(16, 64, split_k=2))
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from agent_infer.engine.forward_context import AttentionMetadata, forward_context
+from agent_infer.kernels import ops
 
 log = logging.getLogger(__name__)
 
@@ -30,35 +32,82 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _Pinned:
-    """Pinned host staging and its device twin; `load` stages an array and copies it over.
+    """Pinned host staging and its device twin, for the block tables; `load_block` stages
+    the top-left corner an array covers and copies just that.
 
     Two host buffers, used in turn: with async scheduling the next step is staged while
     the previous step's copy may still be queued on the device, and must not overwrite
     what that copy is about to read. A buffer is reused only after the step that used it
     was read back (one step in flight at most)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: int = 0):
-        self.hosts = [torch.full(shape, fill, dtype=dtype, pin_memory=True) for _ in range(2)]
-        self.dev = torch.full(shape, fill, dtype=dtype, device=device)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.hosts = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
         self.turn = 0
 
-    def load(self, values: np.ndarray, rows: int) -> None:
-        """Stage `values` into the first rows and copy `rows` rows (values + padding)."""
-        host = self._next_host()
-        host[: values.shape[0]].numpy()[...] = values
-        self.dev[:rows].copy_(host[:rows], non_blocking=True)
-
     def load_block(self, values: np.ndarray) -> None:
-        """Stage and copy just the top-left corner `values` covers (2-D)."""
-        host = self._next_host()
+        host = self.hosts[self.turn]
+        self.turn ^= 1
         r, c = values.shape
         host[:r, :c].numpy()[...] = values
         self.dev[:r, :c].copy_(host[:r, :c], non_blocking=True)
 
-    def _next_host(self) -> torch.Tensor:
+
+@dataclass
+class RowInputs:
+    """One graph size's per-row inputs: views into a flat buffer (host or device)."""
+
+    input_ids: torch.Tensor  # int64
+    prev_index: torch.Tensor  # int64, -1: the id is real
+    positions: torch.Tensor  # int64
+    slots: torch.Tensor  # int64, -1: padding row, stores nothing
+    context_lens: torch.Tensor  # int32
+
+    @staticmethod
+    def of(flat: torch.Tensor, size: int) -> "RowInputs":
+        """The five rows of a `size`-row batch packed back to back at the start of `flat`
+        (int64; the int32 context lengths take the first half of the last row), so one
+        contiguous copy of 5 x size int64 moves all of them."""
+        rows = flat[: 5 * size].view(5, size)
+        return RowInputs(rows[0], rows[1], rows[2], rows[3], rows[4].view(torch.int32)[:size])
+
+
+class _RowStaging:
+    """The per-row inputs of every step through one pinned buffer (two, used in turn as
+    `_Pinned` explains) and one host-to-device copy: at batch 1 each copy is ~1 µs of the
+    device's step, so five separate ones cost more than their bytes."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        pin = device.type == "cuda"  # (a CPU device only in tests of the packing)
+        self.hosts = [torch.zeros(5 * max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.dev = torch.zeros(5 * max_batch, dtype=torch.int64, device=device)
+        self.turn = 0
+
+    def device_rows(self, size: int) -> RowInputs:
+        return RowInputs.of(self.dev, size)
+
+    def load(self, step, size: int) -> RowInputs:
+        """Stage `step`'s rows padded to `size` (padding rows: token 0, slot -1, context
+        1) and copy them; returns the device views the graph of `size` reads."""
         host = self.hosts[self.turn]
         self.turn ^= 1
-        return host
+        rows = RowInputs.of(host, size)
+        b = len(step.input_ids)
+        for dst, src, pad in (
+            (rows.input_ids, step.input_ids, 0),
+            (rows.prev_index, step.prev_index, -1),
+            (rows.positions, step.positions, 0),
+            (rows.slots, step.slot_mapping, -1),
+            (rows.context_lens, step.context_lens, 1),
+        ):
+            arr = dst.numpy()
+            if src is None:
+                arr[:] = pad
+            else:
+                arr[:b] = src
+                arr[b:] = pad
+        self.dev[: 5 * size].copy_(host[: 5 * size], non_blocking=True)
+        return self.device_rows(size)
 
 
 class DecodeGraphs:
@@ -72,23 +121,19 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
-        self.input_ids = _Pinned((n,), torch.int64, device)
-        self.positions = _Pinned((n,), torch.int64, device)
-        self.slots = _Pinned((n,), torch.int64, device, fill=-1)
-        self.context_lens = _Pinned((n,), torch.int32, device, fill=1)
+        self.rows = _RowStaging(n, device)
         self.block_tables = _Pinned((n, max_blocks_per_seq), torch.int32, device)
-        self.prev_index = _Pinned((n,), torch.int64, device, fill=-1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:
         return AttentionMetadata(
             is_prefill=False,
-            slot_mapping=self.slots.dev[:bs],
+            slot_mapping=rows.slots,
             block_tables=self.block_tables.dev[:bs],
-            context_lens=self.context_lens.dev[:bs],
+            context_lens=rows.context_lens,
             query_start_loc=self.query_start_loc[: bs + 1],
             max_query_len=1,
             max_context_len=self.block_tables.dev.shape[1],  # unused by graph-safe decode kernels
@@ -98,8 +143,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        with forward_context(self._meta(bs)):
-            hidden = self.model(self.input_ids.dev[:bs], self.positions.dev[:bs])
+        rows = self.rows.device_rows(bs)
+        with forward_context(self._meta(bs, rows)):
+            hidden = self.model(rows.input_ids, rows.positions)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -107,6 +153,9 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         # Largest first: smaller graphs then reuse the memory the large one reserved.
         for bs in reversed(self.sizes):
+            rows = self.rows.device_rows(bs)
+            rows.slots.fill_(-1)  # every row a padding row: the warm-up pass stores nothing
+            rows.context_lens.fill_(1)
             self._forward(bs)  # warm-up: Triton compilation, cuBLAS handles, autotuning
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -127,16 +176,9 @@ class DecodeGraphs:
         samples, still on the device)."""
         b = len(step.input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        pad = size - b
-        self.input_ids.load(np.pad(step.input_ids, (0, pad)), size)
+        rows = self.rows.load(step, size)
         if step.prev_index is not None:
-            self.prev_index.load(np.pad(step.prev_index, (0, pad), constant_values=-1), size)
-            idx = self.prev_index.dev[:size]
-            ids = self.input_ids.dev[:size]
-            torch.where(idx >= 0, prev_tokens[idx.clamp(min=0)], ids, out=ids)
-        self.positions.load(np.pad(step.positions, (0, pad)), size)
-        self.slots.load(np.pad(step.slot_mapping, (0, pad), constant_values=-1), size)
-        self.context_lens.load(np.pad(step.context_lens, (0, pad), constant_values=1), size)
+            ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
         self.block_tables.load_block(step.block_tables)
         self.graphs[size].replay()
         return self.logits[size][:b]

@@ -27,6 +27,7 @@ from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import PLACEHOLDER, Sequence
+from agent_infer.kernels import ops
 from agent_infer.layers.attention import get_attention_backend
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
@@ -209,7 +210,7 @@ class ModelRunner:
         """Input tokens still on the device: token i takes the previous step's sampled
         token prev_index[i] (where >= 0)."""
         assert self._prev_tokens is not None, "placeholder inputs without a previous step"
-        return torch.where(prev_index >= 0, self._prev_tokens[prev_index.clamp(min=0)], input_ids)
+        return ops.fill_placeholders(input_ids, prev_index, self._prev_tokens)
 
     @torch.inference_mode()
     def execute(self, step: HostStep) -> tuple[torch.Tensor, PromptLogprobs | None]:

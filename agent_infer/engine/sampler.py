@@ -98,7 +98,7 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.all_greedy and batch.num_logprobs < 0 and batch.output_counts is None:
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(ops.argmax(logits))
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.num_logprobs >= 0 else None
         if batch.output_counts is not None:
             logits = apply_penalties(logits.float(), batch)

@@ -106,6 +106,41 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return silu_and_mul(F.linear(x, weight, bias))
 
 
+def linear_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
+    (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
+    program adds and normalises, found with `counter`, an int32 [1] zero between calls)."""
+    if _gemv_ok(x, weight) and residual.is_contiguous() and residual.dtype == x.dtype:
+        from agent_infer.kernels.triton import gemv
+
+        if weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
+            return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter)
+    return fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """First index of each row's maximum, [B] int64 (greedy sampling)."""
+    if _use_triton(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
+        from agent_infer.kernels.triton import tokens
+
+        return tokens.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """input_ids[i] <- prev_tokens[prev_index[i]] where prev_index[i] >= 0: input tokens
+    that were sampled by the previous step and never left the device. May work in place;
+    returns the result."""
+    if _use_triton(input_ids) and input_ids.is_contiguous() and prev_index.is_contiguous():
+        from agent_infer.kernels.triton import tokens
+
+        return tokens.fill_placeholders(input_ids, prev_index, prev_tokens)
+    return torch.where(prev_index >= 0, prev_tokens[prev_index.clamp(min=0)], input_ids)
+
+
 def gumbel_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:

@@ -35,6 +35,10 @@ class DenseAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention output before o_proj, [tokens, heads x head_dim]."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
@@ -42,7 +46,7 @@ class DenseAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         o = self.attn.forward_with_rope(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+        return o.reshape(tokens, self.num_heads * self.head_dim)
 
 
 class DenseMLP(nn.Module):
@@ -54,9 +58,13 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activate(x))
+
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, the input of down_proj."""
         if isinstance(self.act, SiluAndMul):
-            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+            return self.gate_up_proj.forward_silu_mul(x)
+        return self.act(self.gate_up_proj(x))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -68,16 +76,16 @@ class DenseDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """x: this layer's input, already normalised (input_layernorm); residual: the
+        stream before that norm. Returns the next layer's normalised input (`next_norm`:
+        its input_layernorm, or the model's final norm) and the updated stream. Each
+        row-parallel projection is fused with the residual add + norm that follows it."""
+        x = self.self_attn.attend(positions, x)
+        x, residual = self.self_attn.o_proj.forward_add_norm(x, residual, self.post_attention_layernorm)
+        x = self.mlp.activate(x)
+        return self.mlp.down_proj.forward_add_norm(x, residual, next_norm)
 
 
 class DenseModel(nn.Module):
@@ -89,11 +97,11 @@ class DenseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            x, residual = layer(positions, x, residual, next_norm)
         return x
 
 

@@ -139,6 +139,9 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self.bias_loader
         else:
             self.register_parameter("bias", None)
+        # forward_add_norm's kernel finds its last program with this counter; one per layer
+        # (its address is captured in the decode graphs), zero between calls.
+        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
         size = param.shape[1]
@@ -151,3 +154,11 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.tp.rank == 0 else None
         y = ops.linear(x, self.weight, bias)
         return all_reduce_sum(y, self.tp) if self.reduce else y
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(self(x), residual) for an RMSNorm `norm`: (rms_norm(y + residual), y +
+        residual). Unsharded (tp = 1) at batch 1 this is one kernel: the GEMV's last
+        program does the add and the norm, saving a dependent launch per call."""
+        if self.tp.world_size == 1:
+            return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter)
+        return norm(self(x), residual)

@@ -139,6 +139,23 @@ def test_gemv_m1(dtype, n, k, silu_mul):
     kc.check_gemv_m1(DEV, dtype, n, k, bias=(n == 1000), silu_mul=silu_mul)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (1000, 4000), (896, 4864)])
+def test_gemv_m1_add_norm(dtype, n, k):
+    kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias=(n == 1000), calls=50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (64, 151936), (7, 49152), (256, 151936)])
+def test_argmax(dtype, rows, vocab):
+    kc.check_argmax(DEV, dtype, rows, vocab)
+
+
+@pytest.mark.parametrize("n", [1, 100, 4096])
+def test_fill_placeholders(n):
+    kc.check_fill_placeholders(DEV, n)
+
+
 def test_gemv_fp32():
     kc.check_gemv(DEV, torch.float32, 1, 4096, 4096, True)
     kc.check_gemv(DEV, torch.float32, 5, 4096, 4096, False)

@@ -160,15 +160,45 @@ class RowConfig:
 
 
 @triton.jit
+def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H: tl.constexpr):
+    """Run by every program after storing its rows of y: the last one to arrive (an atomic
+    counter) does residual <- y + residual, out <- rms_norm(residual) * weight over the
+    whole row, rounding as the separate fused_add_rms_norm kernel does, and re-arms the
+    counter. One program of a few µs instead of a dependent launch of its own."""
+    # Triton runs a scalar atomic in one thread, so its release covers that thread's
+    # stores only: the barrier first makes every thread's rows part of them.
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        # ... and the acquire is that thread's: the barrier extends it to the others.
+        tl.debug_barrier()
+        h = tl.arange(0, BLOCK_H)
+        mask = h < N
+        # .cg: other SMs wrote y, and this SM's L1 is not kept coherent with them.
+        y = tl.load(out_ptr + h, mask=mask, other=0.0, cache_modifier=".cg")
+        r = tl.load(res_ptr + h, mask=mask, other=0.0)
+        s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
+        tl.store(res_ptr + h, s.to(res_ptr.dtype.element_ty), mask=mask)
+        f = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(f * f, axis=0) / N + eps)
+        f = (f * rstd).to(y.dtype).to(tl.float32)
+        w = tl.load(nw_ptr + h, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + h, (f * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
+
+
+@triton.jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    N, K, swn, up_offset,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr,
+    N, K, swn, up_offset, eps,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[n] = sum_k w[n, k] x[k] (+ b[n]); with SILU_MUL, rows n and n + up_offset are a
     gate/up pair and out[n] = silu(gate) * up (gate rounded to the weight dtype first,
-    as the unfused reference does). K is a multiple of BLOCK_K.
+    as the unfused reference does); with ADD_NORM, the residual add + RMSNorm that
+    follows the projection is done by the last program (`_last_program_add_norm`).
+    K is a multiple of BLOCK_K.
 
     With PDL (programmatic dependent launch, Hopper+), the first weight tile is loaded
     before waiting for the previous kernel: weights never depend on it, so the load
@@ -203,6 +233,8 @@ def _gemv_row_kernel(
         u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ADD_NORM:
+        _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
 
 
 def row_config(n: int, k: int, device: torch.device) -> RowConfig:
@@ -231,10 +263,45 @@ def linear_m1(
     has_bias = bias is not None
     opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if has_bias else out, out,
-        n, k, weight.stride(0), n,
-        HAS_BIAS=has_bias, SILU_MUL=silu_mul,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, weight, bias if has_bias else out, out, out, out, out,
+        n, k, weight.stride(0), n, 0.0,
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul, ADD_NORM=False,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
+
+
+# The last program holds the whole output row in registers: up to this many features.
+MAX_ADD_NORM_FEATURES = 16384
+
+
+def linear_m1_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+    *, config: RowConfig | None = None, pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(x [1, K] @ weight[N, K]^T (+ bias), residual [1, N], norm_weight,
+    eps) in one launch: returns (normed [1, N], residual), residual updated in place.
+    `counter` is an int32 scalar tensor, zero on entry and left zero (its address may be
+    captured in a CUDA graph); one per call site that can be in flight at once."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+    assert n <= MAX_ADD_NORM_FEATURES, f"{n} features > {MAX_ADD_NORM_FEATURES}"
+    assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
+    cfg = config or row_config(n, k, x.device)
+    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    has_bias = bias is not None
+    opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if has_bias else out, out, residual, norm_weight, counter,
+        n, k, weight.stride(0), n, eps,
+        HAS_BIAS=has_bias, SILU_MUL=False, ADD_NORM=True,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=triton.next_power_of_2(n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
+    return out, residual

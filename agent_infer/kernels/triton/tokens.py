@@ -1,0 +1,100 @@
+"""The small per-step kernels over token ids around a decode step: the greedy argmax of
+the logits, and resolving placeholder inputs to the previous step's samples.
+
+At batch 1 each runs once per step on the critical path, so launch count and latency
+matter more than bandwidth: torch's argmax reduces a 151,936-entry row in one block
+(~9 µs on an H200), and torch.where over the placeholders is four kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+
+_SPLIT = 8192  # vocabulary entries per program of the first argmax pass
+_BLOCK = 2048
+
+
+@triton.jit
+def _argmax_split_kernel(
+    logits_ptr, stride, val_ptr, idx_ptr, vocab, num_splits,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32)
+    start = split * SPLIT
+    for off in range(start, start + SPLIT, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        better = x > best_val  # strict: the earlier column keeps a tie
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    v = tl.max(best_val, axis=0)
+    i = tl.min(tl.where(best_val == v, best_idx, vocab), axis=0)
+    tl.store(val_ptr + row * num_splits + split, v)
+    tl.store(idx_ptr + row * num_splits + split, i)
+
+
+@triton.jit
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, vocab, num_splits, S: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    row = tl.program_id(0)
+    s = tl.arange(0, S)
+    mask = s < num_splits
+    vals = tl.load(val_ptr + row * num_splits + s, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * num_splits + s, mask=mask, other=vocab)
+    v = tl.max(vals, axis=0)
+    i = tl.min(tl.where(vals == v, idx, vocab), axis=0)
+    tl.store(out_ptr + row, i.to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (last dim contiguous) -> the first index of each row's maximum, [B]
+    int64, as torch.argmax(dim=-1) for rows without NaN. Two launches: each program
+    reduces an 8192-entry slice, then one program per row picks among the slices."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "the vocabulary dimension must be contiguous"
+    splits = triton.cdiv(vocab, _SPLIT)
+    vals = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    opts = launch_opts(logits.device)
+    _argmax_split_kernel[(rows, splits)](
+        logits, logits.stride(0), vals, idx, vocab, splits, SPLIT=_SPLIT, BLOCK=_BLOCK, num_warps=8, **opts,
+    )
+    _argmax_merge_kernel[(rows,)](vals, idx, out, vocab, splits, S=triton.next_power_of_2(splits), num_warps=1, **opts)
+    return out
+
+
+@triton.jit
+def _fill_placeholders_kernel(ids_ptr, prev_index_ptr, prev_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    src = tl.load(prev_index_ptr + i, mask=mask, other=-1)
+    take = mask & (src >= 0)
+    token = tl.load(prev_ptr + tl.where(take, src, 0), mask=take)
+    tl.store(ids_ptr + i, token, mask=take)
+
+
+def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """In place: input_ids[i] <- prev_tokens[prev_index[i]] where prev_index[i] >= 0 (all
+    int64, contiguous). One launch. Returns input_ids."""
+    n = input_ids.numel()
+    assert prev_index.numel() == n and input_ids.is_contiguous() and prev_index.is_contiguous()
+    assert input_ids.dtype == prev_tokens.dtype == torch.int64
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _fill_placeholders_kernel[(triton.cdiv(n, block),)](
+            input_ids, prev_index, prev_tokens, n, BLOCK=block, num_warps=4, **launch_opts(input_ids.device),
+        )
+    return input_ids
