@@ -18,11 +18,17 @@ from agent_infer.bench.cli import PRESETS as CLI_PRESETS
 from agent_infer.bench.cli import add_bench_parser
 from agent_infer.bench.hf_baseline import left_pad
 from agent_infer.bench.monitor import GpuMonitor, GpuSeries, parse_smi_line
-from agent_infer.bench.offline import LatencyRun, format_table, summarise_latency, throughput_workload
+from agent_infer.bench.offline import (
+    LatencyRun, format_table, json_text, run_throughput, summarise_latency, throughput_workload,
+)
 from agent_infer.bench.roofline import decode_roofline, decode_weight_params
+from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
 from agent_infer.cli import add_engine_args
-from agent_infer.config import ConfigError, ModelConfig
+from agent_infer.config import ConfigError, EngineConfig, ModelConfig
+from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.loader.default_model import DEFAULT_MODEL_NAME
+from tests.scheduling import record_batches
+from tests.tiny_models import VOCAB
 
 
 def _use_cache(monkeypatch, root, default_model_dir: str) -> None:
@@ -245,6 +251,67 @@ def test_monitor_parsing_and_cpu_note():
         assert summary["gpus"] == [] and "no CUDA GPU" in summary["note"]
 
 
+def _synthetic_trace(steps: list[tuple[int, int, float, float]]) -> dict[str, list]:
+    """Trace columns from (prefill, seqs, blocked_s, period_s) per step."""
+    t, cols = 0.0, {name: [] for name in ("t_s", "prefill", "seqs", "tokens", "decode_rows", "blocked_s", "period_s")}
+    for prefill, seqs, blocked, period in steps:
+        t += period
+        for name, v in zip(cols, (t, prefill, seqs, seqs, 0, blocked, period)):
+            cols[name].append(v)
+    return cols
+
+
+def test_step_summary_bands_totals_and_host_bound_share():
+    cols = _synthetic_trace([
+        (1, 100, 0.030, 0.040), (1, 50, 0.0001, 0.010),                     # prefill: one host-bound
+        (0, 256, 0.009, 0.010), (0, 129, 0.008, 0.010),                     # 129-256
+        (0, 128, 0.0, 0.005), (0, 65, 0.0001, 0.004), (0, 100, 0.003, 0.006),  # 65-128: two host-bound
+        (0, 8, 0.0, 0.002), (0, 1, 0.0019, 0.002),                          # 1-8
+        (0, 9, 0.001, 0.003),                                               # 9-32
+    ])
+    bands = {b.label: b.as_dict() for b in summarise_step_trace(cols)}
+    assert list(bands) == ["prefill", "decode 1-8", "decode 9-32", "decode 33-64", "decode 65-128",
+                           "decode 129-256", "total"]  # no ">256" band: no step is in it
+    p = bands["prefill"]
+    assert (p["steps"], p["total_s"], p["mean_ms"]) == (2, pytest.approx(0.050), pytest.approx(25.0))
+    assert p["blocked_ms"] == pytest.approx(15.05) and p["host_bound_share"] == 0.5
+    mid = bands["decode 65-128"]
+    assert mid["steps"] == 3 and mid["total_s"] == pytest.approx(0.015)
+    assert mid["host_bound_share"] == pytest.approx(2 / 3)
+    assert mid["blocked_ms"] == pytest.approx(1.0333, abs=1e-4)
+    assert bands["decode 1-8"]["host_bound_share"] == 0.5 and bands["decode 129-256"]["host_bound_share"] == 0.0
+    assert bands["decode 33-64"] == {"band": "decode 33-64", "steps": 0, "total_s": 0.0, "mean_ms": None,
+                                     "blocked_ms": None, "host_bound_share": None}
+    total = bands["total"]
+    assert total["steps"] == 10 and total["total_s"] == pytest.approx(cols["t_s"][-1]) == pytest.approx(0.092)
+    assert total["host_bound_share"] == pytest.approx(0.4)
+    assert sum(b["total_s"] for k, b in bands.items() if k != "total") == pytest.approx(total["total_s"])
+
+    big = summarise_step_trace(_synthetic_trace([(0, 257, 0.01, 0.02), (0, 512, 0.0, 0.03)]))
+    assert [(b.label, b.steps) for b in big][-2:] == [("decode >256", 2), ("total", 2)]
+    assert summarise_step_trace(cols, host_bound_s=0.0)[-1].host_bound == 0  # nothing blocks < 0
+
+    text = format_step_summary(summarise_step_trace(cols), wall_s=0.095)
+    rows = _table_rows(text)
+    assert rows["prefill"] == ["2", "0.050", "25.000", "15.050", "50.0 %"]
+    assert rows["decode 33-64"] == ["0", "-", "-", "-", "-"]
+    assert rows["total"][:2] == ["10", "0.092"] and "0.092 s of the 0.095 s wall" in text
+
+
+def test_trace_for_json_rounds_times_only():
+    cols = {"t_s": [0.1234567891], "prefill": [1], "seqs": [3], "blocked_s": [1e-9], "period_s": [0.0000014]}
+    assert trace_for_json(cols) == {"t_s": [0.123457], "prefill": [1], "seqs": [3], "blocked_s": [0.0],
+                                    "period_s": [0.000001]}
+
+
+def test_json_text_puts_number_lists_on_one_line():
+    payload = {"trace": {"t_s": [0.5, 1.25, -3e-05], "seqs": [256, 1]}, "names": ["a", "b"], "s": "[1,  2]", "e": []}
+    text = json_text(payload)
+    assert json.loads(text) == payload
+    assert '"t_s": [0.5, 1.25, -3e-05]' in text and '"seqs": [256, 1]' in text
+    assert '"names": [\n' in text  # lists of strings keep indent=2's layout
+
+
 def test_throughput_workload_is_seeded_and_in_range():
     prompts, outs = throughput_workload(50, 100, 1024, vocab=1000, seed=3)
     assert len(prompts) == len(outs) == 50
@@ -325,6 +392,43 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     rows = _table_rows(out)
     assert rows["output tok/s"][2] == f"{r['output_tok_s'] / hf['output_tok_s']:,.2f}x"
     assert "first 3 requests as one batch" in out
+    # the step timeline: in the JSON, summarised there and in a table after the main one
+    trace = r["step_trace"]
+    assert len(trace["t_s"]) == r["engine_steps"] and sum(trace["prefill"]) == r["prefill_steps"]
+    summary = {b["band"]: b for b in r["step_summary"]}
+    assert summary["total"]["steps"] == r["engine_steps"] and summary["prefill"]["steps"] == r["prefill_steps"]
+    assert summary["total"]["total_s"] == pytest.approx(r["wall_s"], rel=0.05)
+    assert out.index("| output tok/s") < out.index("| step band")
+    assert rows["total"][0] == str(r["engine_steps"]) and rows["prefill"][0] == str(r["prefill_steps"])
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill-only", "mixed"])
+def test_throughput_step_trace_matches_the_engine(tiny_model_dirs, mixed):
+    """The timed run's trace: one entry per step the engine ran, in order, with that batch's
+    shape; counts by kind equal the engine's stats; the periods add up to the wall time."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dirs["qwen3"], device="cpu", dtype="float32", num_kv_blocks=96,
+                                    block_size=16, max_num_batched_tokens=32, mixed_batches=mixed))
+    batches = record_batches(engine)
+    prompts, out_lens = throughput_workload(6, 4, 24, VOCAB, seed=2)
+    r = run_throughput(engine, prompts, out_lens, temperature=0.6, seed=0)
+    trace, stats = r["step_trace"], engine.stats
+    assert stats.trace is None, "the trace stops with the timed run"
+    assert len(trace["t_s"]) == len(batches) == stats.steps == r["engine_steps"]
+    assert sum(trace["prefill"]) == stats.prefill_steps == r["prefill_steps"] > 1  # prompts came in chunks
+    assert trace["prefill"].count(0) == stats.decode_steps == r["decode_steps"]
+    assert trace["prefill"] == [int(b.is_prefill) for b in batches]
+    assert trace["seqs"] == [len(b) for b in batches] and trace["tokens"] == [b.num_tokens for b in batches]
+    assert trace["decode_rows"] == [b.num_decode for b in batches]
+    assert any(trace["decode_rows"]) == mixed
+    assert max(s for s, p in zip(trace["seqs"], trace["prefill"]) if not p) == stats.max_decode_batch
+    assert all(0 <= b <= p for b, p in zip(trace["blocked_s"], trace["period_s"]))
+    assert trace["t_s"] == sorted(trace["t_s"])
+    # The periods cover the timed run up to the last step's read-back; only its bookkeeping is left.
+    assert sum(trace["period_s"]) == pytest.approx(trace["t_s"][-1], abs=1e-5)
+    assert trace["t_s"][-1] <= r["wall_s"] and r["wall_s"] - trace["t_s"][-1] < max(0.05 * r["wall_s"], 0.005)
+    bands = summarise_step_trace(trace)
+    assert bands[-1].steps == stats.steps and bands[0].steps == stats.prefill_steps
+    print("\n" + format_step_summary(bands, r["wall_s"]))
 
 
 def test_latency_rejects_model_and_random_weights_together(bench_cache):

@@ -9,7 +9,9 @@ uses fresh random prompts so the prefix cache never serves one.
 
 throughput: the nano-vllm workload: `--num-seqs` requests, input and output lengths
 uniform in [min_len, max_len], random token ids, EOS ignored, temperature 0.6 (seeded);
-output tok/s = output tokens / wall time of the whole batch.
+output tok/s = output tokens / wall time of the whole batch. The engine's per-step timeline
+of the timed run goes into the JSON (results.step_trace) and a table of where the wall time
+went, by step kind and decode batch size, is printed after the main one (step_trace.py).
 
 Both can run Hugging Face transformers on the same checkpoint first (`--compare-hf`),
 then free it, so the engine sizes its KV cache on an empty GPU.
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -34,6 +37,8 @@ import torch
 
 from agent_infer.bench.monitor import GpuMonitor, format_monitor
 from agent_infer.bench.roofline import decode_roofline
+from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
+from agent_infer.bench.table import render_table
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.sampling_params import SamplingParams
 
@@ -283,17 +288,21 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
         SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=seed + i)
         for i, n in enumerate(out_lens)
     ]
-    stats0 = asdict(engine.stats)
+    before = _step_counts(engine.stats)
     _sync(engine.device)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0  # generate() ends on a step's host read: synchronised
+    trace = engine.stats.start_trace()
+    t0 = trace.origin  # the first step's period starts with the clock
+    try:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0  # generate() ends on a step's host read: synchronised
+    finally:
+        engine.stats.stop_trace()
     bad = [(o, n) for o, n in zip(outs, out_lens) if o.error or len(o.token_ids) != n]
     if bad:
         o, n = bad[0]
         raise RuntimeError(f"{len(bad)} requests did not complete as asked, e.g. {o.request_id}: "
                            f"{o.error or f'{len(o.token_ids)} tokens instead of {n}'}")
-    stats = {k: v - stats0[k] for k, v in asdict(engine.stats).items() if k != "max_decode_batch"}
+    stats = {k: v - before[k] for k, v in _step_counts(engine.stats).items()}
     n_out = sum(len(o.token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     return {
@@ -308,7 +317,12 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
         "prefill_steps": stats["prefill_steps"],
         "decode_steps": stats["decode_steps"],
         "max_decode_batch": engine.stats.max_decode_batch,
+        "step_trace": trace_for_json(trace.columns()),
     }
+
+
+def _step_counts(stats) -> dict[str, int]:
+    return {"steps": stats.steps, "prefill_steps": stats.prefill_steps, "decode_steps": stats.decode_steps}
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -344,6 +358,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         with GpuMonitor(args.monitor_interval_ms / 1e3) as mon:
             results = run_throughput(engine, prompts, out_lens, args.temperature, args.seed)
         _say(f"{results['output_tokens']} output tokens in {results['wall_s']:.2f} s")
+        bands = summarise_step_trace(results["step_trace"])
+        results["step_summary"] = [b.as_dict() for b in bands]
         monitor = mon.summary()
         payload = report_payload("throughput", args, setup, engine, init_s, results, hf, None, monitor)
         save_json(args, payload)  # before profiling: a crash there must not lose the figures
@@ -358,6 +374,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             title += (f"\nHF column: transformers on the first {hf['num_requests']} requests as one batch (prompts "
                       f"left-padded to {hf['padded_prompt_len']}, {hf['new_tokens_per_request']} new tokens each, greedy)")
         finish(args, title, throughput_rows(results, hf, monitor), payload)
+        print(f"\nwhere the wall time went, by step (prefill includes mixed steps; decode by batch size):\n"
+              f"{format_step_summary(bands, results['wall_s'])}", flush=True)
     finally:
         engine.shutdown()  # TP workers end with it
     return 0
@@ -402,14 +420,7 @@ def format_table(rows: list[tuple]) -> str:
         elif hf and ours and kind == "time":
             ratio = f"{hf / ours:,.2f}x"
         table.append((metric, num(ours), num(hf), ratio, roof or "-"))
-    widths = [max(len(r[i]) for r in table) for i in range(5)]
-    lines = []
-    for j, r in enumerate(table):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("| " + " | ".join(cells) + " |")
-        if j == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return render_table(table)
 
 
 def maybe_profile(args, engine, prompts, params, tag: str) -> dict | None:
@@ -502,7 +513,19 @@ def save_json(args, payload: dict) -> None:
     folder = os.path.dirname(os.path.abspath(args.output_json))
     os.makedirs(folder, exist_ok=True)
     with open(args.output_json, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
+        f.write(json_text(payload))
+
+
+# A list of numbers as indent=2 lays it out, one number per line. JSON strings hold no raw
+# newline, so a match that spans lines is never inside a string.
+_NUMBER_LIST = re.compile(r"\[\n[-+0-9.eE,\s]*\]")
+
+
+def json_text(payload: dict) -> str:
+    """Indented JSON with each list of numbers on one line: a step trace is thousands of
+    numbers, which would otherwise take a line each."""
+    text = json.dumps(payload, indent=2, default=str)
+    return _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(0)[1:-1].split()) + "]", text)
 
 
 def finish(args, title: str, rows: list[tuple], payload: dict) -> None:

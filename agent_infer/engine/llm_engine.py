@@ -9,7 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
 import torch
@@ -245,13 +245,17 @@ class LLMEngine:
     def _resolve(self) -> list[RequestOutput]:
         batch, handle, t0 = self._inflight
         self._inflight = None
+        t_wait = time.perf_counter()
         try:
             result = self.runner.collect(handle)
         except Exception as e:
             if self.workers is None:
                 raise
             self._worker_failed(e)
-        self.stats.record_step(batch, time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.stats.record_step(batch, now - t0)
+        if self.stats.trace is not None:
+            self.stats.trace.record(batch, now, blocked_s=now - t_wait)
         return self._postprocess(batch, result)
 
     def _worker_failed(self, error: Exception):
@@ -422,6 +426,40 @@ class LLMEngine:
 
 
 @dataclass
+class StepTrace:
+    """A timeline of resolved steps, one entry per step in parallel lists (a few appends
+    per step; compact as JSON). `blocked_s` is the time the host waited inside
+    `runner.collect` for the step's tokens: long means the device was the bottleneck, near
+    zero means the device had finished before the host asked (the host was). `period_s`
+    is the time since the previous resolve (the first: since the trace began), so the
+    periods add up to the traced wall time."""
+
+    origin: float = field(default_factory=time.perf_counter)  # perf_counter when the trace began
+    t_s: list[float] = field(default_factory=list)  # resolve time, seconds after origin
+    prefill: list[int] = field(default_factory=list)  # 1 for a prefill (or mixed) step
+    seqs: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)  # a mixed step's decode rows (else 0)
+    blocked_s: list[float] = field(default_factory=list)
+    period_s: list[float] = field(default_factory=list)
+
+    COLUMNS = ("t_s", "prefill", "seqs", "tokens", "decode_rows", "blocked_s", "period_s")
+
+    def record(self, batch: ScheduledBatch, now: float, blocked_s: float) -> None:
+        t = now - self.origin
+        self.period_s.append(t - (self.t_s[-1] if self.t_s else 0.0))
+        self.t_s.append(t)
+        self.prefill.append(int(batch.is_prefill))
+        self.seqs.append(len(batch))
+        self.tokens.append(batch.num_tokens)
+        self.decode_rows.append(batch.num_decode)
+        self.blocked_s.append(blocked_s)
+
+    def columns(self) -> dict[str, list]:
+        return {name: getattr(self, name) for name in self.COLUMNS}
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     prefill_steps: int = 0
@@ -434,6 +472,16 @@ class EngineStats:
     last_batch_tokens: int = 0
     last_batch_prefill: bool = False
     last_batch_decode_rows: int = 0  # a mixed step's decode rows
+    trace: StepTrace | None = field(default=None, repr=False)  # between start_trace() and stop_trace()
+
+    def start_trace(self) -> StepTrace:
+        """Record every step resolved from now on (off by default)."""
+        self.trace = StepTrace()
+        return self.trace
+
+    def stop_trace(self) -> StepTrace | None:
+        trace, self.trace = self.trace, None
+        return trace
 
     def record_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.steps += 1
