@@ -67,6 +67,24 @@ def randn(*shape: int, dtype: torch.dtype, device: str | torch.device, seed: int
     return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=device)
 
 
+def patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(ndarray of
+    shape (1,)), which numpy >= 2.4 refuses, so loops with device-valued bounds fail
+    (triton-lang/triton#9171, fixed upstream). Use .item() instead; interpreter only."""
+    from triton.runtime import interpreter as _interpreter
+
+    original = getattr(_interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_agent_infer_patched", False):
+        return  # a triton whose interpreter is organised differently (or already patched)
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._agent_infer_patched = True
+    _interpreter._patch_lang_tensor = patched
+
+
 # ---- norms, activation, rotary ----------------------------------------------------------
 
 

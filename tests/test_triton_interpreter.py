@@ -40,27 +40,11 @@ if not IN_CHILD:
 
 else:
     import torch
-    from triton.runtime import interpreter as _interpreter
 
     from agent_infer.kernels.triton.gemv import GemvConfig, RowConfig
     from tests import kernel_checks as kc
 
-    def _patch_interpreter_scalar_index() -> None:
-        """Triton 3.6's interpreter turns a scalar into a Python int with int(ndarray of
-        shape (1,)), which numpy >= 2.4 refuses, so loops with device-valued bounds fail
-        (triton-lang/triton#9171, fixed upstream). Use .item() instead; interpreter only."""
-        original = getattr(_interpreter, "_patch_lang_tensor", None)
-        if original is None or getattr(original, "_agent_infer_patched", False):
-            return  # a triton whose interpreter is organised differently (or already patched)
-
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        patched._agent_infer_patched = True
-        _interpreter._patch_lang_tensor = patched
-
-    _patch_interpreter_scalar_index()
+    kc.patch_interpreter_scalar_index()
 
     DEV = "cpu"
     ALL = [torch.float32, torch.float16, torch.bfloat16]
@@ -187,6 +171,16 @@ else:
 
     def test_gemv_bf16_fma_path():
         kc.check_gemv(DEV, torch.bfloat16, 1, 100, 256, True, GemvConfig(16, 64, split_k=2))
+
+    @pytest.mark.parametrize("dtype,world", [(torch.float32, 2), (torch.bfloat16, 2), (torch.float32, 3)])
+    def test_all_reduce_add_rms_norm_between_processes(dtype, world):
+        """The fused all-reduce + add + RMSNorm kernel run by `world` processes on buffers
+        and signal pads in shared memory (each process maps them at its own addresses, as
+        symmetric memory does): barrier, double buffer and arithmetic, over calls of
+        changing row counts (tests/fused_allreduce_checks.py)."""
+        from tests.fused_allreduce_checks import run_interpreter_ranks
+
+        run_interpreter_ranks(dtype, world)
 
     # ---- the whole model on the Triton path -------------------------------------------
 

@@ -1,0 +1,148 @@
+"""Checks of the fused all-reduce + residual add + RMSNorm kernel
+(`agent_infer/kernels/triton/allreduce_norm.py`), shared by the CPU test (two processes
+running the kernel through Triton's interpreter on shared-memory buffers, see
+`run_interpreter_ranks`) and tests/gpu/test_fused_allreduce_gpu.py (two GPUs, PyTorch
+symmetric memory).
+
+The reference is the unfused path: the all-reduce (fp32 sum in rank order, rounded to
+the activation dtype), then `reference.fused_add_rms_norm`. Inputs are random, never
+zeros, and differ per rank and per call, so a stale or wrong buffer half, a row read
+from the wrong peer or a missed barrier changes the result.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from agent_infer.kernels import reference
+
+EPS = 1e-6
+
+
+def case_inputs(m: int, h: int, world: int, dtype: torch.dtype, seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Every rank's partial output y, the (replicated) residual and the norm weight, on
+    CPU; the same on every rank for the same arguments."""
+    g = torch.Generator().manual_seed(seed)
+    ys = [(torch.randn(m, h, generator=g) + 0.1).to(dtype) for _ in range(world)]
+    residual = (torch.randn(m, h, generator=g) * 2 + 0.05).to(dtype)
+    weight = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    return ys, residual, weight
+
+
+def expected(ys: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new residual) of all_reduce_sum(y) followed by fused_add_rms_norm."""
+    s = torch.zeros(ys[0].shape, dtype=torch.float32, device=ys[0].device)
+    for y in ys:
+        s += y.float()
+    return reference.fused_add_rms_norm(s.to(ys[0].dtype), residual.clone(), weight, eps)
+
+
+# ---- CPU: two processes through Triton's interpreter --------------------------------------
+
+# (rows, cols) of the calls each rank makes back to back, in this order: different row
+# counts change the grid (and, past max_programs, make programs loop over rows).
+INTERPRETER_CALLS = [(3, 200), (1, 200), (5, 200), (5, 200), (2, 96), (7, 200), (1, 96), (4, 200)]
+INTERPRETER_MAX_PROGRAMS = 3
+
+
+def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float = 600.0) -> None:
+    """Run INTERPRETER_CALLS on `world` processes (the caller's environment must have
+    TRITON_INTERPRET=1, which the children inherit) and check every call on every rank
+    against the reference, and the ranks against each other bit for bit."""
+    import torch.multiprocessing as mp
+
+    max_rows = max(m for m, _ in INTERPRETER_CALLS)
+    max_cols = max(h for _, h in INTERPRETER_CALLS)
+    half = max_rows * max_cols
+    buffers = [torch.full((2 * half,), float("nan"), dtype=dtype).share_memory_() for _ in range(world)]
+    pads = [torch.zeros(INTERPRETER_MAX_PROGRAMS * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    outs = [[torch.zeros(m, h, dtype=dtype).share_memory_() for m, h in INTERPRETER_CALLS] for _ in range(world)]
+    ress = [[torch.zeros(m, h, dtype=dtype).share_memory_() for m, h in INTERPRETER_CALLS] for _ in range(world)]
+    epochs = torch.zeros(world, INTERPRETER_MAX_PROGRAMS, dtype=torch.int32).share_memory_()
+    status = torch.zeros(world, dtype=torch.int32).share_memory_()  # 1 = ready, 2 = done, 3 = failed
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_interpreter_rank, args=(r, world, dtype, buffers, pads, outs[r], ress[r], epochs[r], status, errors)
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not hung, f"ranks {hung} still running after {timeout_s} s (a barrier that never opens?)"
+    assert status.tolist() == [2] * world, f"rank status {status.tolist()}:\n" + "\n".join(messages)
+    for i, (m, h) in enumerate(INTERPRETER_CALLS):
+        ys, residual, weight = case_inputs(m, h, world, dtype, seed=100 + i)
+        ref_out, ref_res = expected(ys, residual, weight)
+        for r in range(world):
+            assert torch.equal(outs[r][i], outs[0][i]) and torch.equal(ress[r][i], ress[0][i]), (
+                f"call {i} ({m}x{h}): rank {r} differs from rank 0"
+            )
+        from tests.kernel_checks import assert_close
+
+        assert_close(ress[0][i], ref_res, f"call {i} ({m}x{h}) residual")
+        assert_close(outs[0][i], ref_out, f"call {i} ({m}x{h}) output")
+    for r in range(world):
+        assert not pads[r].any(), f"rank {r}'s signal pad is not back to zero: {pads[r].tolist()}"
+    # Every program slot counted every call, and the last call left its rows in the half
+    # its count picked (the other half still holds the call before: the double buffer).
+    calls = len(INTERPRETER_CALLS)
+    m, h = INTERPRETER_CALLS[-1]
+    ys, _, _ = case_inputs(m, h, world, dtype, seed=100 + calls - 1)
+    start = (calls - 1) % 2 * half
+    for r in range(world):
+        assert epochs[r].tolist() == [calls] * INTERPRETER_MAX_PROGRAMS, f"rank {r}: call counts {epochs[r].tolist()}"
+        assert torch.equal(buffers[r][start:start + m * h].view(m, h), ys[r]), f"rank {r}: last rows not in their half"
+
+
+def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, status, errors) -> None:
+    try:
+        from tests.kernel_checks import patch_interpreter_scalar_index
+
+        patch_interpreter_scalar_index()
+        from agent_infer.kernels.triton.allreduce_norm import PeerBuffers, all_reduce_add_rms_norm
+
+        # Each process maps the shared buffers at its own addresses, as symmetric memory does.
+        peers = PeerBuffers(
+            buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
+            pad_ptrs=torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64),
+            epochs=torch.zeros(INTERPRETER_MAX_PROGRAMS, dtype=torch.int32),
+            error=torch.zeros(1, dtype=torch.int32),
+            rank=rank,
+            world_size=world,
+            half_numel=buffers[0].numel() // 2,
+            max_programs=INTERPRETER_MAX_PROGRAMS,
+            max_spins=20_000,  # ~10 s in the interpreter; the ranks start together (below)
+        )
+        status[rank] = 1
+        while (status == 0).any():
+            if (status == 3).any():
+                raise RuntimeError("a peer failed before the first call")
+        for i, (m, h) in enumerate(INTERPRETER_CALLS):
+            ys, residual, weight = case_inputs(m, h, world, dtype, seed=100 + i)
+            x = ys[rank].clone()
+            out, res = all_reduce_add_rms_norm(x, residual, weight, EPS, peers)
+            assert out is x and res is residual, "the fused op must work in place and return its inputs"
+            outs[i].copy_(out)
+            ress[i].copy_(res)
+            assert peers.error.item() == 0, f"call {i}: a barrier wait ran out of spins"
+        epochs.copy_(peers.epochs)
+        status[rank] = 2
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        status[rank] = 3
