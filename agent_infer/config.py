@@ -171,6 +171,7 @@ class ModelConfig:
 
 
 PreemptionMode = Literal["none", "recompute"]
+ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem", "symm_mem_fused")
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,10 @@ class EngineConfig:
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens back
     attention_backend: str = "auto"  # auto | torch | triton
     tensor_parallel_size: int = 1
-    all_reduce: str = "auto"  # auto (symmetric memory when it works, else NCCL) | nccl | symm_mem
+    # auto (symmetric memory when it works, else NCCL) | nccl | symm_mem | symm_mem_fused
+    # (symm_mem, and each row-parallel output's all-reduce fused with the residual add +
+    # RMSNorm after it: one Triton kernel; opt-in while it is being measured)
+    all_reduce: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -223,8 +227,8 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.all_reduce not in ("auto", "nccl", "symm_mem"):
-            raise ConfigError(f"all_reduce must be auto, nccl or symm_mem, got {self.all_reduce!r}")
+        if self.all_reduce not in ALL_REDUCE_MODES:
+            raise ConfigError(f"all_reduce must be one of {', '.join(ALL_REDUCE_MODES)}, got {self.all_reduce!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from agent_infer.config import ConfigError, EngineConfig
@@ -318,3 +319,67 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert outs[0][0].strip() == outs[1][0].strip() and outs[0][0].startswith("OK")
+
+
+# ---- the all-reduce left to the next RMSNorm (--all-reduce symm_mem_fused) -------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_tp2_reduce_in_norm_equals_plain_tp2(name, tiny_model_dirs):
+    """`--all-reduce symm_mem_fused` on CPU keeps its wiring: o_proj and down_proj leave
+    their outputs unreduced and the RMSNorm after each (post-attention, the next layer's
+    input norm, the final norm) reduces them, here with gloo's all-reduce then the add +
+    norm (the fused kernel's own fallback). Same operations in the same order as plain
+    TP = 2, so the same tokens and logprobs exactly; and TP = 1's within fp32 noise."""
+    path = tiny_model_dirs[name]
+    eng = make_engine(path, 2, all_reduce="symm_mem_fused")
+    try:
+        tp, model = eng.runner.tp, eng.runner.model.model
+        assert tp.reduce_in_norm and tp.all_reduce_norm_impl is None  # no fused kernel on CPU
+        assert not model.layers[0].self_attn.o_proj.reduce and not model.layers[-1].mlp.down_proj.reduce
+        assert model.norm.reduce_over is tp and model.layers[1].input_layernorm.reduce_over is tp
+        fused = eng.generate(PROMPTS, PARAMS)
+    finally:
+        eng.shutdown()
+    plain = run(path, 2)
+    assert_same(fused, plain, tol=1e-6)
+    assert_same(fused, run(path, 1))
+    assert not dist.is_initialized()
+
+
+def test_norm_reduces_through_the_fused_impl_or_falls_back():
+    """RMSNorm(reduce_over=tp): the fused implementation where it accepts the tensors,
+    else the group's all-reduce then the add + norm; both give the reference on the
+    summed input. Here a 'group' of two ranks holding the same x (its sum is 2x)."""
+    from agent_infer.kernels import ops, reference
+    from agent_infer.layers.norm import RMSNorm
+    from agent_infer.tp_layers.distributed import ParallelState
+
+    calls = {"fused": 0, "all_reduce": 0}
+
+    class OneRowFused:
+        def accepts(self, x, residual):
+            return x.shape[0] == 1
+
+        def __call__(self, x, residual, weight, eps):
+            calls["fused"] += 1
+            return ops.fused_add_rms_norm(x.mul_(2), residual, weight, eps)
+
+    def all_reduce(x):
+        calls["all_reduce"] += 1
+        x.mul_(2)
+
+    tp = ParallelState(rank=0, world_size=2, all_reduce_impl=all_reduce, reduce_in_norm=True,
+                       all_reduce_norm_impl=OneRowFused())
+    norm = RMSNorm(64, 1e-6, tp)
+    norm.weight.data = torch.rand(64) + 0.5
+    for rows, path in ((1, "fused"), (3, "all_reduce")):
+        x, r = torch.randn(rows, 64), torch.randn(rows, 64)
+        ref_out, ref_res = reference.fused_add_rms_norm(2 * x, r, norm.weight, 1e-6)
+        before = dict(calls)
+        out, res = norm(x.clone(), r.clone())
+        assert calls[path] == before[path] + 1 and sum(calls.values()) == sum(before.values()) + 1
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(res, ref_res)
+    assert torch.equal(norm(x), reference.rms_norm(x, norm.weight, 1e-6))  # the plain form never reduces
+    assert RMSNorm(64, 1e-6, ParallelState()).reduce_over is None  # nothing to reduce in a world of one

@@ -14,7 +14,7 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.model_runner import ModelRunner
 from agent_infer.tp_layers.distributed import ParallelState
-from agent_infer.tp_layers.symm_mem import build_all_reduce
+from agent_infer.tp_layers.symm_mem import FUSED_MAX_BYTES, build_all_reduce, build_all_reduce_norm
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +82,30 @@ def setup_runner(
 
 
 def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtype, mode: str) -> ParallelState:
-    """Pick the all-reduce once, on every rank alike, and say which."""
-    if tp.world_size == 1 or device.type != "cuda" or mode == "nccl":
-        if tp.world_size > 1 and tp.is_first:
-            log.info("all-reduce: %s", "gloo" if device.type != "cuda" else "NCCL")
+    """Pick the all-reduce once, on every rank alike, and say which. `symm_mem_fused` also
+    leaves the row-parallel outputs to the RMSNorms after them (one kernel each on GPUs;
+    on CPU the same wiring runs gloo's all-reduce, then the add + norm)."""
+    if tp.world_size == 1:
         return tp
+    fused = mode == "symm_mem_fused"
+    if device.type != "cuda" or mode == "nccl":
+        if tp.is_first:
+            log.info("all-reduce: %s%s", "gloo" if device.type != "cuda" else "NCCL",
+                     ", reduced in the RMSNorm that follows (unfused)" if fused else "")
+        return replace(tp, reduce_in_norm=fused)
     impl = build_all_reduce(tp.group, device, dtype)
-    if impl is None and mode == "symm_mem":
-        raise ConfigError("--all-reduce symm_mem was asked for but symmetric memory does not work here")
+    if impl is None and mode in ("symm_mem", "symm_mem_fused"):
+        raise ConfigError(f"--all-reduce {mode} was asked for but symmetric memory does not work here")
+    norm_impl = build_all_reduce_norm(tp.group, device, dtype) if fused else None
+    if fused and norm_impl is None:
+        raise ConfigError("--all-reduce symm_mem_fused was asked for but the fused kernel does not work here")
     if tp.is_first:
-        log.info("all-reduce: %s", "symmetric memory (one-shot / two-shot), NCCL above 8 MiB" if impl else "NCCL")
-    return replace(tp, all_reduce_impl=impl) if impl else tp
+        log.info("all-reduce: %s%s",
+                 "symmetric memory (one-shot / two-shot), NCCL above 8 MiB" if impl else "NCCL",
+                 f"; fused with the residual add + RMSNorm up to {FUSED_MAX_BYTES >> 10} KiB" if norm_impl else "")
+    if impl is None:
+        return tp
+    return replace(tp, all_reduce_impl=impl, reduce_in_norm=fused, all_reduce_norm_impl=norm_impl)
 
 
 def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:

@@ -7,6 +7,11 @@ ones). Both run inside CUDA graphs. Messages larger than the buffer go to NCCL.
 
 Chosen at start: `build_all_reduce` tries symmetric memory, checks it against NCCL on
 random data, and returns None (NCCL it is) if anything fails.
+
+`SymmMemAllReduceNorm` (opt-in, `--all-reduce symm_mem_fused`) fuses the all-reduce of a
+row-parallel output with the residual add + RMSNorm after it into one Triton kernel
+(agent_infer/kernels/triton/allreduce_norm.py), over a symmetric-memory allocation of
+its own: its own signal pad, which PyTorch's ops never touch.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ log = logging.getLogger(__name__)
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # above this two-shot moves fewer bytes per rank
 BUFFER_BYTES = 8 << 20
+# The fused kernel: two halves of 4 MiB; outputs above FUSED_MAX_BYTES (prefill chunks)
+# take the all-reduce, then the add + norm. 1 MiB = 128 rows of 4096 bf16.
+FUSED_BUFFER_BYTES = 8 << 20
+FUSED_MAX_BYTES = 1 << 20
+DEFAULT_SIGNAL_PAD_BYTES = 2048  # PyTorch's size before it became configurable
 
 
 class SymmMemAllReduce:
@@ -75,6 +85,125 @@ def build_all_reduce(group, device: torch.device, dtype: torch.dtype) -> SymmMem
         ok = torch.tensor([1], device=device)
     except Exception as e:  # any rank failing makes every rank fall back
         log.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
+        impl, ok = None, torch.tensor([0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return impl if int(ok.item()) == 1 else None
+
+
+class SymmMemAllReduceNorm:
+    """All-reduce + residual add + RMSNorm in one kernel; see the module doc. `accepts`
+    says whether a call fits (dtype, 2-D rows, size); the caller falls back otherwise,
+    the same way on every rank (the decision depends on shapes only)."""
+
+    def __init__(
+        self, group, device: torch.device, dtype: torch.dtype,
+        buffer_bytes: int = FUSED_BUFFER_BYTES, max_bytes: int = FUSED_MAX_BYTES, max_spins: int | None = None,
+    ):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from agent_infer.kernels.triton.allreduce_norm import UNBOUNDED_SPINS, PeerBuffers
+        from agent_infer.kernels.triton.utils import num_sms
+
+        self.group = group
+        group_name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            enable(group_name)
+        self.dtype = dtype
+        elem = torch.tensor([], dtype=dtype).element_size()
+        half = buffer_bytes // (2 * elem)
+        # An allocation of its own (the pool does not split segments): its own signal pad.
+        self.buffer = symm_mem.empty(2 * half, device=device, dtype=dtype)
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)
+        rank, world = self.handle.rank, self.handle.world_size
+        get_pad_bytes = getattr(symm_mem, "get_signal_pad_size", None)
+        pad_slots = (get_pad_bytes() if get_pad_bytes is not None else DEFAULT_SIGNAL_PAD_BYTES) // 4
+        max_programs = min(num_sms(device), pad_slots // world)
+        if max_programs < 1:
+            raise RuntimeError(f"the signal pad holds {pad_slots} flags: too few for {world} ranks")
+        self.handle.get_signal_pad(rank, [max_programs * world], torch.int32).zero_()
+
+        def ptrs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        # The handle's pointers are its allocations' bases; the tensor sits at the same
+        # offset in each (symmetric), zero unless the allocator placed it further in.
+        offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[rank]
+        if offset < 0 or offset + self.buffer.numel() * elem > self.handle.buffer_size:
+            raise RuntimeError("the symmetric-memory buffer lies outside its handle's allocation")
+        self.peers = PeerBuffers(
+            buffer_ptrs=ptrs([p + offset for p in self.handle.buffer_ptrs]),
+            pad_ptrs=ptrs(list(self.handle.signal_pad_ptrs)),
+            epochs=torch.zeros(max_programs, dtype=torch.int32, device=device),
+            error=torch.zeros(1, dtype=torch.int32, device=device),
+            rank=rank,
+            world_size=world,
+            half_numel=half,
+            max_programs=max_programs,
+            max_spins=UNBOUNDED_SPINS if max_spins is None else max_spins,
+        )
+        self.max_numel = min(half, max_bytes // elem)
+        # Every pad is zeroed before any rank's first call.
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def accepts(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        from agent_infer.kernels.triton.allreduce_norm import fits
+
+        return (
+            x.dtype == self.dtype and residual.dtype == self.dtype and x.is_cuda
+            and x.numel() <= self.max_numel and fits(x, residual, self.peers)
+        )
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place: residual <- sum over ranks of x + residual; x <- rms_norm(residual)."""
+        from agent_infer.kernels.triton.allreduce_norm import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
+
+    def with_spin_limit(self, max_spins: int) -> None:
+        """Bound (or, with UNBOUNDED_SPINS, unbound) each barrier wait from the next call on."""
+        from dataclasses import replace
+
+        self.peers = replace(self.peers, max_spins=max_spins)
+
+
+def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> SymmMemAllReduceNorm | None:
+    """The fused all-reduce + add + RMSNorm if it works here and agrees with NCCL followed
+    by the reference add + norm, else None. Every rank must call this (collectives)."""
+    from agent_infer.kernels import reference
+    from agent_infer.kernels.triton.allreduce_norm import UNBOUNDED_SPINS
+
+    try:
+        impl = SymmMemAllReduceNorm(group, device, dtype)
+        impl.with_spin_limit(1 << 24)  # a broken barrier fails the check (seconds) instead of hanging
+        rank = dist.get_rank(group)
+        gen = torch.Generator(device=device).manual_seed(4321)
+        problems = []  # every rank runs every check (collectives in step), then they agree
+        for rows, cols in ((1, 4096), (5, 4096), (3, 1000), (64, 4096), (1, 4096)):
+            # residual and weight alike on every rank (same seed); x differs per rank
+            residual = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
+            weight = torch.rand(cols, device=device, dtype=dtype, generator=gen) + 0.5
+            x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen) + rank
+            ref_sum = x.clone()
+            dist.all_reduce(ref_sum, group=group)
+            ref_out, ref_res = reference.fused_add_rms_norm(ref_sum, residual.clone(), weight, 1e-6)
+            if not impl.accepts(x, residual):
+                raise RuntimeError(f"the fused kernel refuses a {rows} x {cols} check")  # alike on every rank
+            out, res = impl(x, residual, weight, 1e-6)
+            for got, ref, what in ((res, ref_res, "residual"), (out, ref_out, "output")):
+                if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                    problems.append(f"the {what} disagrees with NCCL + add + norm at {rows} x {cols}")
+        if impl.peers.error.item():
+            problems.append("a barrier wait timed out")
+        if problems:
+            raise RuntimeError("; ".join(problems))
+        impl.with_spin_limit(UNBOUNDED_SPINS)
+        ok = torch.tensor([1], device=device)
+    except Exception as e:  # any rank failing makes every rank fall back
+        log.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
         impl, ok = None, torch.tensor([0], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     return impl if int(ok.item()) == 1 else None
