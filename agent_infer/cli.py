@@ -40,9 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "symm_mem", "symm_mem_fused"],
-                   help="TP all-reduce: symmetric memory when it works (auto), or force one; symm_mem_fused "
-                        "also fuses each row-parallel all-reduce with the residual add + RMSNorm after it "
-                        "(experimental)")
+                   help="TP all-reduce: auto = symmetric memory, each row-parallel all-reduce fused with the "
+                        "residual add + RMSNorm after it, where both work (else NCCL); or force one")
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
 
 

@@ -204,9 +204,8 @@ class EngineConfig:
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens back
     attention_backend: str = "auto"  # auto | torch | triton
     tensor_parallel_size: int = 1
-    # auto (symmetric memory when it works, else NCCL) | nccl | symm_mem | symm_mem_fused
-    # (symm_mem, and each row-parallel output's all-reduce fused with the residual add +
-    # RMSNorm after it: one Triton kernel; opt-in while it is being measured)
+    # auto (symmetric memory with the fused all-reduce + add + RMSNorm where each works,
+    # else NCCL) | nccl | symm_mem (unfused) | symm_mem_fused (fails if the fusion does not work)
     all_reduce: str = "auto"
     seed: int = 0
 

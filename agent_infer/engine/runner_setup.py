@@ -82,9 +82,12 @@ def setup_runner(
 
 
 def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtype, mode: str) -> ParallelState:
-    """Pick the all-reduce once, on every rank alike, and say which. `symm_mem_fused` also
-    leaves the row-parallel outputs to the RMSNorms after them (one kernel each on GPUs;
-    on CPU the same wiring runs gloo's all-reduce, then the add + norm)."""
+    """Pick the all-reduce once, on every rank alike, and say which. On GPUs `auto` takes
+    symmetric memory and, where its start-up check passes, the fused all-reduce + residual
+    add + RMSNorm (the row-parallel outputs are then left to the RMSNorms after them);
+    `symm_mem` is the plain symmetric-memory all-reduce, `symm_mem_fused` insists on the
+    fusion. On CPU `symm_mem_fused` runs the same wiring with gloo's all-reduce, then the
+    add + norm (how CI tests it)."""
     if tp.world_size == 1:
         return tp
     fused = mode == "symm_mem_fused"
@@ -96,7 +99,8 @@ def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtyp
     impl = build_all_reduce(tp.group, device, dtype)
     if impl is None and mode in ("symm_mem", "symm_mem_fused"):
         raise ConfigError(f"--all-reduce {mode} was asked for but symmetric memory does not work here")
-    norm_impl = build_all_reduce_norm(tp.group, device, dtype) if fused else None
+    # Collective: every rank agrees on `impl` (build_all_reduce's check), so all call it.
+    norm_impl = build_all_reduce_norm(tp.group, device, dtype) if impl is not None and mode != "symm_mem" else None
     if fused and norm_impl is None:
         raise ConfigError("--all-reduce symm_mem_fused was asked for but the fused kernel does not work here")
     if tp.is_first:
@@ -105,7 +109,7 @@ def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtyp
                  f"; fused with the residual add + RMSNorm up to {FUSED_MAX_BYTES >> 10} KiB" if norm_impl else "")
     if impl is None:
         return tp
-    return replace(tp, all_reduce_impl=impl, reduce_in_norm=fused, all_reduce_norm_impl=norm_impl)
+    return replace(tp, all_reduce_impl=impl, reduce_in_norm=norm_impl is not None, all_reduce_norm_impl=norm_impl)
 
 
 def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:
