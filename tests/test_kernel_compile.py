@@ -15,12 +15,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("block_n,num_warps", [(4096, 8), (8192, 16)])
-def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
+def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    except RuntimeError as e:  # e.g. no ptxas for this platform in the triton wheel
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no CUDA toolchain to compile with: {e}")
+        raise
+
+
+@pytest.mark.parametrize("block_n,num_warps", [(4096, 8), (8192, 16)])
+def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
     from agent_infer.kernels.triton.allreduce_norm import _all_reduce_add_rms_norm_kernel
 
     signature = {
@@ -30,16 +40,44 @@ def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
         "WORLD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_SLOTS": "constexpr", "PDL": "constexpr",
     }
     constexprs = {"WORLD": 2, "BLOCK_N": block_n, "BLOCK_SLOTS": 256, "PDL": True}
-    src = ASTSource(fn=_all_reduce_add_rms_norm_kernel, signature=signature, constexprs=constexprs)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    except RuntimeError as e:  # e.g. no ptxas for this platform in the triton wheel
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no CUDA toolchain to compile with: {e}")
-        raise
+    kernel = _compile_sm90(_all_reduce_add_rms_norm_kernel, signature, constexprs, num_warps)
     ptx = kernel.asm["ptx"]
     # The barrier: release on the peer's flag, acquire on the own one, both system scope.
     assert "atom.global.release.sys.cas.b32" in ptx
     assert "atom.global.acquire.sys.cas.b32" in ptx
     assert "griddepcontrol.wait" in ptx  # PDL: waits for the producer of y before any read
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
+
+
+def test_gemv_all_reduce_add_rms_norm_compiles_for_sm90():
+    from agent_infer.kernels.triton.gemv_allreduce import _gemv_all_reduce_norm_kernel
+
+    signature = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
+        "count_ptr": "*i32", "buffer_ptrs": "*i64", "pad_ptrs": "*i64", "call_ptr": "*i32", "error_ptr": "*i32",
+        "N": "i32", "K": "i32", "swn": "i32", "region": "i32", "rank": "i32", "max_spins": "i32", "eps": "fp32",
+        "HAS_BIAS": "constexpr", "WORLD": "constexpr", "PDL": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr",
+    }
+    constexprs = {"HAS_BIAS": False, "WORLD": 2, "PDL": True, "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096}
+    ptx = _compile_sm90(_gemv_all_reduce_norm_kernel, signature, constexprs).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx  # the last-program counter
+    assert "atom.global.sys.release.exch.b32" in ptx  # raising the peer's flag after the push
+    assert "ld.global.sys.acquire.b32" in ptx  # waiting for the peer's flag (an add of 0, as a load)
+    assert "griddepcontrol.wait" in ptx
+
+
+def test_gemv_add_rms_norm_compiles_for_sm90():
+    from agent_infer.kernels.triton.gemv import _gemv_row_kernel
+
+    signature = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
+        "nw_ptr": "*bf16", "count_ptr": "*i32", "N": "i32", "K": "i32", "swn": "i32", "up_offset": "i32",
+        "eps": "fp32", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr", "ADD_NORM": "constexpr", "PDL": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr",
+    }
+    constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True,
+                  "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096}
+    ptx = _compile_sm90(_gemv_row_kernel, signature, constexprs).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1

@@ -50,14 +50,17 @@ base = torch.cuda.memory_allocated(0)
 eng = t._engine(tp, all_reduce)
 try:
     assert eng.async_scheduling  # TP = 2 included: placeholders come from the token broadcast
-    outs = eng.generate(t._prompts(eng), t.SamplingParams(temperature=0.0, max_tokens=t.NEW, ignore_eos=True,
-                                                          logprobs=t.TOP))
+    params = t.SamplingParams(temperature=0.0, max_tokens=t.NEW, ignore_eos=True, logprobs=t.TOP)
+    outs = eng.generate(t._prompts(eng), params)
+    alone = [eng.generate([p], params)[0] for p in t._prompts(eng)]  # batch 1: the GEMV path
     impl = eng.runner.tp.all_reduce_impl if tp > 1 else None
     fused = eng.runner.tp.all_reduce_norm_impl if tp > 1 else None
     result = {
         "fused_error": int(fused.peers.error.item()) if fused is not None else None,
         "tokens": [o.token_ids for o in outs],
         "top": [[[list(p) for p in lp.top] for lp in o.logprobs] for o in outs],
+        "alone_tokens": [o.token_ids for o in alone],
+        "alone_top": [[[list(p) for p in lp.top] for lp in o.logprobs] for o in alone],
         "mem": torch.cuda.memory_allocated(0) - base,
         "impl": type(impl).__name__ if impl is not None else None,
     }
@@ -78,11 +81,12 @@ def _run(tp: int, all_reduce: str = "auto") -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _close(a: dict, b: dict) -> list[int]:
+def _close(a: dict, b: dict, run: str = "") -> list[int]:
     """Tokens matched before the first difference, per prompt; a difference must be a
-    near-tie (each pick in the other's top-k, vLLM's rule)."""
+    near-tie (each pick in the other's top-k, vLLM's rule). run="alone_": the prompts
+    generated one at a time (batch-1 decode)."""
     matched = []
-    for xs, ys, x_top, y_top in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+    for xs, ys, x_top, y_top in zip(a[run + "tokens"], b[run + "tokens"], a[run + "top"], b[run + "top"]):
         n = len(xs)
         for i, (s, t) in enumerate(zip(xs, ys)):
             if s != t:
@@ -134,8 +138,12 @@ def test_tp2_async_equals_tp2_sync():
 
 def test_tp2_fused_all_reduce_norm_matches_tp1():
     """--all-reduce symm_mem_fused (the row-parallel all-reduces folded into the RMSNorms
-    after them, CUDA graphs included) against TP = 1 and against plain symmetric memory,
-    in the vLLM sense: tokens match until a near-tie."""
+    after them, and at batch 1 into the GEMV itself; CUDA graphs included) against TP = 1
+    and against plain symmetric memory, in the vLLM sense: tokens match until a near-tie;
+    at batch 1 the same tokens as plain symmetric memory."""
     one, plain, fused = _run(1), _run(2, "symm_mem"), _run(2, "symm_mem_fused")
     assert fused["fused_error"] == 0, "a barrier wait of the fused kernel ran out of spins"
     print(f"matched tokens TP2(fused) vs TP1: {_close(fused, one)}; vs TP2(symm_mem): {_close(fused, plain)}")
+    # Batch 1: the projection, all-reduce, add and norm in one GEMV launch (gemv_allreduce.py).
+    print(f"alone (batch 1): vs TP1: {_close(fused, one, 'alone_')}; vs TP2(symm_mem): {_close(fused, plain, 'alone_')}")
+    assert fused["alone_tokens"] == plain["alone_tokens"], "the fused paths round like the unfused one: same tokens"

@@ -188,24 +188,19 @@ def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H:
 
 
 @triton.jit
-def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr,
-    N, K, swn, up_offset, eps,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+def row_dot(
+    x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
-    """out[n] = sum_k w[n, k] x[k] (+ b[n]); with SILU_MUL, rows n and n + up_offset are a
-    gate/up pair and out[n] = silu(gate) * up (gate rounded to the weight dtype first,
-    as the unfused reference does); with ADD_NORM, the residual add + RMSNorm that
-    follows the projection is done by the last program (`_last_program_add_norm`).
-    K is a multiple of BLOCK_K.
+    """The M = 1 dot products of rows `n`: sum_k w[n, k] x[k] (+ b[n]), fp32; with
+    SILU_MUL, rows n and n + up_offset are a gate/up pair and the result is silu(gate) *
+    up (gate and up rounded to OUT_DTYPE first, as the unfused reference does). K is a
+    multiple of BLOCK_K.
 
     With PDL (programmatic dependent launch, Hopper+), the first weight tile is loaded
     before waiting for the previous kernel: weights never depend on it, so the load
     overlaps that kernel's tail instead of following it."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
     w = tl.load(rows, mask=n_mask[:, None], other=0.0)
@@ -229,9 +224,26 @@ def _gemv_row_kernel(
         u = tl.sum(acc_u, axis=1)
         if HAS_BIAS:
             u += tl.load(b_ptr + up_offset + n, mask=n_mask, other=0.0).to(tl.float32)
-        g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
+        g = y.to(OUT_DTYPE).to(tl.float32)
+        u = u.to(OUT_DTYPE).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32) * u
+    return y
+
+
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr,
+    N, K, swn, up_offset, eps,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[n] = row_dot(n) for this program's BLOCK_N rows; with ADD_NORM, the residual
+    add + RMSNorm that follows the projection is done by the last program
+    (`_last_program_add_norm`)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    y = row_dot(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
+                HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     if ADD_NORM:
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
