@@ -1,27 +1,26 @@
 """Batch-1 row-parallel projection, all-reduce, residual add and RMSNorm in one launch
 (tensor parallelism over symmetric memory).
 
-The batch-1 GEMV (`gemv.row_dot`) writes this rank's partial output y into its own
-region of its own buffer. The last of its programs to finish (an atomic counter) then:
+The batch-1 GEMV (`gemv.row_dot`) writes this rank's partial output y into its region of
+its own buffer. The last of its programs to finish (an atomic counter) then:
 
-1. pushes the whole row to every peer: into region `rank` of each peer's buffer, over
-   NVLink (stores, no round trip);
-2. raises its flag in each peer's signal pad to this call's number (a release exchange
-   at system scope: the pushed row is visible to the peer before the flag is), and waits
-   for every peer's flag in its own pad to reach the same number (acquire);
-3. sums the regions of its own buffer in rank order (every rank gets the same bits),
-   rounds like an all-reduce, adds the residual, normalises and writes, as
-   `allreduce_norm.py` does.
+1. raises its flag in each peer's signal pad to this call's number (a release exchange
+   at system scope: its row is visible to the peer before the flag is), and waits for
+   every peer's flag in its own pad to reach the same number (acquire);
+2. reads every peer's row across NVLink and sums the rows in rank order (every rank gets
+   the same bits), rounds like an all-reduce, adds the residual, normalises and writes,
+   as `allreduce_norm.py` does.
 
-Against the separate fused kernel this saves the launch after the GEMV and the read of
-the peers' buffers across NVLink after the barrier: the data travel before it.
+Against the GEMV followed by that separate kernel, this saves a launch and the copy of
+y into the symmetric buffer. (Pushing the row into the peers' buffers before the flag
+instead was measured slower: the system-scope release then waits for the remote stores.)
 
 Flags hold call numbers, never reset: a rank that has passed call k may raise its flag
 for k + 1 before a slow peer has looked at call k's, so a wait is for "at least k". Calls
 alternate between two halves of the buffers (bit 0 of the call number), which is why one
-barrier per call suffices: a rank writing call k's rows into a peer's half k mod 2 has
-seen that peer's flag for call k - 1, raised after the peer's call k - 2 (the last
-reader of that half) ended. Call numbers are int32 and may wrap (compared by difference).
+barrier per call suffices: a rank writing call k's row into its half k mod 2 has seen
+every peer's flag for call k - 1, raised after that peer's call k - 2 (the last reader
+of that half) ended. Call numbers are int32 and may wrap (compared by difference).
 
 Every call site uses its own counter (`count_ptr`: zero on entry, re-armed by the last
 program); the buffers, pads and call number are shared by all call sites of one process,
@@ -94,10 +93,6 @@ def _gemv_all_reduce_norm_kernel(
         h = tl.arange(0, BLOCK_H)
         h_mask = h < N
         mine = tl.load(own + rank * region + h, mask=h_mask, other=0.0, cache_modifier=".cg")
-        for q in tl.static_range(WORLD):
-            if q != rank:
-                tl.store(peer_ptr(buffer_ptrs, q, dtype) + half + rank * region + h, mine, mask=h_mask)
-        tl.debug_barrier()
         target = call + 1
         for q in tl.static_range(WORLD):
             if q != rank:
@@ -112,8 +107,9 @@ def _gemv_all_reduce_norm_kernel(
             if q == rank:
                 acc += mine.to(tl.float32)
             else:
-                # .cg: a peer wrote these through NVLink; this SM's L1 may hold an old copy.
-                acc += tl.load(own + q * region + h, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                # The peer's row, read across NVLink (.cg: never from this SM's L1).
+                peer = peer_ptr(buffer_ptrs, q, dtype) + half + q * region
+                acc += tl.load(peer + h, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         r = tl.load(r_ptr + h, mask=h_mask, other=0.0)
         # Rounded twice, as the unfused path is: the all-reduce's output, then the add.
         s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
