@@ -4,8 +4,8 @@
 # fused with add + RMSNorm; at batch 1 inside the row-parallel GEMV) and with plain
 # symmetric memory, then the TP = 2 token checks (fused, batch 1 included) against TP = 1.
 source benchmarks/h200/setup.sh
-timeout 120 python3 -m pytest -q -x tests/gpu/test_kernels.py -k "gemv_m1" > $OUT/kernels.log 2>&1; tail -1 $OUT/kernels.log
-for AR in auto symm_mem; do
+[ -n "$SKIP_KERNELS" ] || timeout 120 python3 -m pytest -q -x tests/gpu/test_kernels.py -k "gemv_m1" > $OUT/kernels.log 2>&1; tail -1 $OUT/kernels.log
+for AR in ${ARS:-auto symm_mem}; do
   timeout 120 python3 -m agent_infer.cli -v bench latency --model $M8 --tp 2 --all-reduce $AR --num-iters 3 \
     --output-json $OUT/lat_tp2_$AR.json > $OUT/lat_tp2_$AR.log 2>&1
   echo "== $AR (rc $?)"; grep -E "all-reduce:|unavailable|decode tok/s|TTFT|Error" $OUT/lat_tp2_$AR.log | head -6
