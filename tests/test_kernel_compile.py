@@ -49,24 +49,6 @@ def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
 
 
-def test_gemv_all_reduce_add_rms_norm_compiles_for_sm90():
-    from agent_infer.kernels.triton.gemv_allreduce import _gemv_all_reduce_norm_kernel
-
-    signature = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
-        "count_ptr": "*i32", "buffer_ptrs": "*i64", "pad_ptrs": "*i64", "call_ptr": "*i32", "error_ptr": "*i32",
-        "N": "i32", "K": "i32", "swn": "i32", "region": "i32", "rank": "i32", "max_spins": "i32", "eps": "fp32",
-        "HAS_BIAS": "constexpr", "WORLD": "constexpr", "PDL": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr",
-    }
-    constexprs = {"HAS_BIAS": False, "WORLD": 2, "PDL": True, "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096}
-    ptx = _compile_sm90(_gemv_all_reduce_norm_kernel, signature, constexprs).asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx  # the last-program counter
-    assert "atom.global.sys.release.exch.b32" in ptx  # raising the peer's flag after the push
-    assert "ld.global.sys.acquire.b32" in ptx  # waiting for the peer's flag (an add of 0, as a load)
-    assert "griddepcontrol.wait" in ptx
-
-
 def test_gemv_add_rms_norm_compiles_for_sm90():
     from agent_infer.kernels.triton.gemv import _gemv_row_kernel
 

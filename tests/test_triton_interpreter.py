@@ -182,16 +182,6 @@ else:
 
         run_interpreter_ranks(dtype, world)
 
-    @pytest.mark.parametrize("dtype,world", [(torch.float32, 2), (torch.bfloat16, 2), (torch.float32, 3)])
-    def test_gemv_all_reduce_add_rms_norm_between_processes(dtype, world):
-        """The batch-1 GEMV that pushes its output row to the peers and all-reduces, adds
-        and normalises in its last program, run by `world` processes on shared-memory
-        buffers and flags: call numbers, double buffer, arithmetic, bias on rank 0 only,
-        over calls of changing shapes from two call sites (tests/fused_allreduce_checks.py)."""
-        from tests.fused_allreduce_checks import run_interpreter_gemv_ranks
-
-        run_interpreter_gemv_ranks(dtype, world)
-
     # ---- the whole model on the Triton path -------------------------------------------
 
     def test_engine_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):

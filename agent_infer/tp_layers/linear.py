@@ -157,14 +157,10 @@ class RowParallelLinear(nn.Module):
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(x), residual) for an RMSNorm `norm`: (rms_norm(y + residual), y +
-        residual), y the (all-reduced) output. At batch 1 on a GPU this is one kernel: the
-        GEMV's last program does the add and the norm, saving a dependent launch per call
-        (sharded: the all-reduce too, where the fused all-reduce is in use)."""
+        residual), y the (all-reduced) output. Unsharded (tp = 1) at batch 1 on a GPU this is
+        one kernel: the GEMV's last program does the add and the norm, saving a dependent
+        launch per call. Sharded, `norm` may do the all-reduce (fused with the add + norm,
+        see ParallelState.reduce_in_norm)."""
         if self.tp.world_size == 1:
             return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter)
-        fused = self.tp.all_reduce_norm_impl if not self.reduce else None
-        if fused is not None and fused.accepts_gemv(x, self.weight, residual):
-            # Sharded: the GEMV's last program also does the all-reduce (symm_mem.py).
-            bias = self.bias if self.tp.rank == 0 else None
-            return fused.gemv(x, self.weight, bias, residual, norm.weight, norm.eps, self.done_counter)
         return norm(self(x), residual)

@@ -30,7 +30,6 @@ BUFFER_BYTES = 8 << 20
 FUSED_BUFFER_BYTES = 8 << 20
 FUSED_MAX_BYTES = 1 << 20
 DEFAULT_SIGNAL_PAD_BYTES = 2048  # PyTorch's size before it became configurable
-GEMV_MAX_FEATURES = 16384  # the largest batch-1 projection output the GEMV all-reduce takes
 
 
 class SymmMemAllReduce:
@@ -131,7 +130,6 @@ class SymmMemAllReduceNorm:
         buffer_bytes: int = FUSED_BUFFER_BYTES, max_bytes: int = FUSED_MAX_BYTES, max_spins: int | None = None,
     ):
         from agent_infer.kernels.triton.allreduce_norm import UNBOUNDED_SPINS, PeerBuffers
-        from agent_infer.kernels.triton.gemv_allreduce import PushBuffers
         from agent_infer.kernels.triton.utils import num_sms
 
         self.group = group
@@ -157,21 +155,6 @@ class SymmMemAllReduceNorm:
         )
         self.handle = mem.handle
         self.max_numel = min(half, max_bytes // elem)
-        # Batch-1 projections: the GEMV pushes its row to the peers itself (gemv_allreduce.py),
-        # over an allocation and pad of its own (another protocol on its flags).
-        push = SymmetricAllocation(group, device, dtype, 2 * mem.world * GEMV_MAX_FEATURES)
-        push.zero_pad(push.world)
-        self.push = PushBuffers(
-            buffer_ptrs=push.buffer_ptrs,
-            pad_ptrs=push.pad_ptrs,
-            call=torch.zeros(1, dtype=torch.int32, device=device),
-            error=self.peers.error,
-            rank=push.rank,
-            world_size=push.world,
-            region_numel=GEMV_MAX_FEATURES,
-            max_spins=self.peers.max_spins,
-        )
-        self._push_alloc = push  # keeps the buffer mapped
         # Every pad is zeroed before any rank's first call.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -192,29 +175,11 @@ class SymmMemAllReduceNorm:
 
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
 
-    def accepts_gemv(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether `gemv` takes a batch-1 projection of x by this rank's weight shard."""
-        from agent_infer.kernels.triton.gemv_allreduce import fits
-
-        return x.is_cuda and x.dtype == self.dtype and fits(x, weight, residual, self.push)
-
-    def gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-        norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(s + residual), s + residual) with s the sum over ranks of x @ weight^T
-        (+ bias): the projection, all-reduce, add and norm in one launch. The residual is
-        updated in place; `counter` is the call site's (int32 [1], zero between calls)."""
-        from agent_infer.kernels.triton.gemv_allreduce import gemv_all_reduce_add_rms_norm
-
-        return gemv_all_reduce_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter, self.push)
-
     def with_spin_limit(self, max_spins: int) -> None:
         """Bound (or, with UNBOUNDED_SPINS, unbound) each barrier wait from the next call on."""
         from dataclasses import replace
 
         self.peers = replace(self.peers, max_spins=max_spins)
-        self.push = replace(self.push, max_spins=max_spins)
 
 
 def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> SymmMemAllReduceNorm | None:
@@ -229,7 +194,6 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
         rank = dist.get_rank(group)
         gen = torch.Generator(device=device).manual_seed(4321)
         problems = []  # every rank runs every check (collectives in step), then they agree
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
         for rows, cols in ((1, 4096), (5, 4096), (3, 1000), (64, 4096), (1, 4096)):
             # residual and weight alike on every rank (same seed); x differs per rank
             residual = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
@@ -244,20 +208,6 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
             for got, ref, what in ((res, ref_res, "residual"), (out, ref_out, "output")):
                 if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     problems.append(f"the {what} disagrees with NCCL + add + norm at {rows} x {cols}")
-        for n, k in ((4096, 2048), (1000, 512), (4096, 2048)):
-            # the batch-1 GEMV path: x and the weight shard differ per rank, like a row-parallel layer's
-            residual = torch.randn(1, n, device=device, dtype=dtype, generator=gen)
-            weight = torch.rand(n, device=device, dtype=dtype, generator=gen) + 0.5
-            xs = [torch.randn(1, k, device=device, dtype=dtype, generator=gen) for _ in range(dist.get_world_size(group))]
-            ws = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k**-0.5 for _ in xs]
-            ref_sum = sum(torch.nn.functional.linear(a.float(), b.float()) for a, b in zip(xs, ws)).to(dtype)
-            ref_out, ref_res = reference.fused_add_rms_norm(ref_sum, residual.clone(), weight, 1e-6)
-            if not impl.accepts_gemv(xs[rank], ws[rank], residual):
-                raise RuntimeError(f"the GEMV all-reduce refuses a {n} x {k} check")
-            out, res = impl.gemv(xs[rank], ws[rank], None, residual, weight, 1e-6, counter)
-            for got, ref, what in ((res, ref_res, "residual"), (out, ref_out, "output")):
-                if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                    problems.append(f"the GEMV {what} disagrees with the reference at {n} x {k}")
         if impl.peers.error.item():
             problems.append("a barrier wait timed out")
         if problems:

@@ -138,11 +138,10 @@ def test_tp2_async_equals_tp2_sync():
 
 def test_tp2_fused_all_reduce_norm_matches_tp1():
     """--all-reduce symm_mem_fused (the row-parallel all-reduces folded into the RMSNorms
-    after them, and at batch 1 into the GEMV itself; CUDA graphs included) against TP = 1
+    after them; CUDA graphs included; batched and batch 1) against TP = 1
     and against plain symmetric memory, in the vLLM sense: tokens match until a near-tie."""
     one, plain, fused = _run(1), _run(2, "symm_mem"), _run(2, "symm_mem_fused")
     assert fused["fused_error"] == 0, "a barrier wait of the fused kernel ran out of spins"
     print(f"matched tokens TP2(fused) vs TP1: {_close(fused, one)}; vs TP2(symm_mem): {_close(fused, plain)}")
-    # Batch 1: the projection, all-reduce, add and norm in one GEMV launch (gemv_allreduce.py).
-    # (Not bit-identical to symm_mem: the norm's sum of squares is reduced in another order.)
+    # Batch 1: the Triton GEMV, then the fused kernel on one row.
     print(f"alone (batch 1): vs TP1: {_close(fused, one, 'alone_')}; vs TP2(symm_mem): {_close(fused, plain, 'alone_')}")

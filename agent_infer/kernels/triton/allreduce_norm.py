@@ -67,7 +67,7 @@ class PeerBuffers:
 
 
 @triton.jit
-def peer_ptr(ptrs, q, ty: tl.constexpr):
+def _peer_ptr(ptrs, q, ty: tl.constexpr):
     return tl.load(ptrs + q).to(tl.pointer_type(ty))
 
 
@@ -102,8 +102,8 @@ def _barrier_with_peers(pad_ptrs, slot, rank, max_spins, error_ptr, WORLD: tl.co
     tl.debug_barrier()
     for q in tl.static_range(WORLD):
         if q != rank:
-            _put_flag(peer_ptr(pad_ptrs, q, tl.int32) + slot + rank, max_spins, error_ptr)
-    own = peer_ptr(pad_ptrs, rank, tl.int32) + slot
+            _put_flag(_peer_ptr(pad_ptrs, q, tl.int32) + slot + rank, max_spins, error_ptr)
+    own = _peer_ptr(pad_ptrs, rank, tl.int32) + slot
     for q in tl.static_range(WORLD):
         if q != rank:
             _take_flag(own + q, max_spins, error_ptr)
@@ -128,7 +128,7 @@ def _all_reduce_add_rms_norm_kernel(
 
     epoch = tl.load(epochs_ptr + pid)
     half = (epoch % 2).to(tl.int64) * half_numel
-    own = peer_ptr(buffer_ptrs, rank, dtype) + half
+    own = _peer_ptr(buffer_ptrs, rank, dtype) + half
     for row in range(pid, n_rows, n_progs):
         y = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0)
         tl.store(own + row * n_cols + cols, y, mask=cmask)
@@ -140,7 +140,7 @@ def _all_reduce_add_rms_norm_kernel(
         offs = half + row * n_cols + cols
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for q in tl.static_range(WORLD):
-            acc += tl.load(peer_ptr(buffer_ptrs, q, dtype) + offs, mask=cmask, other=0.0).to(tl.float32)
+            acc += tl.load(_peer_ptr(buffer_ptrs, q, dtype) + offs, mask=cmask, other=0.0).to(tl.float32)
         r_offs = row * stride_r + cols
         r = tl.load(r_ptr + r_offs, mask=cmask, other=0.0)
         # Rounded twice, as the unfused path is: the all-reduce's output, then the add.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on the lent 2 x H200 machine (kind nvidia-h200-x2) with .whl/ carried: the batch-1
 # GEMV kernels, then TP = 2 batch-1 latency with the default all-reduce (symmetric memory,
-# fused with add + RMSNorm; at batch 1 inside the row-parallel GEMV) and with plain
-# symmetric memory, then the TP = 2 token checks (fused, batch 1 included) against TP = 1.
+# fused with add + RMSNorm) and with plain symmetric memory (ARS= to choose), then the
+# TP = 2 token checks (fused, batched and batch 1) against TP = 1. Written for the GEMV
+# all-reduce experiment of 2026-11-30 (docs/PERFORMANCE.md), which was dropped.
 source benchmarks/h200/setup.sh
 [ -n "$SKIP_KERNELS" ] || timeout 120 python3 -m pytest -q -x tests/gpu/test_kernels.py -k "gemv_m1" > $OUT/kernels.log 2>&1; tail -1 $OUT/kernels.log
 for AR in ${ARS:-auto symm_mem}; do
