@@ -8,10 +8,11 @@ ones). Both run inside CUDA graphs. Messages larger than the buffer go to NCCL.
 Chosen at start: `build_all_reduce` tries symmetric memory, checks it against NCCL on
 random data, and returns None (NCCL it is) if anything fails.
 
-`SymmMemAllReduceNorm` (opt-in, `--all-reduce symm_mem_fused`) fuses the all-reduce of a
-row-parallel output with the residual add + RMSNorm after it into one Triton kernel
-(agent_infer/kernels/triton/allreduce_norm.py), over a symmetric-memory allocation of
-its own: its own signal pad, which PyTorch's ops never touch.
+`SymmMemAllReduceNorm` (the default where its start-up check passes; `--all-reduce
+symm_mem` turns it off) fuses the all-reduce of a row-parallel output with the residual
+add + RMSNorm after it into one Triton kernel (agent_infer/kernels/triton/allreduce_norm.py),
+over a symmetric-memory allocation of its own: its own signal pad, which PyTorch's ops
+never touch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent 2 x H200 machine (kind nvidia-h200-x2) through the device tool, from the
 # repository root with .whl/ carried: the fused all-reduce + residual add + RMSNorm kernel
-# (--all-reduce symm_mem_fused, not yet run on a GPU when this was written).
+# (--all-reduce symm_mem_fused; first run on a GPU on 2026-11-30, now the default of auto).
 #   bash benchmarks/h200/tp2_fused.sh          # test, then latency of both modes (~6-8 min)
 #   bash benchmarks/h200/tp2_fused.sh test     # only the 2-GPU kernel test
 #   bash benchmarks/h200/tp2_fused.sh bench    # only the latency runs (PROFILE=1: with --profile)
