@@ -40,6 +40,22 @@ def expected(ys: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tenso
     return reference.fused_add_rms_norm(s.to(ys[0].dtype), residual.clone(), weight, eps)
 
 
+def run_processes(procs: list, timeout_s: float) -> list[int]:
+    """Start the processes, wait for all of them up to `timeout_s` in total, kill those
+    still running; returns their indices (the hung ones)."""
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return hung
+
+
 # ---- CPU: two processes through Triton's interpreter --------------------------------------
 
 # (rows, cols) of the calls each rank makes back to back, in this order: different row
@@ -71,16 +87,7 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
         )
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung = run_processes(procs, timeout_s)
     messages = []
     while not errors.empty():
         messages.append(errors.get())

@@ -83,12 +83,17 @@ def build_all_reduce(group, device: torch.device, dtype: torch.dtype) -> SymmMem
             torch.cuda.synchronize(device)
             if not torch.allclose(x.float(), ref.float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError(f"symmetric-memory all-reduce disagrees with NCCL at {numel} elements")
-        ok = torch.tensor([1], device=device)
     except Exception as e:  # any rank failing makes every rank fall back
         log.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-        impl, ok = None, torch.tensor([0], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return impl if int(ok.item()) == 1 else None
+        impl = None
+    return impl if _all_ranks_ok(impl is not None, group, device) else None
+
+
+def _all_ranks_ok(ok: bool, group, device: torch.device) -> bool:
+    """Whether every rank's start-up check passed (a collective: every rank calls it)."""
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item()) == 1
 
 
 class SymmetricAllocation:
@@ -214,9 +219,7 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
         if problems:
             raise RuntimeError("; ".join(problems))
         impl.with_spin_limit(UNBOUNDED_SPINS)
-        ok = torch.tensor([1], device=device)
     except Exception as e:  # any rank failing makes every rank fall back
         log.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
-        impl, ok = None, torch.tensor([0], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return impl if int(ok.item()) == 1 else None
+        impl = None
+    return impl if _all_ranks_ok(impl is not None, group, device) else None

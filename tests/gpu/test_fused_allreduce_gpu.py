@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 import traceback
 from pathlib import Path
 
@@ -47,21 +46,13 @@ def test_fused_all_reduce_norm_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
     from agent_infer.tp_layers.group import SAFE_ENV, free_port
+    from tests.fused_allreduce_checks import run_processes
 
     os.environ.update(SAFE_ENV)  # inherited by the workers (they set it again first thing)
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung = run_processes(procs, TIMEOUT_S)
     results = {}
     for r in range(WORLD):
         f = Path(tmp_path) / f"rank{r}.json"

@@ -266,22 +266,33 @@ def linear_m1(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]; with silu_mul the N rows are
     [gate | up] halves and the result is silu(gate) * up, [1, N / 2]."""
-    k = x.shape[-1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _launch_row(x, weight, bias, out, n, silu_mul=silu_mul, config=config, pdl=pdl)
+    return out
+
+
+def _launch_row(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n: int, *,
+    silu_mul: bool = False, add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+    config: RowConfig | None = None, pdl: bool | None = None,
+) -> None:
+    """One `_gemv_row_kernel` launch writing `out` [1, n]; add_norm = (residual, norm
+    weight, counter, eps) turns on the last program's add + RMSNorm."""
+    k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     cfg = config or row_config(n, k, x.device)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
     opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+    residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if has_bias else out, out, out, out, out,
-        n, k, weight.stride(0), n, 0.0,
-        HAS_BIAS=has_bias, SILU_MUL=silu_mul, ADD_NORM=False,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=1,
+        x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
+        n, k, weight.stride(0), n, eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_H=triton.next_power_of_2(n) if add_norm is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
-    return out
 
 
 # The last program holds the whole output row in registers: up to this many features.
@@ -297,23 +308,11 @@ def linear_m1_add_rms_norm(
     eps) in one launch: returns (normed [1, N], residual), residual updated in place.
     `counter` is an int32 scalar tensor, zero on entry and left zero (its address may be
     captured in a CUDA graph); one per call site that can be in flight at once."""
-    k = x.shape[-1]
     n = weight.shape[0]
-    assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
     assert n <= MAX_ADD_NORM_FEATURES, f"{n} features > {MAX_ADD_NORM_FEATURES}"
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
-    cfg = config or row_config(n, k, x.device)
-    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
-    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if has_bias else out, out, residual, norm_weight, counter,
-        n, k, weight.stride(0), n, eps,
-        HAS_BIAS=has_bias, SILU_MUL=False, ADD_NORM=True,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=triton.next_power_of_2(n),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
-    )
+    _launch_row(x, weight, bias, out, n, add_norm=(residual, norm_weight, counter, eps), config=config, pdl=pdl)
     return out, residual
