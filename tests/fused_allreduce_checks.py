@@ -64,7 +64,7 @@ INTERPRETER_CALLS = [(3, 200), (1, 200), (5, 200), (5, 200), (2, 96), (7, 200), 
 INTERPRETER_MAX_PROGRAMS = 3
 
 
-def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float = 600.0) -> None:
+def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float = 600.0, first_call: int = 0) -> None:
     """Run INTERPRETER_CALLS on `world` processes (the caller's environment must have
     TRITON_INTERPRET=1, which the children inherit) and check every call on every rank
     against the reference, and the ranks against each other bit for bit."""
@@ -83,7 +83,8 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     errors = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_interpreter_rank, args=(r, world, dtype, buffers, pads, outs[r], ress[r], epochs[r], status, errors)
+            target=_interpreter_rank,
+            args=(r, world, dtype, buffers, pads, outs[r], ress[r], epochs[r], status, errors, first_call),
         )
         for r in range(world)
     ]
@@ -111,13 +112,19 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     calls = len(INTERPRETER_CALLS)
     m, h = INTERPRETER_CALLS[-1]
     ys, _, _ = case_inputs(m, h, world, dtype, seed=100 + calls - 1)
-    start = (calls - 1) % 2 * half
+    last = _int32(first_call + calls - 1)
+    start = (last & 1) * half
     for r in range(world):
-        assert epochs[r].tolist() == [calls] * INTERPRETER_MAX_PROGRAMS, f"rank {r}: call counts {epochs[r].tolist()}"
+        assert epochs[r].tolist() == [_int32(last + 1)] * INTERPRETER_MAX_PROGRAMS, f"rank {r}: call counts {epochs[r].tolist()}"
         assert torch.equal(buffers[r][start:start + m * h].view(m, h), ys[r]), f"rank {r}: last rows not in their half"
 
 
-def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, status, errors) -> None:
+def _int32(n: int) -> int:
+    """n as the kernel's int32 call count holds it (wrapping)."""
+    return (n + 2**31) % 2**32 - 2**31
+
+
+def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, status, errors, first_call) -> None:
     try:
         from tests.kernel_checks import patch_interpreter_scalar_index
 
@@ -128,7 +135,7 @@ def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, sta
         peers = PeerBuffers(
             buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
             pad_ptrs=torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64),
-            epochs=torch.zeros(INTERPRETER_MAX_PROGRAMS, dtype=torch.int32),
+            epochs=torch.full((INTERPRETER_MAX_PROGRAMS,), _int32(first_call), dtype=torch.int32),
             error=torch.zeros(1, dtype=torch.int32),
             rank=rank,
             world_size=world,

@@ -182,6 +182,13 @@ else:
 
         run_interpreter_ranks(dtype, world)
 
+    def test_all_reduce_add_rms_norm_across_the_call_count_wrap():
+        """The int32 call count wraps negative after 2**31 calls (about a day of batch-1
+        decode at TP = 2); the buffer half must stay bit 0 of it, never a negative index."""
+        from tests.fused_allreduce_checks import INTERPRETER_CALLS, run_interpreter_ranks
+
+        run_interpreter_ranks(torch.float32, 2, first_call=2**31 - len(INTERPRETER_CALLS) // 2)
+
     # ---- the whole model on the Triton path -------------------------------------------
 
     def test_engine_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):

@@ -127,7 +127,9 @@ def _all_reduce_add_rms_norm_kernel(
     dtype = y_ptr.dtype.element_ty
 
     epoch = tl.load(epochs_ptr + pid)
-    half = (epoch % 2).to(tl.int64) * half_numel
+    # Bit 0, not `% 2`: the int32 count wraps negative after 2**31 calls (about a day of
+    # batch-1 decode at TP = 2), and a negative remainder would index before the buffer.
+    half = (epoch & 1).to(tl.int64) * half_numel
     own = _peer_ptr(buffer_ptrs, rank, dtype) + half
     for row in range(pid, n_rows, n_progs):
         y = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0)
