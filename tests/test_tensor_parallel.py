@@ -321,39 +321,49 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
     assert outs[0][0].strip() == outs[1][0].strip() and outs[0][0].startswith("OK")
 
 
-# ---- the all-reduce left to the next RMSNorm (--all-reduce symm_mem_fused) -------------
+# ---- the all-reduce joined with the residual add + RMSNorm after it ---------------------
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_tp2_reduce_in_norm_equals_plain_tp2(name, tiny_model_dirs):
-    """`--all-reduce symm_mem_fused` on CPU keeps its wiring: o_proj and down_proj leave
-    their outputs unreduced and the RMSNorm after each (post-attention, the next layer's
-    input norm, the final norm) reduces them, here with gloo's all-reduce then the add +
-    norm (the fused kernel's own fallback). Same operations in the same order as plain
-    TP = 2, so the same tokens and logprobs exactly; and TP = 1's within fp32 noise."""
+def test_tp2_row_parallel_reduces_in_add_norm_and_equals_tp1(name, tiny_model_dirs, monkeypatch):
+    """Every row-parallel projection (o_proj, down_proj) reduces through
+    `all_reduce_add_rms_norm` with the add + norm after it; on CPU (no fused kernel;
+    `--all-reduce symm_mem_fused` is accepted there) that is gloo's all-reduce, then the
+    add + norm. Same tokens and logprobs as plain TP = 2 exactly, and TP = 1's within fp32
+    noise."""
+    from agent_infer.tp_layers import linear
+
+    calls = []
+    real = linear.all_reduce_add_rms_norm
+
+    def counting(x, residual, weight, eps, tp):
+        calls.append(x.shape[0])
+        return real(x, residual, weight, eps, tp)
+
+    monkeypatch.setattr(linear, "all_reduce_add_rms_norm", counting)
     path = tiny_model_dirs[name]
     eng = make_engine(path, 2, all_reduce="symm_mem_fused")
     try:
-        tp, model = eng.runner.tp, eng.runner.model.model
-        assert tp.reduce_in_norm and tp.all_reduce_norm_impl is None  # no fused kernel on CPU
-        assert not model.layers[0].self_attn.o_proj.reduce and not model.layers[-1].mlp.down_proj.reduce
-        assert model.norm.reduce_over is tp and model.layers[1].input_layernorm.reduce_over is tp
+        assert eng.runner.tp.all_reduce_norm_impl is None  # no fused kernel on CPU
+        layers = eng.model_config.num_layers
         fused = eng.generate(PROMPTS, PARAMS)
+        steps = eng.stats.steps
     finally:
         eng.shutdown()
+    assert len(calls) == 2 * layers * steps, f"{len(calls)} calls for {steps} steps of {layers} layers"
     plain = run(path, 2)
     assert_same(fused, plain, tol=1e-6)
     assert_same(fused, run(path, 1))
     assert not dist.is_initialized()
 
 
-def test_norm_reduces_through_the_fused_impl_or_falls_back():
-    """RMSNorm(reduce_over=tp): the fused implementation where it accepts the tensors,
+def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
+    """all_reduce_add_rms_norm: the fused implementation where it accepts the tensors,
     else the group's all-reduce then the add + norm; both give the reference on the
     summed input. Here a 'group' of two ranks holding the same x (its sum is 2x)."""
     from agent_infer.kernels import ops, reference
-    from agent_infer.layers.norm import RMSNorm
     from agent_infer.tp_layers.distributed import ParallelState
+    from agent_infer.tp_layers.linear import all_reduce_add_rms_norm
 
     calls = {"fused": 0, "all_reduce": 0}
 
@@ -369,17 +379,13 @@ def test_norm_reduces_through_the_fused_impl_or_falls_back():
         calls["all_reduce"] += 1
         x.mul_(2)
 
-    tp = ParallelState(rank=0, world_size=2, all_reduce_impl=all_reduce, reduce_in_norm=True,
-                       all_reduce_norm_impl=OneRowFused())
-    norm = RMSNorm(64, 1e-6, tp)
-    norm.weight.data = torch.rand(64) + 0.5
+    tp = ParallelState(rank=0, world_size=2, all_reduce_impl=all_reduce, all_reduce_norm_impl=OneRowFused())
+    weight = torch.rand(64) + 0.5
     for rows, path in ((1, "fused"), (3, "all_reduce")):
         x, r = torch.randn(rows, 64), torch.randn(rows, 64)
-        ref_out, ref_res = reference.fused_add_rms_norm(2 * x, r, norm.weight, 1e-6)
+        ref_out, ref_res = reference.fused_add_rms_norm(2 * x, r, weight, 1e-6)
         before = dict(calls)
-        out, res = norm(x.clone(), r.clone())
+        out, res = all_reduce_add_rms_norm(x.clone(), r.clone(), weight, 1e-6, tp)
         assert calls[path] == before[path] + 1 and sum(calls.values()) == sum(before.values()) + 1
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(res, ref_res)
-    assert torch.equal(norm(x), reference.rms_norm(x, norm.weight, 1e-6))  # the plain form never reduces
-    assert RMSNorm(64, 1e-6, ParallelState()).reduce_over is None  # nothing to reduce in a world of one

@@ -84,18 +84,16 @@ def setup_runner(
 def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtype, mode: str) -> ParallelState:
     """Pick the all-reduce once, on every rank alike, and say which. On GPUs `auto` takes
     symmetric memory and, where its start-up check passes, the fused all-reduce + residual
-    add + RMSNorm (the row-parallel outputs are then left to the RMSNorms after them);
-    `symm_mem` is the plain symmetric-memory all-reduce, `symm_mem_fused` insists on the
-    fusion. On CPU `symm_mem_fused` runs the same wiring with gloo's all-reduce, then the
-    add + norm (how CI tests it)."""
+    add + RMSNorm; `symm_mem` is the plain symmetric-memory all-reduce, `symm_mem_fused`
+    insists on the fusion. On CPU: gloo (the row-parallel layers then reduce, add and
+    normalise in three steps, `all_reduce_add_rms_norm`'s fallback)."""
     if tp.world_size == 1:
         return tp
     fused = mode == "symm_mem_fused"
     if device.type != "cuda" or mode == "nccl":
         if tp.is_first:
-            log.info("all-reduce: %s%s", "gloo" if device.type != "cuda" else "NCCL",
-                     ", reduced in the RMSNorm that follows (unfused)" if fused else "")
-        return replace(tp, reduce_in_norm=fused)
+            log.info("all-reduce: %s", "gloo" if device.type != "cuda" else "NCCL")
+        return tp
     impl = build_all_reduce(tp.group, device, dtype)
     if impl is None and mode in ("symm_mem", "symm_mem_fused"):
         raise ConfigError(f"--all-reduce {mode} was asked for but symmetric memory does not work here")
@@ -109,7 +107,7 @@ def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtyp
                  f"; fused with the residual add + RMSNorm up to {FUSED_MAX_BYTES >> 10} KiB" if norm_impl else "")
     if impl is None:
         return tp
-    return replace(tp, all_reduce_impl=impl, reduce_in_norm=norm_impl is not None, all_reduce_norm_impl=norm_impl)
+    return replace(tp, all_reduce_impl=impl, all_reduce_norm_impl=norm_impl)
 
 
 def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:

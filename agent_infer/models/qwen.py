@@ -1,9 +1,9 @@
 """The dense decoder family in one implementation: Llama, Qwen2 (q/k/v biases) and Qwen3
 (per-head q_norm/k_norm), driven by config.json. Layers are tensor-parallel: merged QKV
 and gate_up (column-parallel), o_proj and down_proj (row-parallel, one all-reduce each),
-vocabulary-parallel embedding and LM head. With `tp.reduce_in_norm` the row-parallel
-outputs stay unreduced and the next RMSNorm (post-attention, the next layer's input norm,
-the final norm) reduces them, fused with its residual add where it can."""
+vocabulary-parallel embedding and LM head. Each row-parallel projection runs together
+with the residual add + RMSNorm after it (`RowParallelLinear.forward_add_norm`), so its
+all-reduce can be fused with them."""
 
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ class DenseAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, reduce=not tp.reduce_in_norm
-        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -59,7 +57,7 @@ class DenseMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, tp)
         self.act = get_act_and_mul(cfg.hidden_act)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp, reduce=not tp.reduce_in_norm)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(x))
@@ -76,11 +74,8 @@ class DenseDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DenseAttention(cfg, rotary, tp)
         self.mlp = DenseMLP(cfg, tp)
-        # Both take an unreduced row-parallel output when tp.reduce_in_norm (the first
-        # layer's input norm sees the embedding instead, through its plain form).
-        reduce_over = tp if tp.reduce_in_norm else None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, reduce_over)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, reduce_over)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
@@ -101,7 +96,7 @@ class DenseModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_pos, is_neox=True)
         self.layers = nn.ModuleList(DenseDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp if tp.reduce_in_norm else None)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)

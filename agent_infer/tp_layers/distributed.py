@@ -21,12 +21,10 @@ class ParallelState:
     group: Any = None  # torch.distributed ProcessGroup when world_size > 1
     # Replaces the plain NCCL/gloo all-reduce (e.g. a symmetric-memory one); in place.
     all_reduce_impl: Callable[[torch.Tensor], None] | None = None
-    # Row-parallel layers whose output feeds a residual add + RMSNorm leave it unreduced,
-    # and that norm reduces it (`layers/norm.py`); read when the model is built.
-    reduce_in_norm: bool = False
-    # That reduction fused with the add and the norm in one kernel, where one exists
-    # (`SymmMemAllReduceNorm`: `accepts(x, residual)`, `__call__(x, residual, weight, eps)`);
-    # None, or a call it does not accept: the all-reduce above, then the add + norm.
+    # The all-reduce of a row-parallel output fused with the residual add + RMSNorm after
+    # it, in one kernel (`SymmMemAllReduceNorm`: `accepts(x, residual)`, `__call__(x,
+    # residual, weight, eps)`); None, or a call it does not accept: the all-reduce above,
+    # then the add + norm (`tp_layers.linear.all_reduce_add_rms_norm`).
     all_reduce_norm_impl: Any = None
 
     @property

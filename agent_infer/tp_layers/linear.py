@@ -127,10 +127,9 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split over ranks; partial sums are all-reduced.
     The bias is added once (rank 0) before the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState, reduce: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState):
         super().__init__()
         self.tp = tp
-        self.reduce = reduce
         self.in_per_rank = divide(in_features, tp.world_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -139,9 +138,10 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self.bias_loader
         else:
             self.register_parameter("bias", None)
-        # forward_add_norm's kernel finds its last program with this counter; one per layer
-        # (its address is captured in the decode graphs), zero between calls.
-        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+        if tp.world_size == 1:
+            # forward_add_norm's kernel finds its last program with this counter; one per
+            # layer (its address is captured in the decode graphs), zero between calls.
+            self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
         size = param.shape[1]
@@ -151,16 +151,31 @@ class RowParallelLinear(nn.Module):
         copy_into(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp.rank == 0 else None
-        y = ops.linear(x, self.weight, bias)
-        return all_reduce_sum(y, self.tp) if self.reduce else y
+        return all_reduce_sum(self._partial(x), self.tp)
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of y (the bias on rank 0 only)."""
+        return ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(x), residual) for an RMSNorm `norm`: (rms_norm(y + residual), y +
-        residual), y the (all-reduced) output. Unsharded (tp = 1) at batch 1 on a GPU this is
+        residual), y the all-reduced output. Unsharded (tp = 1) at batch 1 on a GPU this is
         one kernel: the GEMV's last program does the add and the norm, saving a dependent
-        launch per call. Sharded, `norm` may do the all-reduce (fused with the add + norm,
-        see ParallelState.reduce_in_norm)."""
+        launch per call. Sharded, the all-reduce joins the add + norm instead
+        (`all_reduce_add_rms_norm`)."""
         if self.tp.world_size == 1:
             return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter)
-        return norm(self(x), residual)
+        return all_reduce_add_rms_norm(self._partial(x), residual, norm.weight, norm.eps, self.tp)
+
+
+def all_reduce_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, tp: ParallelState
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(sum of x over the group, residual): one kernel where the group
+    has a fused implementation that takes these tensors (`ParallelState.all_reduce_norm_impl`),
+    else the all-reduce then the add + norm. Same results either way (the fused kernel
+    rounds like the two steps)."""
+    impl = tp.all_reduce_norm_impl
+    if impl is not None and impl.accepts(x, residual):
+        return impl(x, residual, weight, eps)
+    return ops.fused_add_rms_norm(all_reduce_sum(x, tp), residual, weight, eps)
