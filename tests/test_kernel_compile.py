@@ -56,10 +56,10 @@ def test_gemv_add_rms_norm_compiles_for_sm90():
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
         "nw_ptr": "*bf16", "count_ptr": "*i32", "N": "i32", "K": "i32", "swn": "i32", "up_offset": "i32",
         "eps": "fp32", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr", "ADD_NORM": "constexpr", "PDL": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr", "PREFETCH": "constexpr",
     }
     constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True,
-                  "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096}
+                  "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2}
     ptx = _compile_sm90(_gemv_row_kernel, signature, constexprs).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1

@@ -148,14 +148,17 @@ else:
     @pytest.mark.parametrize(
         "n,k,bias,silu_mul,config",
         [(100, 256, True, False, RowConfig(8, 64)), (48, 512, False, True, RowConfig(4, 128)),
-         (7, 64, True, True, None), (33, 192, False, False, RowConfig(2, 64))],
+         (7, 64, True, True, None), (33, 192, False, False, RowConfig(2, 64)),
+         (48, 512, False, True, RowConfig(4, 128, prefetch=2)), (33, 192, True, False, RowConfig(2, 64, prefetch=2)),
+         (20, 64, False, False, RowConfig(4, 64, prefetch=2))],
     )
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize(
-        "n,k,bias,config", [(100, 256, True, RowConfig(8, 64)), (64, 128, False, None), (33, 192, False, RowConfig(2, 64))]
+        "n,k,bias,config", [(100, 256, True, RowConfig(8, 64)), (64, 128, False, None), (33, 192, False, RowConfig(2, 64)),
+                            (100, 256, True, RowConfig(8, 64, prefetch=2))]
     )
     def test_gemv_m1_add_norm(dtype, n, k, bias, config):
         kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias, config)

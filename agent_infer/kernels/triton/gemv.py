@@ -157,6 +157,7 @@ class RowConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    prefetch: int = 1  # weight tiles loaded before the PDL wait (1 or 2), see row_dot
 
 
 @triton.jit
@@ -191,28 +192,43 @@ def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H:
 def row_dot(
     x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr = 1,
 ):
     """The M = 1 dot products of rows `n`: sum_k w[n, k] x[k] (+ b[n]), fp32; with
     SILU_MUL, rows n and n + up_offset are a gate/up pair and the result is silu(gate) *
     up (gate and up rounded to OUT_DTYPE first, as the unfused reference does). K is a
     multiple of BLOCK_K.
 
-    With PDL (programmatic dependent launch, Hopper+), the first weight tile is loaded
-    before waiting for the previous kernel: weights never depend on it, so the load
-    overlaps that kernel's tail instead of following it."""
+    With PDL (programmatic dependent launch, Hopper+), the first PREFETCH (1 or 2) weight
+    tiles are loaded before waiting for the previous kernel: weights never depend on it,
+    so the loads overlap that kernel's tail instead of following it. At batch 1 the
+    kernels between two GEMVs (all-reduce, norm, attention) are latency-bound and leave
+    the memory system idle; a deeper prefetch streams more of the next weights meanwhile,
+    at the price of registers (fewer programs resident)."""
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
     w = tl.load(rows, mask=n_mask[:, None], other=0.0)
     if SILU_MUL:
         up_rows = rows + up_offset * swn
         wu = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
+    start = BLOCK_K
+    if PREFETCH > 1:
+        has2 = BLOCK_K < K
+        w2 = tl.load(rows + BLOCK_K, mask=n_mask[:, None] & has2, other=0.0)
+        if SILU_MUL:
+            wu2 = tl.load(up_rows + BLOCK_K, mask=n_mask[:, None] & has2, other=0.0)
+        start = 2 * BLOCK_K
     pdl_begin(PDL)
     x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
     acc = w.to(tl.float32) * x
     if SILU_MUL:
         acc_u = wu.to(tl.float32) * x
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PREFETCH > 1:
+        x2 = tl.load(x_ptr + BLOCK_K + kk, mask=(BLOCK_K + kk) < K, other=0.0).to(tl.float32)[None, :]
+        acc += w2.to(tl.float32) * x2
+        if SILU_MUL:
+            acc_u += wu2.to(tl.float32) * x2
+    for k0 in range(start, K, BLOCK_K):
         x = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
         acc += tl.load(rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
         if SILU_MUL:
@@ -235,7 +251,7 @@ def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr,
     N, K, swn, up_offset, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """out[n] = row_dot(n) for this program's BLOCK_N rows; with ADD_NORM, the residual
     add + RMSNorm that follows the projection is done by the last program
@@ -243,10 +259,14 @@ def _gemv_row_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     y = row_dot(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
-                HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty)
+                HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     if ADD_NORM:
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
+
+
+# Experiment (branch wip/gemv-prefetch, not measured yet): two tiles before the PDL wait.
+ROW_PREFETCH_TILES = 2
 
 
 def row_config(n: int, k: int, device: torch.device) -> RowConfig:
@@ -257,7 +277,7 @@ def row_config(n: int, k: int, device: torch.device) -> RowConfig:
     block_k = 2048
     while k % block_k:
         block_k //= 2
-    return RowConfig(4, block_k)
+    return RowConfig(4, block_k, prefetch=ROW_PREFETCH_TILES)
 
 
 def linear_m1(
@@ -289,7 +309,7 @@ def _launch_row(
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
         n, k, weight.stride(0), n, eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
         BLOCK_H=triton.next_power_of_2(n) if add_norm is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
