@@ -7,7 +7,8 @@ symmetric memory).
 The reference is the unfused path: the all-reduce (fp32 sum in rank order, rounded to
 the activation dtype), then `reference.fused_add_rms_norm`. Inputs are random, never
 zeros, and differ per rank and per call, so a stale or wrong buffer half, a row read
-from the wrong peer or a missed barrier changes the result.
+from the wrong peer or a row read before it arrived changes the result. A few elements of
+every y are signed zeros: -0.0 is the kernel's not-arrived mark, which no rank may send.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def case_inputs(m: int, h: int, world: int, dtype: torch.dtype, seed: int) -> tu
     CPU; the same on every rank for the same arguments."""
     g = torch.Generator().manual_seed(seed)
     ys = [(torch.randn(m, h, generator=g) + 0.1).to(dtype) for _ in range(world)]
+    for r, y in enumerate(ys):
+        y.view(-1)[r::7] = -0.0
+        y.view(-1)[r + 3::11] = 0.0
     residual = (torch.randn(m, h, generator=g) * 2 + 0.05).to(dtype)
     weight = (torch.rand(h, generator=g) + 0.5).to(dtype)
     return ys, residual, weight
@@ -70,11 +74,15 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     against the reference, and the ranks against each other bit for bit."""
     import torch.multiprocessing as mp
 
-    max_rows = max(m for m, _ in INTERPRETER_CALLS)
-    max_cols = max(h for _, h in INTERPRETER_CALLS)
-    half = max_rows * max_cols
-    buffers = [torch.full((2 * half,), float("nan"), dtype=dtype).share_memory_() for _ in range(world)]
-    pads = [torch.zeros(INTERPRETER_MAX_PROGRAMS * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    from agent_infer.kernels.triton.allreduce_norm import fill_not_arrived
+
+    slot = max(m * h for m, h in INTERPRETER_CALLS)
+    numel = 2 * world * slot
+    # Each buffer sits between two guards as large as itself: a write at a wrong (e.g.
+    # negative) half lands in a guard instead of passing unseen.
+    arenas = [torch.full((3 * numel,), 7.0, dtype=dtype).share_memory_() for _ in range(world)]
+    for a in arenas:
+        fill_not_arrived(a[numel:2 * numel])
     outs = [[torch.zeros(m, h, dtype=dtype).share_memory_() for m, h in INTERPRETER_CALLS] for _ in range(world)]
     ress = [[torch.zeros(m, h, dtype=dtype).share_memory_() for m, h in INTERPRETER_CALLS] for _ in range(world)]
     epochs = torch.zeros(world, INTERPRETER_MAX_PROGRAMS, dtype=torch.int32).share_memory_()
@@ -84,7 +92,7 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     procs = [
         ctx.Process(
             target=_interpreter_rank,
-            args=(r, world, dtype, buffers, pads, outs[r], ress[r], epochs[r], status, errors, first_call),
+            args=(r, world, dtype, arenas, slot, outs[r], ress[r], epochs[r], status, errors, first_call),
         )
         for r in range(world)
     ]
@@ -92,7 +100,7 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     messages = []
     while not errors.empty():
         messages.append(errors.get())
-    assert not hung, f"ranks {hung} still running after {timeout_s} s (a barrier that never opens?)"
+    assert not hung, f"ranks {hung} still running after {timeout_s} s (a wait that never ends?)"
     assert status.tolist() == [2] * world, f"rank status {status.tolist()}:\n" + "\n".join(messages)
     for i, (m, h) in enumerate(INTERPRETER_CALLS):
         ys, residual, weight = case_inputs(m, h, world, dtype, seed=100 + i)
@@ -105,18 +113,18 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
 
         assert_close(ress[0][i], ref_res, f"call {i} ({m}x{h}) residual")
         assert_close(outs[0][i], ref_out, f"call {i} ({m}x{h}) output")
-    for r in range(world):
-        assert not pads[r].any(), f"rank {r}'s signal pad is not back to zero: {pads[r].tolist()}"
-    # Every program slot counted every call, and the last call left its rows in the half
-    # its count picked (the other half still holds the call before: the double buffer).
+    not_arrived = fill_not_arrived(torch.empty(numel, dtype=dtype))
     calls = len(INTERPRETER_CALLS)
-    m, h = INTERPRETER_CALLS[-1]
-    ys, _, _ = case_inputs(m, h, world, dtype, seed=100 + calls - 1)
-    last = _int32(first_call + calls - 1)
-    start = (last & 1) * half
-    for r in range(world):
-        assert epochs[r].tolist() == [_int32(last + 1)] * INTERPRETER_MAX_PROGRAMS, f"rank {r}: call counts {epochs[r].tolist()}"
-        assert torch.equal(buffers[r][start:start + m * h].view(m, h), ys[r]), f"rank {r}: last rows not in their half"
+    for r, a in enumerate(arenas):
+        assert (a[:numel] == 7.0).all() and (a[2 * numel:] == 7.0).all(), f"rank {r}: a write outside the buffer"
+        # Every row that arrived was read and marked not-arrived again: ready for reuse.
+        assert torch.equal(a[numel:2 * numel].view(torch.int8), not_arrived.view(torch.int8)), (
+            f"rank {r}: buffer not back to all not-arrived"
+        )
+        # Every program slot counted every call.
+        assert epochs[r].tolist() == [_int32(first_call + calls)] * INTERPRETER_MAX_PROGRAMS, (
+            f"rank {r}: call counts {epochs[r].tolist()}"
+        )
 
 
 def _int32(n: int) -> int:
@@ -124,22 +132,23 @@ def _int32(n: int) -> int:
     return (n + 2**31) % 2**32 - 2**31
 
 
-def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, status, errors, first_call) -> None:
+def _interpreter_rank(rank, world, dtype, arenas, slot, outs, ress, epochs, status, errors, first_call) -> None:
     try:
         from tests.kernel_checks import patch_interpreter_scalar_index
 
         patch_interpreter_scalar_index()
         from agent_infer.kernels.triton.allreduce_norm import PeerBuffers, all_reduce_add_rms_norm
 
-        # Each process maps the shared buffers at its own addresses, as symmetric memory does.
+        # Each process maps the shared buffers at its own addresses, as symmetric memory
+        # does; a buffer starts one buffer length into its arena (past the front guard).
+        numel = 2 * world * slot
         peers = PeerBuffers(
-            buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
-            pad_ptrs=torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64),
+            buffer_ptrs=torch.tensor([a[numel:].data_ptr() for a in arenas], dtype=torch.int64),
             epochs=torch.full((INTERPRETER_MAX_PROGRAMS,), _int32(first_call), dtype=torch.int32),
             error=torch.zeros(1, dtype=torch.int32),
             rank=rank,
             world_size=world,
-            half_numel=buffers[0].numel() // 2,
+            slot_numel=slot,
             max_programs=INTERPRETER_MAX_PROGRAMS,
             max_spins=20_000,  # ~10 s in the interpreter; the ranks start together (below)
         )
@@ -154,10 +163,9 @@ def _interpreter_rank(rank, world, dtype, buffers, pads, outs, ress, epochs, sta
             assert out is x and res is residual, "the fused op must work in place and return its inputs"
             outs[i].copy_(out)
             ress[i].copy_(res)
-            assert peers.error.item() == 0, f"call {i}: a barrier wait ran out of spins"
+            assert peers.error.item() == 0, f"call {i}: a wait for a peer's rows ran out of spins"
         epochs.copy_(peers.epochs)
         status[rank] = 2
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         status[rank] = 3
-

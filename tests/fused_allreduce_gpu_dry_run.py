@@ -22,10 +22,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, here and in t
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-WORLD, MAX_PROGRAMS, HALF = 2, 3, 8 * 256
+WORLD, MAX_PROGRAMS, SLOT = 2, 3, 8 * 256
 
 
-def _worker(rank: int, port: int, buffers, pads, results) -> None:
+def _worker(rank: int, port: int, buffers, results) -> None:
     try:
         import torch.distributed as dist
 
@@ -37,17 +37,13 @@ def _worker(rank: int, port: int, buffers, pads, results) -> None:
         patch_interpreter_scalar_index()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
 
-        class Handle:
-            def get_signal_pad(self, r, sizes, dtype):
-                return pads[r][: sizes[0]]
-
         class SharedMemoryFused:
             def __init__(self, group, device, dtype, max_bytes, max_spins):
-                self.handle = Handle()
+                self.buffer = buffers[rank]
                 self.peers = PeerBuffers(
-                    torch.tensor([b.data_ptr() for b in buffers]), torch.tensor([p.data_ptr() for p in pads]),
+                    torch.tensor([b.data_ptr() for b in buffers]),
                     torch.zeros(MAX_PROGRAMS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                    rank, WORLD, HALF, MAX_PROGRAMS, max_spins,
+                    rank, WORLD, SLOT, MAX_PROGRAMS, max_spins,
                 )
 
             def accepts(self, x, residual):
@@ -99,12 +95,13 @@ def _worker(rank: int, port: int, buffers, pads, results) -> None:
 def main() -> int:
     from agent_infer.tp_layers.group import free_port
 
-    buffers = [torch.full((2 * HALF,), float("nan"), dtype=torch.bfloat16).share_memory_() for _ in range(WORLD)]
-    pads = [torch.zeros(MAX_PROGRAMS * WORLD, dtype=torch.int32).share_memory_() for _ in range(WORLD)]
+    from agent_infer.kernels.triton.allreduce_norm import fill_not_arrived
+
+    buffers = [fill_not_arrived(torch.empty(2 * WORLD * SLOT, dtype=torch.bfloat16)).share_memory_() for _ in range(WORLD)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, buffers, pads, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, buffers, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     ok = True

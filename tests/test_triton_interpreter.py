@@ -178,9 +178,9 @@ else:
     @pytest.mark.parametrize("dtype,world", [(torch.float32, 2), (torch.bfloat16, 2), (torch.float32, 3)])
     def test_all_reduce_add_rms_norm_between_processes(dtype, world):
         """The fused all-reduce + add + RMSNorm kernel run by `world` processes on buffers
-        and signal pads in shared memory (each process maps them at its own addresses, as
-        symmetric memory does): barrier, double buffer and arithmetic, over calls of
-        changing row counts (tests/fused_allreduce_checks.py)."""
+        in shared memory (each process maps them at its own addresses, as symmetric memory
+        does): the wait on not-arrived marks, signed zeros in the data, the double buffer
+        and arithmetic, over calls of changing row counts (tests/fused_allreduce_checks.py)."""
         from tests.fused_allreduce_checks import run_interpreter_ranks
 
         run_interpreter_ranks(dtype, world)

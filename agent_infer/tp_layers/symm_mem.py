@@ -11,8 +11,8 @@ random data, and returns None (NCCL it is) if anything fails.
 `SymmMemAllReduceNorm` (the default where its start-up check passes; `--all-reduce
 symm_mem` turns it off) fuses the all-reduce of a row-parallel output with the residual
 add + RMSNorm after it into one Triton kernel (agent_infer/kernels/triton/allreduce_norm.py),
-over a symmetric-memory allocation of its own: its own signal pad, which PyTorch's ops
-never touch.
+over a symmetric-memory allocation of its own that peers write into directly (no
+signal pad, no barrier: see the kernel's doc).
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ log = logging.getLogger(__name__)
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # above this two-shot moves fewer bytes per rank
 BUFFER_BYTES = 8 << 20
-# The fused kernel: two halves of 4 MiB; outputs above FUSED_MAX_BYTES (prefill chunks)
-# take the all-reduce, then the add + norm. 1 MiB = 128 rows of 4096 bf16.
-FUSED_BUFFER_BYTES = 8 << 20
+# The fused kernel takes outputs up to FUSED_MAX_BYTES (1 MiB = 128 rows of 4096 bf16);
+# larger ones (prefill chunks) take the all-reduce, then the add + norm. Its buffer holds
+# two halves of one such slot per rank: 4 MiB per GPU at TP = 2.
 FUSED_MAX_BYTES = 1 << 20
-DEFAULT_SIGNAL_PAD_BYTES = 2048  # PyTorch's size before it became configurable
 
 
 class SymmMemAllReduce:
@@ -97,9 +96,9 @@ def _all_ranks_ok(ok: bool, group, device: torch.device) -> bool:
 
 
 class SymmetricAllocation:
-    """A symmetric-memory buffer of `numel` elements with a signal pad of its own (an
-    allocation of its own: the pool does not split segments, and PyTorch's ops never
-    touch this pad), and every rank's buffer and pad address as mapped on this rank."""
+    """A symmetric-memory buffer of `numel` elements (an allocation of its own: the pool
+    does not split segments, and PyTorch's ops never touch it), and every rank's buffer
+    address as mapped on this rank."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, numel: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -110,20 +109,12 @@ class SymmetricAllocation:
         self.buffer = symm_mem.empty(numel, device=device, dtype=dtype)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
-        get_pad_bytes = getattr(symm_mem, "get_signal_pad_size", None)
-        self.pad_slots = (get_pad_bytes() if get_pad_bytes is not None else DEFAULT_SIGNAL_PAD_BYTES) // 4
         # The handle's pointers are its allocations' bases; the tensor sits at the same
         # offset in each (symmetric), zero unless the allocator placed it further in.
         offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.rank]
         if offset < 0 or offset + self.buffer.numel() * self.buffer.element_size() > self.handle.buffer_size:
             raise RuntimeError("the symmetric-memory buffer lies outside its handle's allocation")
         self.buffer_ptrs = torch.tensor([p + offset for p in self.handle.buffer_ptrs], dtype=torch.int64, device=device)
-        self.pad_ptrs = torch.tensor(list(self.handle.signal_pad_ptrs), dtype=torch.int64, device=device)
-
-    def zero_pad(self, slots: int) -> None:
-        """Zero this rank's first `slots` int32 flags (before any rank's first call: the
-        caller synchronises and meets the others in a barrier after)."""
-        self.handle.get_signal_pad(self.rank, [slots], torch.int32).zero_()
 
 
 class SymmMemAllReduceNorm:
@@ -133,35 +124,33 @@ class SymmMemAllReduceNorm:
 
     def __init__(
         self, group, device: torch.device, dtype: torch.dtype,
-        buffer_bytes: int = FUSED_BUFFER_BYTES, max_bytes: int = FUSED_MAX_BYTES, max_spins: int | None = None,
+        max_bytes: int = FUSED_MAX_BYTES, max_spins: int | None = None,
     ):
-        from agent_infer.kernels.triton.allreduce_norm import UNBOUNDED_SPINS, PeerBuffers
+        from agent_infer.kernels.triton.allreduce_norm import UNBOUNDED_SPINS, PeerBuffers, fill_not_arrived
         from agent_infer.kernels.triton.utils import num_sms
 
         self.group = group
         self.dtype = dtype
-        elem = torch.tensor([], dtype=dtype).element_size()
-        half = buffer_bytes // (2 * elem)
-        mem = SymmetricAllocation(group, device, dtype, 2 * half)
-        max_programs = min(num_sms(device), mem.pad_slots // mem.world)
-        if max_programs < 1:
-            raise RuntimeError(f"the signal pad holds {mem.pad_slots} flags: too few for {mem.world} ranks")
-        mem.zero_pad(max_programs * mem.world)
+        slot_numel = max_bytes // torch.tensor([], dtype=dtype).element_size()
+        world = dist.get_world_size(group)
+        mem = SymmetricAllocation(group, device, dtype, 2 * world * slot_numel)
+        if any(p % 16 for p in mem.buffer_ptrs.tolist()):  # the kernel moves 16-byte vectors
+            raise RuntimeError("a symmetric-memory buffer is not 16-byte aligned")
+        max_programs = num_sms(device)
+        fill_not_arrived(mem.buffer)
         self.buffer = mem.buffer
         self.peers = PeerBuffers(
             buffer_ptrs=mem.buffer_ptrs,
-            pad_ptrs=mem.pad_ptrs,
             epochs=torch.zeros(max_programs, dtype=torch.int32, device=device),
             error=torch.zeros(1, dtype=torch.int32, device=device),
             rank=mem.rank,
             world_size=mem.world,
-            half_numel=half,
+            slot_numel=slot_numel,
             max_programs=max_programs,
             max_spins=UNBOUNDED_SPINS if max_spins is None else max_spins,
         )
         self.handle = mem.handle
-        self.max_numel = min(half, max_bytes // elem)
-        # Every pad is zeroed before any rank's first call.
+        # Every buffer is marked not-arrived before any rank's first call.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
@@ -170,7 +159,7 @@ class SymmMemAllReduceNorm:
 
         return (
             x.dtype == self.dtype and residual.dtype == self.dtype and x.is_cuda
-            and x.numel() <= self.max_numel and fits(x, residual, self.peers)
+            and fits(x, residual, self.peers)
         )
 
     def __call__(
@@ -182,7 +171,7 @@ class SymmMemAllReduceNorm:
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
 
     def with_spin_limit(self, max_spins: int) -> None:
-        """Bound (or, with UNBOUNDED_SPINS, unbound) each barrier wait from the next call on."""
+        """Bound (or, with UNBOUNDED_SPINS, unbound) each wait for a peer's rows from the next call on."""
         from dataclasses import replace
 
         self.peers = replace(self.peers, max_spins=max_spins)
@@ -196,7 +185,7 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
 
     try:
         impl = SymmMemAllReduceNorm(group, device, dtype)
-        impl.with_spin_limit(1 << 24)  # a broken barrier fails the check (seconds) instead of hanging
+        impl.with_spin_limit(1 << 24)  # a broken exchange fails the check (seconds) instead of hanging
         rank = dist.get_rank(group)
         gen = torch.Generator(device=device).manual_seed(4321)
         problems = []  # every rank runs every check (collectives in step), then they agree
@@ -215,7 +204,7 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
                 if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     problems.append(f"the {what} disagrees with NCCL + add + norm at {rows} x {cols}")
         if impl.peers.error.item():
-            problems.append("a barrier wait timed out")
+            problems.append("a wait for a peer's rows timed out")
         if problems:
             raise RuntimeError("; ".join(problems))
         impl.with_spin_limit(UNBOUNDED_SPINS)

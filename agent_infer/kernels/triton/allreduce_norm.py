@@ -9,27 +9,33 @@ row-parallel layer; here one launch does both, with the same arithmetic:
     residual <- s + residual       (rounded to the dtype, as fused_add_rms_norm does)
     y <- rms_norm(residual) * weight
 
-Every rank owns a buffer its peers can read (PyTorch symmetric memory) and a signal pad
-of uint32 flags its peers can write. Program p handles rows p, p + G, ... (G programs):
+Every rank owns a buffer its peers can write (PyTorch symmetric memory): two halves
+(alternating from call to call, `epochs` counts the calls, see below), each with one
+slot per sending rank. The data carries its own arrival flag, so there is no barrier
+(the "Lamport" scheme of TensorRT-LLM's one-shot all-reduce): a buffer element that has
+not arrived holds negative zero, which no sender writes (a zero is sent as +0.0: the
+same sum). Program p handles rows p, p + G, ... (G programs):
 
-1. it copies its rows of y into one half of its own buffer (halves alternate from call
-   to call: `epochs` counts the calls, see below);
-2. barrier with program p of every peer: it sets the flag (p, own rank) in each peer's
-   pad from 0 to 1 (compare-and-swap, release, system scope; it spins while the flag is
-   still 1 from the previous call, not yet consumed) and consumes the flags (p, peer) in
-   its own pad from 1 back to 0 (compare-and-swap, acquire, system scope); the pads end
-   every call at zero, so the barrier is reusable across calls and CUDA-graph replays;
-3. it sums those rows of every rank's buffer in rank order (every rank gets the same
-   bits), adds the residual, normalises and writes.
+1. it stores its rows of y into its slot of every peer's buffer (posted NVLink writes,
+   no round trip);
+2. per row, it re-reads its own slot of every peer (volatile loads: past the L1) until
+   no element is -0.0, sums in rank order (every rank gets the same bits), puts -0.0
+   back into what it read (so the half is ready for its next use), adds the residual,
+   normalises and writes.
 
-No second barrier: a rank starting call k has passed call k-1's barrier, so every peer
-had started call k-1 and so finished call k-2 (stream order); the only reads of this
-rank's buffer still in flight are call k-1's, of the half it wrote, and call k writes the
-other half. A call uses one half throughout (rows of different programs overlap when
-the row length changes), so the count is kept per program slot (each program reads only
-its own: no race inside a call) and every slot moves on at every call: each program
-bumps its own, program 0 those of the slots this call leaves idle. All slots hold the
-same count, alike on every rank.
+Why two halves suffice: a peer can start call k + 1 (and write into the other half)
+while this rank still reads call k's half, but cannot reach call k + 2 (this half again)
+before it has this rank's call k + 1 data, which this rank sends only once call k's
+kernel, clears included, has completed (stream order; with PDL every kernel waits for its
+predecessor's completion before it touches memory). A call uses one half throughout
+(rows of different programs overlap when the row length changes), so the count is kept
+per program slot (each program reads only its own: no race inside a call) and every slot
+moves on at every call: each program bumps its own, program 0 those of the slots this
+call leaves idle. All slots hold the same count, alike on every rank.
+
+Compared with a flag barrier (a release compare-and-swap on each peer's flag, an
+acquire spin on the own ones, then remote reads of every peer's rows), this replaces two
+NVLink round trips and a system-scope fence by one posted write.
 
 `max_spins` bounds each wait: past it the kernel sets `error[0]` and goes on (wrong
 results, no hang). The engine runs with 2**31 - 1 (tens of minutes: a peer may be busy
@@ -56,68 +62,78 @@ class PeerBuffers:
     this rank's device and keep their addresses (CUDA-graph safe)."""
 
     buffer_ptrs: torch.Tensor  # int64 [world]: every rank's buffer, as mapped here
-    pad_ptrs: torch.Tensor  # int64 [world]: every rank's signal pad (uint32 flags)
     epochs: torch.Tensor  # int32 [max_programs]: calls made so far (same in every slot)
     error: torch.Tensor  # int32 [1]: set to 1 when a wait ran out of spins
     rank: int
     world_size: int
-    half_numel: int  # elements in one half of each buffer: rows * cols must fit
-    max_programs: int  # <= pad slots / world (one flag per (program, rank))
+    slot_numel: int  # elements of one sender's slot in one half: rows * cols must fit
+    max_programs: int
     max_spins: int = UNBOUNDED_SPINS
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of each rank's buffer: two halves of one slot per rank."""
+        return 2 * self.world_size * self.slot_numel
+
+
+def fill_not_arrived(buffer: torch.Tensor) -> torch.Tensor:
+    """Mark every element of a (fresh) buffer as not arrived: -0.0 (the sign bit alone),
+    written as integers so no float path can turn it into +0.0. In place."""
+    bits = 8 * buffer.element_size()
+    assert bits in (16, 32), f"no not-arrived mark for {buffer.dtype}"
+    buffer.view(torch.int16 if bits == 16 else torch.int32).fill_(-(2 ** (bits - 1)))
+    return buffer
 
 
 @triton.jit
 def _peer_ptr(ptrs, q, ty: tl.constexpr):
-    return tl.load(ptrs + q).to(tl.pointer_type(ty))
+    # Symmetric-memory buffers are 16-byte aligned (allocation granularity); saying so
+    # lets the rows move as 16-byte vectors instead of one element per instruction.
+    return tl.multiple_of(tl.load(ptrs + q).to(tl.pointer_type(ty)), 16)
 
 
 @triton.jit
-def _put_flag(flag, max_spins, error_ptr):
-    """0 -> 1 on a peer's flag, ordering this program's earlier writes before it."""
-    done = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") == 0
+def _not_arrived(v, BITS: tl.constexpr):
+    """Elements of v that still hold -0.0 (sign bit only): the slot's arrival mark."""
+    if BITS == 16:
+        out = v.to(tl.int16, bitcast=True) == -32768
+    else:
+        out = v.to(tl.int32, bitcast=True) == -2147483648
+    return out
+
+
+@triton.jit
+def _mark_not_arrived(ptr, mask, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+    """Store -0.0 as integers (a float -0.0 constant may be folded to +0.0)."""
+    if BITS == 16:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)), tl.full([BLOCK_N], -32768, tl.int16), mask=mask)
+    else:
+        tl.store(ptr.to(tl.pointer_type(tl.int32)), tl.full([BLOCK_N], -2147483648, tl.int32), mask=mask)
+
+
+@triton.jit
+def _wait_for_row(ptr, mask, max_spins, error_ptr, BITS: tl.constexpr):
+    """Re-read a peer's row in the own buffer until every element has arrived."""
+    v = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+    missing = tl.sum((_not_arrived(v, BITS) & mask).to(tl.int32), axis=0)
     spins = 0
-    while (not done) and (spins < max_spins):
-        done = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") == 0
+    while (missing > 0) and (spins < max_spins):
+        v = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+        missing = tl.sum((_not_arrived(v, BITS) & mask).to(tl.int32), axis=0)
         spins += 1
-    if not done:
+    if missing > 0:
         tl.store(error_ptr, 1)
-
-
-@triton.jit
-def _take_flag(flag, max_spins, error_ptr):
-    """Wait for 1 on an own flag and reset it to 0; later reads see the peer's writes."""
-    done = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") == 1
-    spins = 0
-    while (not done) and (spins < max_spins):
-        done = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") == 1
-        spins += 1
-    if not done:
-        tl.store(error_ptr, 1)
-
-
-@triton.jit
-def _barrier_with_peers(pad_ptrs, slot, rank, max_spins, error_ptr, WORLD: tl.constexpr):
-    """Program `slot // WORLD` meets the same program on every peer (see the module doc)."""
-    # Every thread's buffer writes precede the (single-thread) release below.
-    tl.debug_barrier()
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            _put_flag(_peer_ptr(pad_ptrs, q, tl.int32) + slot + rank, max_spins, error_ptr)
-    own = _peer_ptr(pad_ptrs, rank, tl.int32) + slot
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            _take_flag(own + q, max_spins, error_ptr)
-    # Every thread's peer reads follow the (single-thread) acquire above.
-    tl.debug_barrier()
+    return v
 
 
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     y_ptr, r_ptr, w_ptr,
-    buffer_ptrs, pad_ptrs, epochs_ptr, error_ptr,
+    buffer_ptrs, epochs_ptr, error_ptr,
     n_rows, n_cols, stride_y, stride_r,
-    half_numel, n_slots, rank, max_spins, eps,
-    WORLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SLOTS: tl.constexpr, PDL: tl.constexpr,
+    slot_numel, n_slots, rank, max_spins, eps,
+    WORLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -129,20 +145,27 @@ def _all_reduce_add_rms_norm_kernel(
     epoch = tl.load(epochs_ptr + pid)
     # Bit 0, not `% 2`: the int32 count wraps negative after 2**31 calls (about a day of
     # batch-1 decode at TP = 2), and a negative remainder would index before the buffer.
-    half = (epoch & 1).to(tl.int64) * half_numel
-    own = _peer_ptr(buffer_ptrs, rank, dtype) + half
+    half = (epoch & 1).to(tl.int64) * (WORLD * slot_numel)
+    sent = half + rank * slot_numel  # this rank's slot, in every peer's buffer
     for row in range(pid, n_rows, n_progs):
-        y = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0)
-        tl.store(own + row * n_cols + cols, y, mask=cmask)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = tl.where(y == 0.0, 0.0, y).to(dtype)  # -0.0 is the not-arrived mark
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                tl.store(_peer_ptr(buffer_ptrs, q, dtype) + sent + row * n_cols + cols, y, mask=cmask)
 
-    _barrier_with_peers(pad_ptrs, pid * WORLD, rank, max_spins, error_ptr, WORLD)
-
+    own = _peer_ptr(buffer_ptrs, rank, dtype) + half
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, n_progs):
-        offs = half + row * n_cols + cols
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for q in tl.static_range(WORLD):
-            acc += tl.load(_peer_ptr(buffer_ptrs, q, dtype) + offs, mask=cmask, other=0.0).to(tl.float32)
+            if q == rank:
+                v = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0)
+            else:
+                slot = own + q * slot_numel + row * n_cols + cols
+                v = _wait_for_row(slot, cmask, max_spins, error_ptr, BITS)
+                _mark_not_arrived(slot, cmask, BLOCK_N, BITS)
+            acc += v.to(tl.float32)
         r_offs = row * stride_r + cols
         r = tl.load(r_ptr + r_offs, mask=cmask, other=0.0)
         # Rounded twice, as the unfused path is: the all-reduce's output, then the add.
@@ -167,7 +190,8 @@ def fits(x: torch.Tensor, residual: torch.Tensor, peers: PeerBuffers) -> bool:
         and residual.shape == x.shape
         and x.stride(-1) == 1
         and residual.stride(-1) == 1
-        and x.shape[0] * x.shape[1] <= peers.half_numel
+        and x.element_size() in (2, 4)
+        and x.shape[0] * x.shape[1] <= peers.slot_numel
     )
 
 
@@ -179,8 +203,8 @@ def all_reduce_add_rms_norm(
     rank must call it with the same shapes, in the same order as its other calls."""
     assert fits(x, residual, peers), f"x {tuple(x.shape)} does not fit the fused all-reduce buffer"
     n_rows, n_cols = x.shape
-    # Offsets are int32 in the kernel.
-    assert max(x.stride(0), residual.stride(0)) * n_rows < 2**31 and 2 * peers.half_numel < 2**31
+    # Offsets are int32 in the kernel, but for the half's.
+    assert max(x.stride(0), residual.stride(0)) * n_rows < 2**31 and peers.buffer_numel < 2**31
     assert weight.shape == (n_cols,) and weight.is_contiguous(), "weight must be a contiguous [N] vector"
     assert peers.epochs.numel() == peers.max_programs
     if n_rows == 0:
@@ -190,10 +214,10 @@ def all_reduce_add_rms_norm(
     grid = (min(n_rows, peers.max_programs),)
     _all_reduce_add_rms_norm_kernel[grid](
         x, residual, weight,
-        peers.buffer_ptrs, peers.pad_ptrs, peers.epochs, peers.error,
+        peers.buffer_ptrs, peers.epochs, peers.error,
         n_rows, n_cols, x.stride(0), residual.stride(0),
-        peers.half_numel, peers.max_programs, peers.rank, peers.max_spins, eps,
+        peers.slot_numel, peers.max_programs, peers.rank, peers.max_spins, eps,
         WORLD=peers.world_size, BLOCK_N=block_n, BLOCK_SLOTS=triton.next_power_of_2(peers.max_programs),
-        num_warps=num_warps, **launch_opts(x.device),
+        BITS=8 * x.element_size(), num_warps=num_warps, **launch_opts(x.device),
     )
     return x, residual
