@@ -135,14 +135,18 @@ def _all_reduce_add_rms_norm_kernel(
     WORLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < n_cols
     dtype = y_ptr.dtype.element_ty
 
+    # Before the PDL wait, overlapping the predecessor (the row-parallel GEMV): the call
+    # count was written by the previous call, which completed before the predecessor got
+    # past its own wait; the norm weight is a constant.
     epoch = tl.load(epochs_ptr + pid)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    pdl_begin(PDL)
     # Bit 0, not `% 2`: the int32 count wraps negative after 2**31 calls (about a day of
     # batch-1 decode at TP = 2), and a negative remainder would index before the buffer.
     half = (epoch & 1).to(tl.int64) * (WORLD * slot_numel)
@@ -155,7 +159,6 @@ def _all_reduce_add_rms_norm_kernel(
                 tl.store(_peer_ptr(buffer_ptrs, q, dtype) + sent + row * n_cols + cols, y, mask=cmask)
 
     own = _peer_ptr(buffer_ptrs, rank, dtype) + half
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, n_progs):
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for q in tl.static_range(WORLD):

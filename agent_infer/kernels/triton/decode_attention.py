@@ -78,6 +78,31 @@ def _merge_group(
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of the key positions `kpos` (cache blocks `block`) where
+    `mask`; zeros elsewhere."""
+    slot = (kpos % BLOCK_SIZE).to(tl.int64)
+    tile_mask = mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + (block * kc_b + slot * kc_s)[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(v_base + (block * vc_b + slot * vc_s)[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr):
+    """One key tile (K, V; keys where `kmask`) folded into the running softmax state
+    (acc, m_i, l_i) of the group's queries."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
 # The block-table width varies between eager steps (the batch's longest table) and the
 # graphs' static buffers; specialising on it would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["s_table"])
@@ -90,46 +115,49 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    # Before the PDL wait, overlapping the predecessor (the RoPE + KV write) instead of
+    # following it: the context lengths and block tables are this forward's inputs
+    # (written before its first kernel, by no kernel of it), and every key of the first
+    # tile but the newest was written by an earlier forward. The newest key, which the
+    # predecessor writes, and the query are read after the wait.
     ctx = tl.load(ctx_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, ctx)
-
-    g = tl.arange(0, BLOCK_G)
-    g_mask = g < group
-    heads = kv_head * group + g
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < head_dim
-    q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     table_row_ptr = table_ptr + seq * s_table
     k_base = k_cache_ptr + kv_head * kc_h
     v_base = v_cache_ptr + kv_head * vc_h
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    kpos = lo + tl.arange(0, BLOCK_N)
+    kmask = kpos < hi
+    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
+    k, v = _load_tile(k_base, v_base, block, kpos, kmask & (kpos < ctx - 1), d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
+    pdl_begin(PDL)
+
+    newest = kmask & (kpos == ctx - 1)  # in one program's first tile at most
+    k_new, v_new = _load_tile(k_base, v_base, block, kpos, newest, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
+    k = tl.where(newest[:, None], k_new, k)
+    v = tl.where(newest[:, None], v_new, v)
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < group
+    heads = kv_head * group + g
+    q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    if lo < hi:
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
-        slot = (kpos % BLOCK_SIZE).to(tl.int64)
-        k_offs = block * kc_b + slot * kc_s
-        v_offs = block * vc_b + slot * vc_s
-        tile_mask = kmask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + k_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
-        v = tl.load(v_base + v_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_tile(k_base, v_base, block, kpos, kmask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION)
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)

@@ -41,7 +41,6 @@ def _rope_store_kernel(
     QK_NORM: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_q = head < n_q_heads
@@ -57,6 +56,20 @@ def _rope_store_kernel(
     idx1, idx2 = rope_pair_index(r, half, IS_NEOX)
     tail_idx = 2 * half + tl.arange(0, BLOCK_T)
     tail_mask = tl.arange(0, BLOCK_T) < tail
+    # Before the PDL wait, overlapping the predecessor (the QKV projection): positions and
+    # slots are this forward's inputs (written before its first kernel, by no kernel of
+    # it), the cos/sin cache and norm weights are constants. The chain position -> cos/sin
+    # then no longer follows the wait; only q, k and v do.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * scs + r, mask=r_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * scs + half + r, mask=r_mask, other=0.0)
+    if QK_NORM:
+        w1 = tl.load(w_ptr + idx1, mask=r_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + idx2, mask=r_mask, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + tail_idx, mask=tail_mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_begin(PDL)
+
     x1 = tl.load(row + idx1, mask=r_mask, other=0.0)
     dtype = x1.dtype
     a = x1.to(tl.float32)
@@ -64,14 +77,13 @@ def _rope_store_kernel(
     c = tl.load(row + tail_idx, mask=tail_mask, other=0.0).to(tl.float32)
     if QK_NORM:
         rstd = tl.rsqrt((tl.sum(a * a) + tl.sum(b * b) + tl.sum(c * c)) * inv_dim + eps)
-        a = (a * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + idx1, mask=r_mask, other=0.0).to(tl.float32)
-        b = (b * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + idx2, mask=r_mask, other=0.0).to(tl.float32)
-        c = (c * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + tail_idx, mask=tail_mask, other=0.0).to(tl.float32)
+        a = (a * rstd).to(dtype).to(tl.float32) * w1
+        b = (b * rstd).to(dtype).to(tl.float32) * w2
+        c = (c * rstd).to(dtype).to(tl.float32) * wt
         a = a.to(dtype).to(tl.float32)
         b = b.to(dtype).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * scs + r, mask=r_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * scs + half + r, mask=r_mask, other=0.0).to(dtype).to(tl.float32)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     y1 = (a * cos - b * sin).to(dtype)
     y2 = (b * cos + a * sin).to(dtype)
     yt = c.to(dtype)
@@ -80,7 +92,6 @@ def _rope_store_kernel(
     if QK_NORM:
         tl.store(row + tail_idx, yt, mask=tail_mask)
     if not is_q:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             block = slot // BLOCK_SIZE
             offset = slot % BLOCK_SIZE
