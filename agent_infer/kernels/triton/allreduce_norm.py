@@ -141,12 +141,12 @@ def _all_reduce_add_rms_norm_kernel(
     cmask = cols < n_cols
     dtype = y_ptr.dtype.element_ty
 
-    # Before the PDL wait, overlapping the predecessor (the row-parallel GEMV): the call
-    # count was written by the previous call, which completed before the predecessor got
-    # past its own wait; the norm weight is a constant.
-    epoch = tl.load(epochs_ptr + pid)
+    # The norm weight is a constant: read before the PDL wait, overlapping the
+    # predecessor. The call count is not: the predecessor may be this kernel's previous
+    # call (two calls back to back), still to write it.
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     pdl_begin(PDL)
+    epoch = tl.load(epochs_ptr + pid)
     # Bit 0, not `% 2`: the int32 count wraps negative after 2**31 calls (about a day of
     # batch-1 decode at TP = 2), and a negative remainder would index before the buffer.
     half = (epoch & 1).to(tl.int64) * (WORLD * slot_numel)
