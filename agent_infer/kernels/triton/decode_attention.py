@@ -273,6 +273,10 @@ def decode_attention(
     `counters` (from `decode_counters`, at least B * KV heads, zero on entry and left
     zero) merges the splits in the same launch; without it a second kernel merges them.
     `out`, when given, receives the result (strided rows allowed).
+
+    Under PDL the kernel reads the context lengths, block tables and every key but each
+    sequence's newest before waiting for the kernel launched just before it: that kernel
+    may write q and the newest keys (as the RoPE + KV write does), nothing else read here.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

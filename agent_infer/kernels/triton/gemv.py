@@ -213,10 +213,12 @@ def row_dot(
         wu = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
     start = BLOCK_K
     if PREFETCH > 1:
-        has2 = BLOCK_K < K
-        w2 = tl.load(rows + BLOCK_K, mask=n_mask[:, None] & has2, other=0.0)
+        # A per-column mask (not a scalar `BLOCK_K < K`: some Triton interpreters refuse
+        # a scalar bool broadcast into a mask).
+        mask2 = n_mask[:, None] & ((BLOCK_K + kk) < K)[None, :]
+        w2 = tl.load(rows + BLOCK_K, mask=mask2, other=0.0)
         if SILU_MUL:
-            wu2 = tl.load(up_rows + BLOCK_K, mask=n_mask[:, None] & has2, other=0.0)
+            wu2 = tl.load(up_rows + BLOCK_K, mask=mask2, other=0.0)
         start = 2 * BLOCK_K
     pdl_begin(PDL)
     x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
@@ -265,7 +267,8 @@ def _gemv_row_kernel(
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
 
 
-# Experiment (branch wip/gemv-prefetch, not measured yet): two tiles before the PDL wait.
+# Two tiles before the PDL wait: +2.0 % batch-1 decode at TP = 1, +0.5 % at TP = 2 on an
+# H200 against one (benchmarks/h200/prefetch_ab.sh, docs/PERFORMANCE.md).
 ROW_PREFETCH_TILES = 2
 
 

@@ -116,7 +116,10 @@ def norm_rope_store(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k/v [T, Hkv, D] (last dim contiguous): q, k <- rope(rms_norm(.)) in
     place (no norm when the weights are None), then k and v into the caches
-    [blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip). Returns (q, k)."""
+    [blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip). Returns (q, k).
+
+    Under PDL the kernel reads positions, slots, cos/sin and the norm weights before
+    waiting for the kernel launched just before it, which may write q, k and v only."""
     tokens, n_q, dim = q.shape
     n_kv = k.shape[1]
     assert k.shape == v.shape == (tokens, n_kv, dim) and positions.shape[0] == slot_mapping.shape[0] == tokens
