@@ -22,7 +22,7 @@ done
 cp .carry_tok/* $M8/
 python3 -m agent_infer.cli serve --model $M8 --port 8011 --tp 2 --max-num-seqs 16 > /tmp/server_tp2.log 2>&1 & SP=$!
 for i in $(seq 150); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-curl -sN localhost:8011/v1/completions -H 'content-type: application/json' -d '{"model":"m","prompt":"Hello","max_tokens":8,"stream":true}' | head -c 300; echo
+curl -sN localhost:8011/v1/completions -H 'content-type: application/json' -d '{"model":"qwen3-8b","prompt":"Hello","max_tokens":8,"stream":true}' | head -c 300; echo
 timeout 80 python3 -m agent_infer.cli bench serve --base-url http://localhost:8011/v1 --max-concurrency 8 --num-prompts 32 --random-input-len 256 --random-output-len 256 --temperature 0 --result-json $OUT/serve_tp2_c8.json 2>&1 | grep -E "Successful|Output token throughput|TPOT|error"
 kill $SP; wait $SP 2>/dev/null
 timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_allreduce_gpu.py > $OUT/fused_test.txt 2>&1

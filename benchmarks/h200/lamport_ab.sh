@@ -9,12 +9,6 @@
 source benchmarks/h200/setup.sh
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_allreduce_gpu.py > $OUT/fused_test.log 2>&1
 echo "kernel test rc $?"; grep -E "passed|failed|bit-unequal|back-to-back|CUDA graph|not-arrived|us per norm|Error|assert" $OUT/fused_test.log | head -12
-mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
-for V in base head base head; do
-  if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
-  (cd $T && PYTHONPATH=/tmp/site:$T timeout 120 python3 -m agent_infer.cli -v bench latency --model $M8 --tp 2 \
-    --num-iters 3 --output-json $OUT/lat_tp2_$V.json > $OUT/lat_tp2_$V.log 2>&1)
-  echo "tp2 $V: $(grep -E 'decode tok/s' $OUT/lat_tp2_$V.log | head -1) $(grep -o 'all-reduce: [^|]*' $OUT/lat_tp2_$V.log | head -1)"
-done
+ab_latency 2 2
 AGENT_INFER_TP_MODEL_DIR=$M8 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py -k fused \
   > $OUT/parity.log 2>&1; echo "parity rc $?"; grep -E "passed|failed|matched|alone|Error|assert" $OUT/parity.log | head -6

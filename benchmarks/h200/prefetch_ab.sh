@@ -7,12 +7,4 @@
 # base and this tree, alternating, each a fresh process (~6 min).
 source benchmarks/h200/setup.sh
 timeout 120 python3 -m pytest -q -x tests/gpu/test_kernels.py -k "gemv_m1" > $OUT/kernels.log 2>&1; tail -1 $OUT/kernels.log
-mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
-for TP in 1 2; do
-  for V in base head; do
-    if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
-    (cd $T && PYTHONPATH=/tmp/site:$T timeout 120 python3 -m agent_infer.cli bench latency --model $M8 --tp $TP \
-      --num-iters 3 --output-json $OUT/lat_tp${TP}_$V.json > $OUT/lat_tp${TP}_$V.log 2>&1)
-    echo "tp$TP $V: $(grep -E 'decode tok/s' $OUT/lat_tp${TP}_$V.log | head -1)"
-  done
-done
+ab_latency "1 2"

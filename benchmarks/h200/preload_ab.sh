@@ -12,12 +12,4 @@ timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.p
 echo "kernel tests: $(tail -1 $OUT/kernels.log)"
 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_engine_gpu.py > $OUT/engine.log 2>&1
 echo "engine tests: $(tail -1 $OUT/engine.log)"
-mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
-for TP in 1 2; do
-  for V in base head; do
-    if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
-    (cd $T && PYTHONPATH=/tmp/site:$T timeout 120 python3 -m agent_infer.cli bench latency --model $M8 --tp $TP \
-      --num-iters 3 --output-json $OUT/lat_tp${TP}_$V.json > $OUT/lat_tp${TP}_$V.log 2>&1)
-    echo "tp$TP $V: $(grep -E 'decode tok/s' $OUT/lat_tp${TP}_$V.log | head -1)"
-  done
-done
+ab_latency "1 2"

@@ -7,3 +7,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 M8=/tmp/aic/random/qwen3-8b
 [ -d $M8 ] || timeout 150 python3 -c "from agent_infer.bench.random_weights import ensure_random_model as e; e('qwen3-8b')" > /tmp/w.log 2>&1
+
+# Batch-1 latency A/B of the tree in .carry_ab/base.tar (git archive of the base) against
+# this one, alternating, each a fresh process: ab_latency "<TP values>" [rounds, default 1]
+ab_latency() {
+  mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
+  local TP V T R
+  for TP in $1; do
+    for R in $(seq ${2:-1}); do
+      for V in base head; do
+        if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
+        (cd $T && PYTHONPATH=/tmp/site:$T timeout 120 python3 -m agent_infer.cli -v bench latency --model $M8 --tp $TP \
+          --num-iters 3 --output-json $OUT/lat_tp${TP}_$V.json > $OUT/lat_tp${TP}_$V.log 2>&1)
+        echo "tp$TP $V: $(grep -E 'decode tok/s' $OUT/lat_tp${TP}_$V.log | head -1)"
+      done
+    done
+  done
+}
