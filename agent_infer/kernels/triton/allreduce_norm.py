@@ -27,7 +27,8 @@ Why two halves suffice: a peer can start call k + 1 (and write into the other ha
 while this rank still reads call k's half, but cannot reach call k + 2 (this half again)
 before it has this rank's call k + 1 data, which this rank sends only once call k's
 kernel, clears included, has completed (stream order; with PDL every kernel waits for its
-predecessor's completion before it touches memory). A call uses one half throughout
+predecessor's completion before it touches anything a predecessor may write: this one
+reads only the norm weight earlier). A call uses one half throughout
 (rows of different programs overlap when the row length changes), so the count is kept
 per program slot (each program reads only its own: no race inside a call) and every slot
 moves on at every call: each program bumps its own, program 0 those of the slots this
