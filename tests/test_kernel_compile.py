@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -45,8 +46,10 @@ def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
     ptx = kernel.asm["ptx"]
     # The wait re-reads the own buffer past the L1 (the peers' writes land in L2).
     assert "ld.volatile.global" in ptx
-    # The not-arrived mark is stored as the integer -32768 (0x8000), not a float constant.
-    assert "-32768" in ptx or "0x8000" in ptx.lower() or "32768" in ptx
+    # The not-arrived mark (-0.0, sign bit only) is stored and compared as the integer
+    # -32768, not as a float constant that could be folded to +0.0.
+    assert re.search(r"mov\.b16\s+%rs\d+, -32768;", ptx), "the mark is not stored as an integer"
+    assert re.search(r"setp\.eq\.b16\s+%p\d+, %rs\d+, -32768;", ptx), "no integer compare against the mark"
     assert "griddepcontrol.wait" in ptx  # PDL: waits for the producer of y before any read
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
 

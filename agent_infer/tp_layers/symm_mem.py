@@ -149,7 +149,8 @@ class SymmMemAllReduceNorm:
             max_programs=max_programs,
             max_spins=UNBOUNDED_SPINS if max_spins is None else max_spins,
         )
-        self.handle = mem.handle
+        # Held for the lifetime of the peer mappings whose addresses the kernel uses.
+        self._memory = mem
         # Every buffer is marked not-arrived before any rank's first call.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
