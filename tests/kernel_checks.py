@@ -347,7 +347,8 @@ def check_decode(
     block_size: int, num_splits: int | None = None,
 ) -> None:
     """Through the backend (store + attend) with the default split count, then with the
-    given `num_splits` through the kernel directly."""
+    given `num_splits` through the kernel directly, with and without the first key tile
+    loaded before the PDL wait (two code paths of the kernel)."""
     from agent_infer.kernels.triton.decode_attention import decode_attention
 
     batch = PagedBatch(
@@ -358,9 +359,13 @@ def check_decode(
     assert_close(out, ref, f"decode attention (contexts {context_lens})")
     if num_splits is not None:
         m = batch.meta
-        with poisoned_empty():
-            out = decode_attention(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, num_splits)
-        assert_close(out, ref, f"decode attention (contexts {context_lens}, {num_splits} splits)")
+        for preload in (True, False):
+            with poisoned_empty():
+                out = decode_attention(
+                    batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, num_splits,
+                    preload=preload,
+                )
+            assert_close(out, ref, f"decode attention (contexts {context_lens}, {num_splits} splits, preload {preload})")
     if len(context_lens) > 1:  # a mixed step's call: the first rows, whole tables, a given output
         m, k = batch.meta, len(context_lens) - 1
         given = torch.randn_like(ref)
@@ -402,7 +407,8 @@ def check_decode_merged(
     count, two calls in a row on the same counters (the first must leave them zero, or
     the second merges at the wrong time), with `padding_rows` rows of context 0 that must
     come out as zeros. The two-kernel combine is taken away, so the merge must happen in
-    the one launch; counter slack past batch x KV heads must stay untouched. Then once
+    the one launch; counter slack past batch x KV heads must stay untouched. The second
+    call runs the kernel without the first-tile preload, so both variants merge. Then once
     through the backend with the counters in the metadata and the default split count."""
     from unittest import mock
 
@@ -432,7 +438,8 @@ def check_decode_merged(
                 what = f"merged decode (contexts {context_lens} + {padding_rows} empty, {splits} splits, call {call})"
                 with poisoned_empty():
                     out = dec.decode_attention(
-                        batch.q, batch.k_cache, batch.v_cache, tables, contexts, batch.scale, splits, counters=counters
+                        batch.q, batch.k_cache, batch.v_cache, tables, contexts, batch.scale, splits, counters=counters,
+                        preload=call == 0,
                     )
                 assert_close(out[:real], ref, what)
                 assert torch.equal(out[real:], torch.zeros_like(out[real:])), f"{what}: padding rows must be zeros"

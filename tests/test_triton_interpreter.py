@@ -111,6 +111,24 @@ else:
     def test_decode_attention(dtype, case):
         kc.check_decode(DEV, dtype, *case)
 
+    @pytest.mark.parametrize("kv_heads", [8, 4, 1])
+    def test_decode_grid_fits_one_wave(kv_heads):
+        """The split count keeps a split grid within the resident programs (two per SM,
+        132 SMs off a GPU), and exactly those grids take the first-tile preload, which
+        only fits two programs per SM: batch 1 preloads, a large batch does not."""
+        from agent_infer.kernels.triton.decode_attention import decode_num_splits, preload_first_tile
+
+        dev = torch.device("cpu")
+        resident = 2 * 132
+        for batch in range(1, 600):
+            splits = decode_num_splits(batch, kv_heads, dev)
+            programs = batch * kv_heads * splits
+            if splits > 1:
+                assert programs <= resident, (batch, splits)
+            assert preload_first_tile(batch, kv_heads, splits, dev) == (programs <= resident), (batch, splits)
+        assert preload_first_tile(1, kv_heads, decode_num_splits(1, kv_heads, dev), dev)
+        assert not preload_first_tile(512, kv_heads, decode_num_splits(512, kv_heads, dev), dev)
+
     @pytest.mark.parametrize("num_splits", [1, 4])
     def test_decode_padding_rows(num_splits):
         kc.check_decode_padding_rows(DEV, torch.float32, 16, num_splits)
