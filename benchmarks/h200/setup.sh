@@ -24,3 +24,17 @@ ab_latency() {
     done
   done
 }
+
+# Throughput-workload A/B of the same two trees, alternating: ab_throughput [rounds, default 1]
+ab_throughput() {
+  mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
+  local V T R
+  for R in $(seq ${1:-1}); do
+    for V in base head; do
+      if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
+      (cd $T && PYTHONPATH=/tmp/site:$T timeout 150 python3 -m agent_infer.cli bench throughput --model $M8 \
+        --output-json $OUT/thr_${V}_$R.json > /tmp/thr_${V}_$R.log 2>&1)
+      echo "throughput $V round $R: $(grep -E 'output tok/s' /tmp/thr_${V}_$R.log | head -1)"
+    done
+  done
+}

@@ -239,19 +239,20 @@ def _resident_programs(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head), from static shapes only: as many as keep the grid
-    within one wave of resident programs (rounded down, so a split batch never needs a
-    second wave)."""
-    return max(1, min(MAX_SPLITS, _resident_programs(device) // max(1, batch * num_kv_heads)))
+    """Splits per (sequence, KV head): about two programs per SM in all, from static
+    shapes only. Rounded up: rounding down left batches of 17-33 sequences (8 KV heads)
+    one split each, 136-264 programs over long contexts, too few loads in flight (their
+    throughput-workload steps took 18 % longer on an H200)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(_resident_programs(device), max(1, batch * num_kv_heads))))
 
 
 def preload_first_tile(batch: int, num_kv_heads: int, splits: int, device: torch.device) -> bool:
     """Whether each program loads its first key tile before the PDL wait: only when the
-    whole grid is resident at once. The preload is what lets a short batch-1 program
-    overlap its predecessor, but the registers it holds cut residency from four
-    programs per SM to two; a grid of several waves (large batches) then streams the KV
-    cache with half the loads in flight (Qwen3-8B throughput workload on an H200: decode
-    steps at batch 129-256 took 15.6 ms against 13.7 ms without it)."""
+    whole grid is resident at once (batch 1 at 8 KV heads: 33 splits, 264 programs on
+    132 SMs). The preload is what lets a short batch-1 program overlap its predecessor,
+    but the registers it holds cut residency from four programs per SM to two; a larger
+    grid then streams the KV cache with fewer loads in flight (on an H200, batch 256 of
+    200-1400 keys: 293 us against 221 us without it, `benchmarks/decode_residency.py`)."""
     return batch * num_kv_heads * splits <= _resident_programs(device)
 
 
