@@ -36,12 +36,18 @@ def case_inputs(m: int, h: int, world: int, dtype: torch.dtype, seed: int) -> tu
     return ys, residual, weight
 
 
-def expected(ys: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, new residual) of all_reduce_sum(y) followed by fused_add_rms_norm."""
+def expected(
+    ys: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor, eps: float = EPS, add: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new residual) of all_reduce_sum(y) followed by fused_add_rms_norm, or with
+    add=False by rms_norm (the new residual is then the sum)."""
     s = torch.zeros(ys[0].shape, dtype=torch.float32, device=ys[0].device)
     for y in ys:
         s += y.float()
-    return reference.fused_add_rms_norm(s.to(ys[0].dtype), residual.clone(), weight, eps)
+    s = s.to(ys[0].dtype)
+    if not add:
+        return reference.rms_norm(s, weight, eps), s
+    return reference.fused_add_rms_norm(s, residual.clone(), weight, eps)
 
 
 def run_processes(procs: list, timeout_s: float) -> list[int]:
@@ -65,6 +71,7 @@ def run_processes(procs: list, timeout_s: float) -> list[int]:
 # (rows, cols) of the calls each rank makes back to back, in this order: different row
 # counts change the grid (and, past max_programs, make programs loop over rows).
 INTERPRETER_CALLS = [(3, 200), (1, 200), (5, 200), (5, 200), (2, 96), (7, 200), (1, 96), (4, 200)]
+INTERPRETER_NO_ADD = (1, 5)  # the calls made with add=False (residual <- the sum)
 INTERPRETER_MAX_PROGRAMS = 3
 
 
@@ -104,7 +111,7 @@ def run_interpreter_ranks(dtype: torch.dtype, world: int = 2, timeout_s: float =
     assert status.tolist() == [2] * world, f"rank status {status.tolist()}:\n" + "\n".join(messages)
     for i, (m, h) in enumerate(INTERPRETER_CALLS):
         ys, residual, weight = case_inputs(m, h, world, dtype, seed=100 + i)
-        ref_out, ref_res = expected(ys, residual, weight)
+        ref_out, ref_res = expected(ys, residual, weight, add=i not in INTERPRETER_NO_ADD)
         for r in range(world):
             assert torch.equal(outs[r][i], outs[0][i]) and torch.equal(ress[r][i], ress[0][i]), (
                 f"call {i} ({m}x{h}): rank {r} differs from rank 0"
@@ -159,7 +166,7 @@ def _interpreter_rank(rank, world, dtype, arenas, slot, outs, ress, epochs, stat
         for i, (m, h) in enumerate(INTERPRETER_CALLS):
             ys, residual, weight = case_inputs(m, h, world, dtype, seed=100 + i)
             x = ys[rank].clone()
-            out, res = all_reduce_add_rms_norm(x, residual, weight, EPS, peers)
+            out, res = all_reduce_add_rms_norm(x, residual, weight, EPS, peers, add=i not in INTERPRETER_NO_ADD)
             assert out is x and res is residual, "the fused op must work in place and return its inputs"
             outs[i].copy_(out)
             ress[i].copy_(res)

@@ -49,8 +49,8 @@ def _worker(rank: int, port: int, buffers, results) -> None:
             def accepts(self, x, residual):
                 return fits(x, residual, self.peers)
 
-            def __call__(self, x, residual, weight, eps):
-                return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
+            def __call__(self, x, residual, weight, eps, add=True):
+                return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers, add)
 
             def with_spin_limit(self, n):
                 self.peers = replace(self.peers, max_spins=n)
@@ -78,6 +78,7 @@ def _worker(rank: int, port: int, buffers, results) -> None:
         torch.cuda.Event = Event
         t._capture = lambda fn: fn
         t.SIZES = [(1, 96), (3, 200), (5, 96)]
+        t.NO_ADD_SIZES = [(1, 96), (4, 200)]
         t.HIDDEN, t.BETWEEN = 96, (5, 200)
         t.BACK_TO_BACK_ROWS = [1, 3, 5, 2, 7]
         t.N_CALLS, t.N_REPLAYS, t.GRAPH_ROWS, t.BENCH_CALLS = 12, 4, (1, 3), 3

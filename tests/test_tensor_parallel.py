@@ -327,20 +327,26 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_tp2_row_parallel_reduces_in_add_norm_and_equals_tp1(name, tiny_model_dirs, monkeypatch):
     """Every row-parallel projection (o_proj, down_proj) reduces through
-    `all_reduce_add_rms_norm` with the add + norm after it; on CPU (no fused kernel;
+    `all_reduce_add_rms_norm` with the add + norm after it, and the embedding through
+    `all_reduce_rms_norm` with the first layer's norm; on CPU (no fused kernel;
     `--all-reduce symm_mem_fused` is accepted there) that is gloo's all-reduce, then the
     add + norm. Same tokens and logprobs as plain TP = 2 exactly, and TP = 1's within fp32
     noise."""
-    from agent_infer.tp_layers import linear
+    from agent_infer.tp_layers import embedding, linear
 
-    calls = []
-    real = linear.all_reduce_add_rms_norm
+    calls, embed_calls = [], []
+    real, real_embed = linear.all_reduce_add_rms_norm, embedding.all_reduce_rms_norm
 
     def counting(x, residual, weight, eps, tp):
         calls.append(x.shape[0])
         return real(x, residual, weight, eps, tp)
 
+    def counting_embed(x, weight, eps, tp):
+        embed_calls.append(x.shape[0])
+        return real_embed(x, weight, eps, tp)
+
     monkeypatch.setattr(linear, "all_reduce_add_rms_norm", counting)
+    monkeypatch.setattr(embedding, "all_reduce_rms_norm", counting_embed)
     path = tiny_model_dirs[name]
     eng = make_engine(path, 2, all_reduce="symm_mem_fused")
     try:
@@ -351,6 +357,7 @@ def test_tp2_row_parallel_reduces_in_add_norm_and_equals_tp1(name, tiny_model_di
     finally:
         eng.shutdown()
     assert len(calls) == 2 * layers * steps, f"{len(calls)} calls for {steps} steps of {layers} layers"
+    assert len(embed_calls) == steps, f"the embedding reduced in its norm {len(embed_calls)} times in {steps} steps"
     plain = run(path, 2)
     assert_same(fused, plain, tol=1e-6)
     assert_same(fused, run(path, 1))
@@ -358,12 +365,12 @@ def test_tp2_row_parallel_reduces_in_add_norm_and_equals_tp1(name, tiny_model_di
 
 
 def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
-    """all_reduce_add_rms_norm: the fused implementation where it accepts the tensors,
-    else the group's all-reduce then the add + norm; both give the reference on the
-    summed input. Here a 'group' of two ranks holding the same x (its sum is 2x)."""
+    """all_reduce_add_rms_norm and all_reduce_rms_norm: the fused implementation where it
+    accepts the tensors, else the group's all-reduce then the (add +) norm; both give the
+    reference on the summed input. Here a 'group' of two ranks holding the same x (its sum is 2x)."""
     from agent_infer.kernels import ops, reference
     from agent_infer.tp_layers.distributed import ParallelState
-    from agent_infer.tp_layers.linear import all_reduce_add_rms_norm
+    from agent_infer.tp_layers.linear import all_reduce_add_rms_norm, all_reduce_rms_norm
 
     calls = {"fused": 0, "all_reduce": 0}
 
@@ -371,8 +378,11 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
         def accepts(self, x, residual):
             return x.shape[0] == 1
 
-        def __call__(self, x, residual, weight, eps):
+        def __call__(self, x, residual, weight, eps, add=True):
             calls["fused"] += 1
+            if not add:
+                residual.copy_(x.mul_(2))
+                return ops.rms_norm(residual, weight, eps), residual
             return ops.fused_add_rms_norm(x.mul_(2), residual, weight, eps)
 
     def all_reduce(x):
@@ -389,3 +399,11 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
         assert calls[path] == before[path] + 1 and sum(calls.values()) == sum(before.values()) + 1
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(res, ref_res)
+    # The start of the stream (the embedding's sum and the first layer's norm): no add.
+    for rows, path in ((1, "fused"), (3, "all_reduce")):
+        x = torch.randn(rows, 64)
+        before = dict(calls)
+        out, summed = all_reduce_rms_norm(x.clone(), weight, 1e-6, tp)
+        assert calls[path] == before[path] + 1 and sum(calls.values()) == sum(before.values()) + 1
+        torch.testing.assert_close(summed, 2 * x)
+        torch.testing.assert_close(out, reference.rms_norm(2 * x, weight, 1e-6))

@@ -99,8 +99,7 @@ class DenseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
-        x = self.layers[0].input_layernorm(residual)
+        x, residual = self.embed_tokens.forward_norm(input_ids, self.layers[0].input_layernorm)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
             x, residual = layer(positions, x, residual, next_norm)

@@ -10,6 +10,7 @@ from torch import nn
 from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, narrow, shape_of
 from agent_infer.tp_layers.distributed import ParallelState, all_gather_last_dim, all_reduce_sum
+from agent_infer.tp_layers.linear import all_reduce_rms_norm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,13 +37,25 @@ class VocabParallelEmbedding(nn.Module):
         copy_into(param.data[:rows], part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(self._partial(input_ids), self.tp)
+
+    def forward_norm(self, input_ids: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(e), e) for e = self(input_ids) and an RMSNorm `norm`: the first layer's
+        input and the residual stream. Sharded, the all-reduce joins the norm
+        (`all_reduce_rms_norm`): one kernel instead of two at batch 1."""
+        if self.tp.world_size == 1:
+            e = self._partial(input_ids)
+            return norm(e), e
+        return all_reduce_rms_norm(self._partial(input_ids), norm.weight, norm.eps, self.tp)
+
+    def _partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's vocabulary range; zeros for the other tokens."""
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
         y = F.embedding(local.masked_fill(outside, 0), self.weight)
-        y.masked_fill_(outside.unsqueeze(-1), 0)
-        return all_reduce_sum(y, self.tp)
+        return y.masked_fill_(outside.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

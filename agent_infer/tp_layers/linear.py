@@ -179,3 +179,16 @@ def all_reduce_add_rms_norm(
     if impl is not None and impl.accepts(x, residual):
         return impl(x, residual, weight, eps)
     return ops.fused_add_rms_norm(all_reduce_sum(x, tp), residual, weight, eps)
+
+
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) for s the sum of x over the group: the start of the residual
+    stream and the first layer's input. One kernel where the fused implementation takes
+    the tensors (x is overwritten), else the all-reduce then the norm; same results."""
+    impl = tp.all_reduce_norm_impl
+    if impl is not None:
+        summed = torch.empty_like(x)
+        if impl.accepts(x, summed):
+            return impl(x, summed, weight, eps, add=False)
+    summed = all_reduce_sum(x, tp)
+    return ops.rms_norm(summed, weight, eps), summed

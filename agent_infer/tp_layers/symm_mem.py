@@ -164,12 +164,13 @@ class SymmMemAllReduceNorm:
         )
 
     def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, add: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """In place: residual <- sum over ranks of x + residual; x <- rms_norm(residual)."""
+        """In place: residual <- sum over ranks of x (+ residual if `add`); x <-
+        rms_norm(residual)."""
         from agent_infer.kernels.triton.allreduce_norm import all_reduce_add_rms_norm
 
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.peers, add)
 
     def with_spin_limit(self, max_spins: int) -> None:
         """Bound (or, with UNBOUNDED_SPINS, unbound) each wait for a peer's rows from the next call on."""
@@ -190,20 +191,24 @@ def build_all_reduce_norm(group, device: torch.device, dtype: torch.dtype) -> Sy
         rank = dist.get_rank(group)
         gen = torch.Generator(device=device).manual_seed(4321)
         problems = []  # every rank runs every check (collectives in step), then they agree
-        for rows, cols in ((1, 4096), (5, 4096), (3, 1000), (64, 4096), (1, 4096)):
+        for rows, cols, add in ((1, 4096, True), (5, 4096, True), (3, 1000, True), (64, 4096, True),
+                                (1, 4096, False), (4, 4096, False), (1, 4096, True)):
             # residual and weight alike on every rank (same seed); x differs per rank
             residual = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
             weight = torch.rand(cols, device=device, dtype=dtype, generator=gen) + 0.5
             x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen) + rank
             ref_sum = x.clone()
             dist.all_reduce(ref_sum, group=group)
-            ref_out, ref_res = reference.fused_add_rms_norm(ref_sum, residual.clone(), weight, 1e-6)
+            if add:
+                ref_out, ref_res = reference.fused_add_rms_norm(ref_sum, residual.clone(), weight, 1e-6)
+            else:
+                ref_out, ref_res = reference.rms_norm(ref_sum, weight, 1e-6), ref_sum
             if not impl.accepts(x, residual):
                 raise RuntimeError(f"the fused kernel refuses a {rows} x {cols} check")  # alike on every rank
-            out, res = impl(x, residual, weight, 1e-6)
+            out, res = impl(x, residual, weight, 1e-6, add)
             for got, ref, what in ((res, ref_res, "residual"), (out, ref_out, "output")):
                 if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                    problems.append(f"the {what} disagrees with NCCL + add + norm at {rows} x {cols}")
+                    problems.append(f"the {what} disagrees with NCCL (+ add) + norm at {rows} x {cols}")
         if impl.peers.error.item():
             problems.append("a wait for a peer's rows timed out")
         if problems:

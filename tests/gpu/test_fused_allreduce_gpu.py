@@ -4,7 +4,7 @@ symmetric memory), in two worker processes:
 - every (rows, hidden) in {1, 3, 64, 256} x {4096, 5120} against NCCL's all-reduce + the
   reference add + norm (bf16 tolerances), and against the unfused symmetric-memory path
   (one-shot all-reduce + the Triton add + norm; counted, expected bit-equal at 2 ranks);
-  both ranks bit-identical;
+  both ranks bit-identical; the same without the add (the embedding's case) for a few;
 - 200 calls back to back without a sync (row counts changing, one rank now and then
   delayed by a sleep kernel): every result checked afterwards (the not-arrived marks restored, the double
   buffer);
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 
 WORLD = 2
 SIZES = [(m, h) for m in (1, 3, 64, 256) for h in (4096, 5120)]
+NO_ADD_SIZES = [(1, 4096), (3, 5120), (64, 4096)]
 HIDDEN = 4096  # of the back-to-back, graph and benchmark sections
 BACK_TO_BACK_ROWS = [1, 3, 64, 7, 256, 1, 1, 2, 130, 5]  # > 132 programs: rows loop on the cap
 N_CALLS, N_REPLAYS, GRAPH_ROWS, BENCH_CALLS = 200, 50, (1, 64), 72
@@ -106,6 +107,9 @@ def _checks(rank: int, device: torch.device, group) -> list[str]:
     for m, h in SIZES + [(m, HIDDEN) for m in BACK_TO_BACK_ROWS + list(GRAPH_ROWS)] + [BETWEEN]:
         ys, residual, weight = on_device(m, h, seed=1)
         fused(ys[rank].clone(), residual, weight, EPS)
+    for m, h in NO_ADD_SIZES:
+        ys, residual, weight = on_device(m, h, seed=1)
+        fused(ys[rank].clone(), residual, weight, EPS, add=False)
     torch.cuda.synchronize(device)
     fused.with_spin_limit(SPIN_LIMIT)
 
@@ -144,6 +148,26 @@ def _checks(rank: int, device: torch.device, group) -> list[str]:
         if n_diff:
             unequal.append(f"{m}x{h}: {n_diff} elements")
     report.append("fused vs unfused symmetric-memory path, bit-unequal elements: " + (", ".join(unequal) or "none"))
+
+    # ---- no add (the embedding's sum and the first layer's norm): residual <- the sum ----
+    unequal = []
+    for i, (m, h) in enumerate(NO_ADD_SIZES):
+        ys, _, weight = on_device(m, h, seed=50 + i)
+        ref_out, ref_sum = expected(ys, None, weight, add=False)
+        x, summed = ys[rank].clone(), torch.empty_like(ys[rank])
+        out, res = fused(x, summed, weight, EPS, add=False)
+        assert out is x and res is summed
+        u_x = ys[rank].clone()
+        unfused_ar(u_x)
+        u_out = triton_norm.rms_norm(u_x, weight, EPS)
+        check_fused_error(f"{m}x{h} no add")
+        assert_close(res, ref_sum, f"{m}x{h} no-add sum vs fp32-sum reference")
+        assert_close(out, ref_out, f"{m}x{h} no-add output vs fp32-sum reference")
+        same_on_every_rank(out, f"{m}x{h} no-add output")
+        n_diff = int((out != u_out).sum()) + int((res != u_x).sum())
+        if n_diff:
+            unequal.append(f"{m}x{h}: {n_diff} elements")
+    report.append("no add, fused vs one-shot + rms_norm, bit-unequal elements: " + (", ".join(unequal) or "none"))
 
     # ---- back to back, no sync, changing row counts, one rank now and then late ----
     rng = random.Random(5)  # same sequence on both ranks (only who sleeps differs)

@@ -6,7 +6,8 @@ row-parallel layer; here one launch does both, with the same arithmetic:
 
     s = sum over ranks of y        (fp32, rank order, rounded to y's dtype: what the
                                     all-reduce returns)
-    residual <- s + residual       (rounded to the dtype, as fused_add_rms_norm does)
+    residual <- s + residual       (rounded to the dtype, as fused_add_rms_norm does;
+                                    or residual <- s without the add)
     y <- rms_norm(residual) * weight
 
 Every rank owns a buffer its peers can write (PyTorch symmetric memory): two halves
@@ -134,7 +135,7 @@ def _all_reduce_add_rms_norm_kernel(
     n_rows, n_cols, stride_y, stride_r,
     slot_numel, n_slots, rank, max_spins, eps,
     WORLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BITS: tl.constexpr,
-    PDL: tl.constexpr,
+    ADD: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -171,9 +172,12 @@ def _all_reduce_add_rms_norm_kernel(
                 _mark_not_arrived(slot, cmask, BLOCK_N, BITS)
             acc += v.to(tl.float32)
         r_offs = row * stride_r + cols
-        r = tl.load(r_ptr + r_offs, mask=cmask, other=0.0)
-        # Rounded twice, as the unfused path is: the all-reduce's output, then the add.
-        s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if ADD:
+            r = tl.load(r_ptr + r_offs, mask=cmask, other=0.0)
+            # Rounded twice, as the unfused path is: the all-reduce's output, then the add.
+            s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        else:
+            s = acc.to(dtype)
         tl.store(r_ptr + r_offs, s.to(r_ptr.dtype.element_ty), mask=cmask)
         h = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
@@ -200,11 +204,14 @@ def fits(x: torch.Tensor, residual: torch.Tensor, peers: PeerBuffers) -> bool:
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, peers: PeerBuffers
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, peers: PeerBuffers,
+    add: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like fused_add_rms_norm after an all-reduce of x: residual <- sum over
-    ranks of x + residual, x <- rms_norm(residual) * weight. Returns (x, residual). Every
-    rank must call it with the same shapes, in the same order as its other calls."""
+    ranks of x + residual, x <- rms_norm(residual) * weight. Returns (x, residual). With
+    add=False, residual is only written: residual <- sum over ranks of x (a first layer,
+    whose stream starts at the embedding). Every rank must call it with the same shapes,
+    in the same order as its other calls."""
     assert fits(x, residual, peers), f"x {tuple(x.shape)} does not fit the fused all-reduce buffer"
     n_rows, n_cols = x.shape
     # Offsets are int32 in the kernel, but for the half's.
@@ -222,6 +229,6 @@ def all_reduce_add_rms_norm(
         n_rows, n_cols, x.stride(0), residual.stride(0),
         peers.slot_numel, peers.max_programs, peers.rank, peers.max_spins, eps,
         WORLD=peers.world_size, BLOCK_N=block_n, BLOCK_SLOTS=triton.next_power_of_2(peers.max_programs),
-        BITS=8 * x.element_size(), num_warps=num_warps, **launch_opts(x.device),
+        BITS=8 * x.element_size(), ADD=add, num_warps=num_warps, **launch_opts(x.device),
     )
     return x, residual
