@@ -30,8 +30,9 @@ def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
         raise
 
 
+@pytest.mark.parametrize("add", [True, False])
 @pytest.mark.parametrize("block_n,num_warps", [(4096, 8), (8192, 16)])
-def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
+def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps, add):
     from agent_infer.kernels.triton.allreduce_norm import _all_reduce_add_rms_norm_kernel
 
     signature = {
@@ -39,9 +40,9 @@ def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps):
         "epochs_ptr": "*i32", "error_ptr": "*i32", "n_rows": "i32", "n_cols": "i32", "stride_y": "i32",
         "stride_r": "i32", "slot_numel": "i32", "n_slots": "i32", "rank": "i32", "max_spins": "i32", "eps": "fp32",
         "WORLD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_SLOTS": "constexpr", "BITS": "constexpr",
-        "PDL": "constexpr",
+        "ADD": "constexpr", "PDL": "constexpr",
     }
-    constexprs = {"WORLD": 2, "BLOCK_N": block_n, "BLOCK_SLOTS": 256, "BITS": 16, "PDL": True}
+    constexprs = {"WORLD": 2, "BLOCK_N": block_n, "BLOCK_SLOTS": 256, "BITS": 16, "ADD": add, "PDL": True}
     kernel = _compile_sm90(_all_reduce_add_rms_norm_kernel, signature, constexprs, num_warps)
     ptx = kernel.asm["ptx"]
     # The wait re-reads the own buffer past the L1 (the peers' writes land in L2).
