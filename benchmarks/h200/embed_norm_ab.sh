@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Branch wip/embed-norm, not yet run on a GPU. Run on the lent 2 x H200 machine (kind
+# Ran in the seventh session (+0.3 %, merged as ac883f7; docs/PERFORMANCE.md). Was run
+# from branch wip/embed-norm on the lent 2 x H200 machine (kind
 # nvidia-h200-x2) from this branch's root with .whl/ and .carry_ab/ carried, where
 #   git archive -o .carry_ab/base.tar main     # the tree to compare against
 # A/B of the embedding's all-reduce joined with the first layer's RMSNorm (one fused
