@@ -42,8 +42,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-hf", action="store_true",
                    help="run Hugging Face transformers on the same checkpoint first and print the ratio")
     g.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a torch.profiler chrome trace of a few decode steps into DIR and print the top kernels")
-    g.add_argument("--profile-steps", type=_positive, default=10, help="decode steps traced by --profile")
+                   help="write a torch.profiler chrome trace of a few decode steps into DIR and print the top "
+                        "kernels (throughput: also a trace of a batch's first steps, its prefill)")
+    g.add_argument("--profile-steps", type=_positive, default=10, help="steps traced by --profile, per trace")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write every figure and the set-up as JSON")
     g.add_argument("--bandwidth-tbs", type=float, default=4.26,
                    help="GPU memory bandwidth for the roofline, TB/s (4.26: measured on an H200)")

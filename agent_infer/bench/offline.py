@@ -368,6 +368,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         prof_prompts = random_prompts(np.random.default_rng(args.seed + 3000), [(args.min_len + args.max_len) // 2] * batch, vocab)
         prof_params = SamplingParams(max_tokens=args.max_len, temperature=args.temperature, ignore_eos=True, seed=args.seed)
         payload["profile"] = maybe_profile(args, engine, prof_prompts, prof_params, "throughput")
+        # And the same prompts' prefill: the workload's other big share of time.
+        payload["profile_prefill"] = maybe_profile(args, engine, prof_prompts, prof_params, "throughput-prefill",
+                                                   phase="prefill")
         title = (f"throughput: {model_label(setup)}, {args.num_seqs} requests, lengths uniform in "
                  f"[{args.min_len}, {args.max_len}], temperature {args.temperature}, {mode_label(setup)}")
         if hf:
@@ -423,13 +426,13 @@ def format_table(rows: list[tuple]) -> str:
     return render_table(table)
 
 
-def maybe_profile(args, engine, prompts, params, tag: str) -> dict | None:
+def maybe_profile(args, engine, prompts, params, tag: str, phase: str = "decode") -> dict | None:
     if not args.profile:
         return None
-    from agent_infer.bench.profiling import profile_decode
+    from agent_infer.bench.profiling import profile_steps
 
     try:
-        return profile_decode(engine, prompts, params, args.profile_steps, args.profile, tag)
+        return profile_steps(engine, prompts, params, args.profile_steps, args.profile, tag, phase)
     except Exception as e:  # noqa: BLE001 - a failed trace must not lose the measured figures
         _say(f"profiling failed: {type(e).__name__}: {e}")
         return {"error": f"{type(e).__name__}: {e}"}
@@ -533,11 +536,11 @@ def finish(args, title: str, rows: list[tuple], payload: dict) -> None:
     save_json(args, payload)
     if args.output_json:
         _say(f"results written to {args.output_json}")
-    profile = payload.get("profile")
-    if profile:
-        from agent_infer.bench.profiling import format_profile
+    for profile in (payload.get("profile"), payload.get("profile_prefill")):
+        if profile:
+            from agent_infer.bench.profiling import format_profile
 
-        print("\n".join(format_profile(profile)) if "error" not in profile else f"profile: {profile['error']}")
+            print("\n".join(format_profile(profile)) if "error" not in profile else f"profile: {profile['error']}")
     print("\n".join(format_monitor(payload["gpu_monitor"])))
     if payload.get("hf"):
         print(f"HF: {payload['hf'].get('description', '')}")

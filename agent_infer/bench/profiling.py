@@ -1,5 +1,6 @@
-"""`--profile DIR`: a torch.profiler trace of a few decode steps, and where their GPU
-time goes (top CUDA kernels by total time)."""
+"""`--profile DIR`: a torch.profiler trace of a few engine steps (decode steps at the
+full batch, or the first steps of a batch of prompts: their prefill), and where their
+GPU time goes (top CUDA kernels by total time)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_decode(engine, prompts: list[list[int]], params, num_steps: int, out_dir: str, tag: str) -> dict:
-    """Prefill `prompts` unprofiled, trace `num_steps` decode steps, then abort the rest.
-    Writes DIR/trace-TAG.json (chrome://tracing or ui.perfetto.dev)."""
+def profile_steps(
+    engine, prompts: list[list[int]], params, num_steps: int, out_dir: str, tag: str, phase: str = "decode"
+) -> dict:
+    """Trace `num_steps` engine steps of `prompts` on an idle engine, then abort the rest.
+    phase "decode": the prompts' prefill runs untraced first, so every traced step is a
+    decode step at the full batch. phase "prefill": the trace starts with the first step,
+    so it holds the prompts' prefill steps (as many as their tokens need at the engine's
+    token budget per step); the result counts the traced steps of each kind. Writes
+    DIR/trace-TAG.json (chrome://tracing or ui.perfetto.dev)."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be 'prefill' or 'decode', not {phase!r}")
+    assert not engine.has_unfinished_requests(), "profile an idle engine"
     os.makedirs(out_dir, exist_ok=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
     started: set[str] = set()
-    while len(started) < len(ids) and engine.has_unfinished_requests():
+
+    def advance() -> None:
         for out in engine.step():
             if out.error:
                 raise RuntimeError(f"profiling request rejected: {out.error}")
             if out.token_ids:
                 started.add(out.request_id)
+
+    if phase == "decode":
+        while len(started) < len(ids) and engine.has_unfinished_requests():
+            advance()
     _sync(engine.device)
+    # The engine counts a step when it reads the step's tokens back, one step() later
+    # under async scheduling; counted after the drain below, the traced prefill run's
+    # deltas cover exactly the steps it launched (nothing was in flight before them).
+    before = (engine.stats.prefill_steps, engine.stats.decode_steps)
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -39,7 +58,7 @@ def profile_decode(engine, prompts: list[list[int]], params, num_steps: int, out
         for _ in range(num_steps):
             if not engine.has_unfinished_requests():
                 break
-            engine.step()
+            advance()
             steps += 1
         _sync(engine.device)
         wall = time.perf_counter() - t0
@@ -47,14 +66,22 @@ def profile_decode(engine, prompts: list[list[int]], params, num_steps: int, out
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
+    if phase == "prefill":
+        prefill_steps, decode_steps = engine.stats.prefill_steps - before[0], engine.stats.decode_steps - before[1]
+    else:
+        prefill_steps, decode_steps = 0, steps
     trace = os.path.join(out_dir, f"trace-{tag}.json")
     prof.export_chrome_trace(trace)
     kernels = top_kernels(prof.events())
     busy_us = sum(k["total_us"] for k in kernels)
     return {
         "trace": trace,
-        "decode_steps": steps,
+        "phase": phase,
+        "steps": steps,
+        "prefill_steps": prefill_steps,
+        "decode_steps": decode_steps,
         "batch": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
         "wall_ms": wall * 1e3,
         "wall_ms_per_step": wall * 1e3 / max(steps, 1),
         "gpu_kernel_ms_per_step": busy_us / 1e3 / max(steps, 1),
@@ -80,8 +107,11 @@ def top_kernels(events) -> list[dict]:
 
 
 def format_profile(result: dict) -> list[str]:
+    steps = (f"{result['decode_steps']} decode steps" if result.get("phase", "decode") == "decode" else
+             f"{result['steps']} steps from the start ({result['prefill_steps']} prefill, {result['decode_steps']} "
+             f"decode; {result['prompt_tokens']} prompt tokens in all)")
     lines = [
-        f"profile: {result['decode_steps']} decode steps at batch {result['batch']}: "
+        f"profile: {steps} at batch {result['batch']}: "
         f"{result['wall_ms_per_step']:.3f} ms/step wall, {result['gpu_kernel_ms_per_step']:.3f} ms/step of GPU kernels; "
         f"trace {result['trace']}"
     ]
