@@ -536,10 +536,10 @@ def finish(args, title: str, rows: list[tuple], payload: dict) -> None:
     save_json(args, payload)
     if args.output_json:
         _say(f"results written to {args.output_json}")
+    from agent_infer.bench.profiling import format_profile
+
     for profile in (payload.get("profile"), payload.get("profile_prefill")):
         if profile:
-            from agent_infer.bench.profiling import format_profile
-
             print("\n".join(format_profile(profile)) if "error" not in profile else f"profile: {profile['error']}")
     print("\n".join(format_monitor(payload["gpu_monitor"])))
     if payload.get("hf"):
