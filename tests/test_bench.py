@@ -372,7 +372,7 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     out_json = tmp_path / "thr.json"
     rc = run_bench([
         "throughput", "--random-weights", "tiny", "--device", "cpu", "--kv-cache-gib", "0.02",
-        "--num-seqs", "6", "--min-len", "4", "--max-len", "12", "--seed", "5",
+        "--num-seqs", "6", "--min-len", "24", "--max-len", "40", "--seed", "5",
         "--compare-hf", "--hf-num-seqs", "3", "--profile", str(tmp_path / "prof"), "--profile-steps", "2",
         "--output-json", str(out_json),
     ])
@@ -380,16 +380,19 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     out = capsys.readouterr().out
     rep = json.loads(out_json.read_text())
     r = rep["results"]
-    # two traces: 2 decode steps at the full batch; the first 2 steps of the same 6 prompts
-    # of 8 tokens, whose 48 tokens take one prefill step, so the second step decodes
+    # two traces: 2 decode steps at the full batch; the first 2 steps of 6 other prompts of
+    # 32 tokens (two blocks each), whose 192 tokens take one prefill step, all computed (the
+    # decode trace's prompts would have come from the prefix cache), so the second step decodes
     decode, prefill = rep["profile"], rep["profile_prefill"]
     assert decode["phase"] == "decode" and decode["decode_steps"] == 2 and decode["batch"] == 6
-    assert prefill["phase"] == "prefill" and prefill["steps"] == 2 and prefill["prompt_tokens"] == 48
+    assert decode["prompt_tokens_computed"] == 0  # their prefill ran before the trace
+    assert prefill["phase"] == "prefill" and prefill["steps"] == 2 and prefill["prompt_tokens"] == 192
+    assert prefill["prompt_tokens_computed"] == 192
     assert (prefill["prefill_steps"], prefill["decode_steps"]) == (1, 1)
     for tag in ("throughput", "throughput-prefill"):
         assert "traceEvents" in json.loads((tmp_path / "prof" / f"trace-{tag}.json").read_text())
-    assert "2 steps from the start (1 prefill, 1 decode; 48 prompt tokens in all)" in out
-    prompts, outs = throughput_workload(6, 4, 12, rw.PRESETS["tiny"].vocab_size, seed=5)
+    assert "2 steps from the start (1 prefill, 1 decode; 192 prompt tokens in all, 192 computed in the trace)" in out
+    prompts, outs = throughput_workload(6, 24, 40, rw.PRESETS["tiny"].vocab_size, seed=5)
     assert r["num_requests"] == 6
     assert r["output_tokens"] == sum(outs) and r["input_tokens"] == sum(len(p) for p in prompts)
     assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])

@@ -368,8 +368,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         prof_prompts = random_prompts(np.random.default_rng(args.seed + 3000), [(args.min_len + args.max_len) // 2] * batch, vocab)
         prof_params = SamplingParams(max_tokens=args.max_len, temperature=args.temperature, ignore_eos=True, seed=args.seed)
         payload["profile"] = maybe_profile(args, engine, prof_prompts, prof_params, "throughput")
-        # And the same prompts' prefill: the workload's other big share of time.
-        payload["profile_prefill"] = maybe_profile(args, engine, prof_prompts, prof_params, "throughput-prefill",
+        # And a prefill of as many prompts of that length: the workload's other big share of
+        # time. New prompts: the decode trace's would come from the prefix cache.
+        pre_prompts = random_prompts(np.random.default_rng(args.seed + 4000), [len(p) for p in prof_prompts], vocab)
+        payload["profile_prefill"] = maybe_profile(args, engine, pre_prompts, prof_params, "throughput-prefill",
                                                    phase="prefill")
         title = (f"throughput: {model_label(setup)}, {args.num_seqs} requests, lengths uniform in "
                  f"[{args.min_len}, {args.max_len}], temperature {args.temperature}, {mode_label(setup)}")

@@ -48,7 +48,7 @@ def profile_steps(
     # The engine counts a step when it reads the step's tokens back, one step() later
     # under async scheduling; counted after the drain below, the traced prefill run's
     # deltas cover exactly the steps it launched (nothing was in flight before them).
-    before = (engine.stats.prefill_steps, engine.stats.decode_steps)
+    before = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.prompt_tokens)
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -66,6 +66,9 @@ def profile_steps(
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
+    # Prompt tokens the traced steps computed: fewer than the prompts hold when the prefix
+    # cache served some, which would make a "prefill" trace measure little prefill.
+    computed = engine.stats.prompt_tokens - before[2]
     if phase == "prefill":
         prefill_steps, decode_steps = engine.stats.prefill_steps - before[0], engine.stats.decode_steps - before[1]
     else:
@@ -82,6 +85,7 @@ def profile_steps(
         "decode_steps": decode_steps,
         "batch": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens_computed": computed,
         "wall_ms": wall * 1e3,
         "wall_ms_per_step": wall * 1e3 / max(steps, 1),
         "gpu_kernel_ms_per_step": busy_us / 1e3 / max(steps, 1),
@@ -109,7 +113,8 @@ def top_kernels(events) -> list[dict]:
 def format_profile(result: dict) -> list[str]:
     steps = (f"{result['decode_steps']} decode steps" if result.get("phase", "decode") == "decode" else
              f"{result['steps']} steps from the start ({result['prefill_steps']} prefill, {result['decode_steps']} "
-             f"decode; {result['prompt_tokens']} prompt tokens in all)")
+             f"decode; {result['prompt_tokens']} prompt tokens in all, {result['prompt_tokens_computed']} computed "
+             f"in the trace)")
     lines = [
         f"profile: {steps} at batch {result['batch']}: "
         f"{result['wall_ms_per_step']:.3f} ms/step wall, {result['gpu_kernel_ms_per_step']:.3f} ms/step of GPU kernels; "
