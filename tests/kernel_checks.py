@@ -133,11 +133,12 @@ def check_silu_and_mul(device, dtype: torch.dtype, shape: tuple[int, ...]) -> No
 
 def check_norm_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
-    is_neox: bool, qk_norm: bool, block_size: int = 16,
+    is_neox: bool, qk_norm: bool, block_size: int = 16, group: int | None = None,
 ) -> None:
     """The fused per-head q/k RMSNorm + RoPE + K/V cache write against the three
     reference ops: q, k (strided views of a merged QKV buffer, rewritten in place) and
-    both whole caches, with padding rows (slot -1) that must leave the caches alone."""
+    both whole caches, with padding rows (slot -1) that must leave the caches alone.
+    `group`: heads per program (default: the kernel's choice for the shape)."""
     from agent_infer.kernels.triton.rope_store import norm_rope_store
 
     max_pos = 4 * tokens + 50
@@ -166,7 +167,8 @@ def check_norm_rope_store(
     reference.store_kv(ref_k, v, ref_kc, ref_vc, slots)
     v_before = v.clone()
     with poisoned_empty():
-        out_q, out_k = norm_rope_store(positions, q, k, v, q_w, k_w, 1e-6, cache, is_neox, k_cache, v_cache, slots)
+        out_q, out_k = norm_rope_store(positions, q, k, v, q_w, k_w, 1e-6, cache, is_neox, k_cache, v_cache, slots,
+                                       heads=group)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "must work in place"
     assert_close(q, ref_q, "norm_rope_store q")
     assert_close(k, ref_k, "norm_rope_store k")
@@ -501,7 +503,7 @@ def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> No
     gen = torch.Generator().manual_seed(rows * 1000 + vocab)
     logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype).to(device)
     temperature = torch.tensor([0.0 if i % 3 == 0 else 0.5 + i / rows for i in range(rows)], device=device)
-    seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(device)
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen).to(device)  # negative seeds too
     steps = torch.randint(0, 5000, (rows,), generator=gen).to(device)
     got = gumbel_sample(logits, temperature, seeds, steps)
     want = reference.gumbel_sample(logits, temperature, seeds, steps)

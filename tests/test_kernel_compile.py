@@ -126,3 +126,23 @@ def test_decode_attention_residency_on_sm90(preload):
     per_sm = 65536 // (regs * 128)
     assert per_sm >= (2 if preload else 4), f"{regs} registers per thread: {per_sm} programs per SM"
     assert kernel.metadata.shared * (2 if preload else 4) <= 227 * 1024
+
+
+def test_gumbel_hash_uses_32_bit_multiplies_on_sm90():
+    """The per-entry hash of the sampler multiplies in 32 bits: an int64 hash (the
+    reference's arithmetic, masked) compiles to emulated 64-bit multiplies, several per
+    vocabulary entry, and made the kernel compute-bound (170 us at 256 rows on an H200)."""
+    from agent_infer.kernels.triton.sampling import _gumbel_argmax_kernel
+
+    signature = {
+        "logits_ptr": "*bf16", "stride": "i32", "temp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64",
+        "val_ptr": "*fp32", "idx_ptr": "*i32", "vocab": "i32", "num_splits": "i32",
+        "SPLIT": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr",
+    }
+    constexprs = {"SPLIT": 8192, "BLOCK": 2048, "PDL": True}
+    ptx = _compile_sm90(_gumbel_argmax_kernel, signature, constexprs, num_warps=8).asm["ptx"]
+    wide = len(re.findall(r"\bmul\.(?:lo|wide)\.[su]64\b", ptx))
+    narrow = len(re.findall(r"\bmul\.lo\.[su]32\b", ptx))
+    # The key (three finalisers on scalars) may use a few wide ones; the loop none.
+    assert wide <= 8, f"{wide} 64-bit multiplies"
+    assert narrow >= 8, f"only {narrow} 32-bit multiplies: the hash is not in 32 bits"

@@ -67,3 +67,21 @@ def test_partial_rotary_leaves_the_tail():
     x = torch.randn(2, 1, 8)
     out = apply_rotary(torch.tensor([3, 7]), x, cache, is_neox=True)
     assert torch.equal(out[..., 4:], x[..., 4:]) and not torch.equal(out[..., :4], x[..., :4])
+
+
+def test_rope_store_heads_per_program():
+    """The fused RoPE + KV write takes one head per program for small batches and, from
+    GROUP_FROM_TOKENS tokens on, the largest power-of-two group dividing both head counts
+    (never mixing q and k heads, at most MAX_HEADS_PER_PROGRAM); the start-up warm-up's
+    longest prompt reaches that size, so eager engines compile the grouped form there too."""
+    rope_store = pytest.importorskip("agent_infer.kernels.triton.rope_store")
+    from agent_infer.engine.warmup import PROMPT_LENGTHS
+
+    g = rope_store.GROUP_FROM_TOKENS
+    assert rope_store.heads_per_program(1, 32, 8) == rope_store.heads_per_program(g - 1, 32, 8) == 1
+    assert rope_store.heads_per_program(g, 32, 8) == 8  # Qwen3-8B
+    assert rope_store.heads_per_program(4096, 16, 4) == 4  # Qwen3-8B at TP = 2
+    assert rope_store.heads_per_program(4096, 64, 16) == rope_store.MAX_HEADS_PER_PROGRAM == 8
+    assert rope_store.heads_per_program(4096, 9, 3) == 1  # SmolLM2-135M: 9 q, 3 KV heads
+    assert rope_store.heads_per_program(4096, 12, 6) == 2
+    assert max(PROMPT_LENGTHS) >= g

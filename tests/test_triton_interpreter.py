@@ -79,6 +79,10 @@ else:
     @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (64, 32)])
     def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):
         kc.check_norm_rope_store(DEV, dtype, 7, 4, 2, head_dim, rot_dim, is_neox, qk_norm)
+        # heads in groups: two per program, and the grouped form the kernel picks itself
+        # from GROUP_FROM_TOKENS tokens on (8 q + 4 k heads: four per program)
+        kc.check_norm_rope_store(DEV, dtype, 7, 4, 2, head_dim, rot_dim, is_neox, qk_norm, group=2)
+        kc.check_norm_rope_store(DEV, dtype, 64, 8, 4, head_dim, rot_dim, is_neox, qk_norm)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("block_size", [16, 32])

@@ -18,11 +18,14 @@ _SPLIT = 8192  # vocabulary entries per program
 
 @triton.jit
 def _mix32(x):
-    # x holds values < 2**32 in int64; products stay below 2**63.
+    # x is uint32: products wrap mod 2**32 and shifts are logical, which is exactly the
+    # reference's int64 arithmetic masked to 32 bits. Native 32-bit multiplies: the int64
+    # form made this kernel compute-bound (an emulated 64-bit multiply per step, four
+    # steps per vocabulary entry).
     x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & 0xFFFFFFFF
+    x = x * 0x45D9F3B
     x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & 0xFFFFFFFF
+    x = x * 0x45D9F3B
     return x ^ (x >> 16)
 
 
@@ -38,27 +41,27 @@ def _gumbel_argmax_kernel(
     t = tl.load(temp_ptr + row)
     greedy = t == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / t)
-    seed = tl.load(seed_ptr + row)
-    key = _mix32(seed & 0xFFFFFFFF)
-    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
-    key = _mix32(key ^ (tl.load(step_ptr + row) & 0xFFFFFFFF))
+    seed = tl.load(seed_ptr + row).to(tl.uint64)
+    key = _mix32(seed.to(tl.uint32))  # the low word (truncation = & 0xFFFFFFFF)
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ tl.load(step_ptr + row).to(tl.uint64).to(tl.uint32))
+    golden = tl.full((BLOCK,), 0x9E3779B1, tl.uint32)
     best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_idx = tl.zeros((BLOCK,), tl.int64)
+    best_idx = tl.zeros((BLOCK,), tl.int32)
     base = logits_ptr + row.to(tl.int64) * stride
     start = split * SPLIT
     for off in range(start, start + SPLIT, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        c = cols.to(tl.int64)
-        h = _mix32(key ^ ((c * 0x9E3779B1) & 0xFFFFFFFF))
+        h = _mix32(key ^ (cols.to(tl.uint32) * golden))
         h = _mix32(h ^ (key >> 3))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
         score = tl.where(mask, score, float("-inf"))
         better = score > best_val
         best_val = tl.where(better, score, best_val)
-        best_idx = tl.where(better, c, best_idx)
+        best_idx = tl.where(better, cols, best_idx)
     v = tl.max(best_val, axis=0)
     i = tl.min(tl.where(best_val == v, best_idx, vocab), axis=0)  # lowest index among ties
     tl.store(val_ptr + row * num_splits + split, v)
@@ -71,9 +74,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     assert logits.stride(1) == 1, "the vocabulary dimension must be contiguous"
     splits = triton.cdiv(vocab, _SPLIT)
     vals = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(rows, splits, dtype=torch.int64, device=logits.device)
+    idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, splits)](
         logits, logits.stride(0), temperature, seeds, steps, vals, idx,
         vocab, splits, SPLIT=_SPLIT, BLOCK=_BLOCK, num_warps=8, **launch_opts(logits.device),
     )
-    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()

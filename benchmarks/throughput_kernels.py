@@ -1,0 +1,220 @@
+"""The kernels of the throughput workload (bench throughput: 256 requests, prompts and
+outputs of 100-1024 tokens) at its own shapes, Qwen3-8B, bf16, one GPU: a decode step at
+batch 256 and a prefill step of 14 prompts of 562 tokens (7,868 tokens, what an
+8,192-token step budget takes), with alternative configurations beside the defaults, and
+the read bandwidth that bounds the KV-cache reads.
+
+    python benchmarks/throughput_kernels.py [--quick]
+
+Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
+of triton.testing.do_bench (L2 flushed before each call). Each line prints as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from agent_infer.kernels import reference  # noqa: E402
+from agent_infer.kernels.triton.decode_attention import DecodeConfig, decode_attention, decode_counters  # noqa: E402
+from agent_infer.kernels.triton.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
+from agent_infer.kernels.triton.rope_store import norm_rope_store  # noqa: E402
+from agent_infer.kernels.triton.sampling import gumbel_sample  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 4096, 32, 8, 128, 12288, 151936, 16
+DTYPE, DEV = torch.bfloat16, "cuda"
+DECODE_BATCH, CTX_LO, CTX_HI = 256, 200, 1400
+PREFILL_SEQS, PREFILL_LEN = 14, 562
+LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def bench(fn, rep: int = 50) -> float:
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
+def bench_graph(fn) -> float:
+    return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK_E: tl.constexpr):
+    # Each program sums a grid-strided share: a pure stream of loads, one store.
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for start in range(pid * BLOCK_E, n, tl.num_programs(0) * BLOCK_E):
+        offs = start + tl.arange(0, BLOCK_E)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def read_bandwidth() -> None:
+    print("\n== HBM bandwidth (8 GiB bf16) ==")
+    x = torch.randn(4 << 30, dtype=DTYPE, device=DEV)
+    y = torch.empty_like(x)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes = x.numel() * 2
+    best = None
+    for per_sm in (2, 4, 8):
+        for block in (4096, 8192):
+            out = torch.empty(sms * per_sm, dtype=torch.float32, device=DEV)
+            t = bench(lambda: _read_kernel[(sms * per_sm,)](x, out, x.numel(), BLOCK_E=block, num_warps=8), rep=20)
+            print(f"  read  {per_sm} programs/SM, {block} elems: {t:8.1f} us  {nbytes / t / 1e6:6.2f} TB/s", flush=True)
+            best = t if best is None else min(best, t)
+    t = bench(lambda: y.copy_(x), rep=20)
+    print(f"  copy (read + write): {t:8.1f} us  {2 * nbytes / t / 1e6:6.2f} TB/s")
+    print(f"  best read: {nbytes / best / 1e6:.2f} TB/s")
+
+
+def decode(quick: bool) -> None:
+    print(f"\n== decode attention, batch {DECODE_BATCH}, contexts uniform in [{CTX_LO}, {CTX_HI}], CUDA graph ==")
+    gen = torch.Generator().manual_seed(0)
+    max_blocks = triton.cdiv(CTX_HI, BLOCK)
+    blocks = DECODE_BATCH * max_blocks + 8
+    k_cache = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks - 8, generator=gen)[: DECODE_BATCH * max_blocks].view(DECODE_BATCH, -1)
+    tables = tables.to(torch.int32).to(DEV)
+    lens = torch.randint(CTX_LO, CTX_HI + 1, (DECODE_BATCH,), generator=gen).to(torch.int32).to(DEV)
+    q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    counters = decode_counters(DECODE_BATCH, KV_HEADS, DEV)
+    scale = HEAD_DIM**-0.5
+    want = decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
+    configs = [None] + [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    if quick:
+        configs = configs[:4]
+    rows = []
+    for cfg in configs:
+        for splits in (1, 2):
+            try:
+                fn = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits,  # noqa: E731
+                                              config=cfg, counters=counters)
+                got = fn()
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                t = bench_graph(fn)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  {cfg} splits {splits}: {type(e).__name__}")
+                continue
+            name = "default" if cfg is None else f"n{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+            rows.append((t, name, splits))
+            print(f"  {name:16s} splits {splits}: {t:7.1f} us  {kv_bytes / t / 1e6:5.2f} TB/s", flush=True)
+    t, name, splits = min(rows)
+    print(f"  best: {name} splits {splits}: {t:.1f} us  {kv_bytes / t / 1e6:.2f} TB/s")
+
+
+def prefill(quick: bool) -> None:
+    tokens = PREFILL_SEQS * PREFILL_LEN
+    print(f"\n== prefill attention, {PREFILL_SEQS} x {PREFILL_LEN} tokens, no cached prefix ==")
+    nb = triton.cdiv(PREFILL_LEN, BLOCK)
+    k_cache = torch.randn(PREFILL_SEQS * nb + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(PREFILL_SEQS * nb, device=DEV).to(torch.int32).view(PREFILL_SEQS, nb)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    qsl = torch.arange(0, tokens + 1, PREFILL_LEN, dtype=torch.int32, device=DEV)
+    lens = torch.full((PREFILL_SEQS,), PREFILL_LEN, dtype=torch.int32, device=DEV)
+    scale = HEAD_DIM**-0.5
+    flops = 4 * HEADS * HEAD_DIM * PREFILL_SEQS * PREFILL_LEN * (PREFILL_LEN + 1) / 2
+    ref = reference.prefill_attention(q, k_cache, v_cache, tables, [PREFILL_LEN] * PREFILL_SEQS,
+                                      [PREFILL_LEN] * PREFILL_SEQS, scale)
+    configs = [None] + [PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
+                        for s in (2, 3, 4)]
+    if quick:
+        configs = configs[:4]
+    rows = []
+    for cfg in configs:
+        fn = lambda: prefill_attention(q, k_cache, v_cache, tables, qsl, lens, PREFILL_LEN, scale, cfg)  # noqa: E731
+        try:
+            torch.testing.assert_close(fn(), ref, rtol=2e-2, atol=2e-2)
+            t = bench(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        name = "default" if cfg is None else f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+        rows.append((t, name))
+        print(f"  {name:20s} {t:7.1f} us  {flops / t / 1e6:5.0f} TFLOP/s", flush=True)
+    qd = q.view(PREFILL_SEQS, PREFILL_LEN, HEADS, HEAD_DIM).transpose(1, 2)
+    kd = k_cache[tables].flatten(1, 2)[:, :PREFILL_LEN].transpose(1, 2)
+    vd = v_cache[tables].flatten(1, 2)[:, :PREFILL_LEN].transpose(1, 2)
+    kd, vd = kd.repeat_interleave(HEADS // KV_HEADS, 1).contiguous(), vd.repeat_interleave(HEADS // KV_HEADS, 1).contiguous()
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
+    t, name = min(rows)
+    print(f"  best: {name} {t:.1f} us {flops / t / 1e6:.0f} TFLOP/s; torch SDPA on contiguous K/V (gather not "
+          f"timed): {t_sdpa:.1f} us {flops / t_sdpa / 1e6:.0f} TFLOP/s")
+
+
+def rope() -> None:
+    print("\n== q/k norm + RoPE + KV write (Qwen3: q/k norms on) ==")
+    for tokens, graph in ((DECODE_BATCH, True), (PREFILL_SEQS * PREFILL_LEN, False)):
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=DTYPE, device=DEV)
+        q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
+        k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(tokens, KV_HEADS, HEAD_DIM)
+        pos = torch.randint(0, 2048, (tokens,), device=DEV)
+        cache = torch.randn(4096, HEAD_DIM, device=DEV)
+        w = torch.randn(HEAD_DIM, dtype=DTYPE, device=DEV)
+        blocks = triton.cdiv(tokens, BLOCK) + 8
+        kc = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        vc = torch.randn_like(kc)
+        slots = torch.randperm(blocks * BLOCK, device=DEV)[:tokens]
+        nbytes = 2 * qkv.numel() * 2 + 2 * k.numel() * 2  # q, k read + written, v read; K and V written
+        for heads in (1, None):
+            fn = lambda: norm_rope_store(pos, q, k, v, w, w, 1e-6, cache, True, kc, vc, slots, heads=heads)  # noqa: E731
+            t = bench_graph(fn) if graph else bench(fn)
+            label = "one head" if heads == 1 else "auto"
+            print(f"  T={tokens:5d} {label:9s}: {t:7.1f} us  {nbytes / t / 1e3:6.0f} GB/s", flush=True)
+
+
+def sampling() -> None:
+    print(f"\n== temperature sampling, {DECODE_BATCH} rows x {VOCAB} ==")
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(DECODE_BATCH, VOCAB, dtype=dtype, device=DEV)
+        temp = torch.full((DECODE_BATCH,), 0.6, device=DEV)
+        seeds = torch.randint(0, 2**62, (DECODE_BATCH,), device=DEV)
+        steps = torch.randint(0, 1000, (DECODE_BATCH,), device=DEV)
+        t = bench_graph(lambda: gumbel_sample(logits, temp, seeds, steps))
+        print(f"  {str(dtype):15s}: {t:7.1f} us  {logits.numel() * logits.element_size() / t / 1e3:6.0f} GB/s")
+
+
+def linears() -> None:
+    print("\n== the layer's GEMMs (cuBLAS through F.linear), weights [N, K] as the engine holds them ==")
+    for m in (DECODE_BATCH, PREFILL_SEQS * PREFILL_LEN):
+        x = torch.randn(m, HIDDEN, dtype=DTYPE, device=DEV)
+        total = 0.0
+        for name, (n, k) in LINEARS.items():
+            xin = x if k == HIDDEN else torch.randn(m, k, dtype=DTYPE, device=DEV)
+            w = torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5
+            t = bench(lambda: F.linear(xin, w))
+            wt = w.t().contiguous()
+            t_kn = bench(lambda: torch.mm(xin, wt))
+            total += t
+            print(f"  M={m:5d} {name:8s}: {t:7.1f} us  {2 * m * n * k / t / 1e6:4.0f} TFLOP/s;  weights [K, N]: "
+                  f"{t_kn:7.1f} us", flush=True)
+        print(f"  M={m:5d} one layer's four: {total:.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
+    parser.add_argument("--only", default="read,decode,prefill,rope,sampling,linears")
+    args = parser.parse_args()
+    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick), "prefill": lambda: prefill(args.quick),
+                "rope": rope, "sampling": sampling, "linears": linears}
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
+    with torch.inference_mode():
+        for name in args.only.split(","):
+            sections[name]()
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
