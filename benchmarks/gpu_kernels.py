@@ -52,7 +52,7 @@ GEMV_MS = (1, 2, 4, 8, 16)
 # Alternatives timed beside the defaults (the first entry of each list is the default).
 DECODE_SWEEP = (DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 3), DecodeConfig(128, 4, 2), DecodeConfig(64, 8, 3),
                 DecodeConfig(64, 4, 2))
-PREFILL_SWEEP = (PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3),
+PREFILL_SWEEP = (PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 32, 4, 2),
                  PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 32, 4, 4))
 
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from agent_infer.engine.llm_engine import LLMEngine
 
 # One request at a time, so each step's longest query picks another prefill tile
-# (16, 32, 64, 128 rows) and the token count is 1, "other" or a multiple of 16.
+# (16, 32, 64 rows, and 128 where a configuration takes that many) and the token count is
+# 1, "other" or a multiple of 16.
 PROMPT_LENGTHS = (1, 17, 48, 129)
 # Then a wave of this many sampled requests, one arriving a step late: sampling over
 # 15 and 16 rows, and a mixed step when mixed batches are on.

@@ -1,6 +1,6 @@
 """Paged GQA decode attention with split-K ("flash decoding"), CUDA-graph safe.
 
-Grid (batch, KV heads, splits). The split count S is fixed by the shapes only (batch,
+Grid (KV heads, batch, splits). The split count S is fixed by the shapes only (batch,
 KV heads, SM count), never by context lengths, so one captured graph replays correctly
 for any lengths and block tables written into its static inputs. Each program takes the
 whole GQA group of one KV head as the M rows of its dots, so K/V are read once per KV
@@ -120,8 +120,12 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
+    # side and together read whole cache rows (a row holds every KV head of a token).
+    # At batch 256 over 200-1400 keys this ran 2 % faster than sequences fastest
+    # (222.8 against 227.3 us, benchmarks/throughput_kernels.py).
+    kv_head = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     # The context lengths are this forward's inputs (written before its first kernel, by
     # no kernel of it), so they are read before the PDL wait.
@@ -340,7 +344,7 @@ def decode_attention(
     else:
         part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, num_kv_heads, splits)](
+    _decode_split_kernel[(num_kv_heads, batch, splits)](
         q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse,
         counters if merge else context_lens,  # unused without MERGE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -129,12 +129,17 @@ class PrefillConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Tiles sized to fit shared memory; benchmarks/gpu_kernels.py sweeps alternatives."""
+    """Tiles sized to fit shared memory; benchmarks/gpu_kernels.py and
+    benchmarks/throughput_kernels.py sweep alternatives. Head dim 128 in 16 bits: 64 query
+    rows per 4-warp program, twice the programs of 128 rows per 8 warps, evens out the
+    causal triangle's uneven tiles. On an H200 (32/8 heads): 184 against 243 us for 14
+    prompts of 562 tokens, 439 against 509 us for 4 of 2,048, 348 against 404 us for 8 of
+    1,024 after 256 cached, 40 against 44 us for one of 512."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if head_dim <= 64:
         return PrefillConfig(128, 64, 4, 3)
-    return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(64, 64, 4, 2)
 
 
 def prefill_attention(
