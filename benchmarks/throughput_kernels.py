@@ -75,12 +75,13 @@ def read_bandwidth() -> None:
     print(f"  best read: {nbytes / best / 1e6:.2f} TB/s")
 
 
-def decode(quick: bool) -> None:
-    print(f"\n== decode attention, batch {DECODE_BATCH}, contexts uniform in [{CTX_LO}, {CTX_HI}], CUDA graph ==")
+def decode(quick: bool, block: int = BLOCK) -> None:
+    print(f"\n== decode attention, batch {DECODE_BATCH}, contexts uniform in [{CTX_LO}, {CTX_HI}], cache blocks of "
+          f"{block} tokens, CUDA graph ==")
     gen = torch.Generator().manual_seed(0)
-    max_blocks = triton.cdiv(CTX_HI, BLOCK)
+    max_blocks = triton.cdiv(CTX_HI, block)
     blocks = DECODE_BATCH * max_blocks + 8
-    k_cache = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    k_cache = torch.randn(blocks, block, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(blocks - 8, generator=gen)[: DECODE_BATCH * max_blocks].view(DECODE_BATCH, -1)
     tables = tables.to(torch.int32).to(DEV)
@@ -194,8 +195,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
     parser.add_argument("--only", default="read,decode,prefill,rope,sampling,linears")
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
     args = parser.parse_args()
-    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick), "prefill": lambda: prefill(args.quick),
+    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
+                "prefill": lambda: prefill(args.quick),
                 "rope": rope, "sampling": sampling, "linears": linears}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
     with torch.inference_mode():
