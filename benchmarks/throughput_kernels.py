@@ -26,7 +26,9 @@ import triton.language as tl  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from agent_infer.kernels import reference  # noqa: E402
-from agent_infer.kernels.triton.decode_attention import DecodeConfig, decode_attention, decode_counters  # noqa: E402
+from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
+    DecodeConfig, decode_attention, decode_counters, decode_num_splits,
+)
 from agent_infer.kernels.triton.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 from agent_infer.kernels.triton.rope_store import norm_rope_store  # noqa: E402
 from agent_infer.kernels.triton.sampling import gumbel_sample  # noqa: E402
@@ -141,6 +143,34 @@ def prefill(quick: bool) -> None:
         print(f"  {case:22s}: " + "; ".join(line), flush=True)
 
 
+def splits() -> None:
+    """Decode attention over the workload's falling batch: at decode step s about
+    256 * (1 - s / 1024) sequences remain, with contexts of their prompt (100-1024) + s.
+    Times each split count; the engine's rule (decode_num_splits) is marked."""
+    print("\n== decode attention by split count over the workload's batches, CUDA graph ==")
+    gen = torch.Generator().manual_seed(1)
+    counters = decode_counters(DECODE_BATCH, KV_HEADS, DEV)
+    scale = HEAD_DIM**-0.5
+    for batch in (16, 32, 64, 96, 128, 192, 256):
+        step = int(1024 * (1 - batch / 256))
+        lens = torch.randint(100 + step, 1025 + step, (batch,), generator=gen).to(torch.int32)
+        max_blocks = triton.cdiv(int(lens.max()), BLOCK)
+        k_cache = torch.randn(batch * max_blocks + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(batch * max_blocks, generator=gen).to(torch.int32).view(batch, -1).to(DEV)
+        lens = lens.to(DEV)
+        q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
+        rule = decode_num_splits(batch, KV_HEADS, q.device)
+        line = []
+        for n in sorted({1, 2, 4, 8, rule}):
+            t = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=n,
+                                                     counters=counters))
+            line.append(f"{n}{'*' if n == rule else ''}: {t:6.1f} us {kv_bytes / t / 1e6:4.2f}")
+        print(f"  batch {batch:3d}, contexts {100 + step}-{1024 + step}: " + "; ".join(line), flush=True)
+        del k_cache, v_cache
+
+
 def rope() -> None:
     print("\n== q/k norm + RoPE + KV write (Qwen3: q/k norms on) ==")
     for tokens, graph in ((DECODE_BATCH, True), (PREFILL_SEQS * PREFILL_LEN, False)):
@@ -191,14 +221,36 @@ def linears() -> None:
         print(f"  M={m:5d} one layer's four: {total:.1f} us")
 
 
+def layer_chain() -> None:
+    """A whole layer's four GEMMs back to back in one CUDA graph (36 layers' distinct
+    weights, so nothing stays in L2), as decode runs them, for the batch sizes the
+    workload passes through; against the floor max(weight bytes at the read bandwidth,
+    FLOPs at 790 TFLOP/s) per GEMM, summed."""
+    print("\n== 36 layers' GEMMs in one CUDA graph (cuBLAS), by decode batch ==")
+    layers = 36
+    weights = [{name: torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for name, (n, k) in LINEARS.items()}
+               for _ in range(layers)]
+    for m in (8, 32, 64, 96, 128, 192, 256):
+        xs = {k: torch.randn(m, k, dtype=DTYPE, device=DEV) for k in (HIDDEN, INTER)}
+
+        def chain():
+            for w in weights:
+                for name, (n, k) in LINEARS.items():
+                    F.linear(xs[k], w[name])
+
+        t = bench_graph(chain)
+        floor = layers * sum(max(2 * n * k / 4.5e6, 2 * m * n * k / 790e6) for n, k in LINEARS.values())
+        print(f"  M={m:3d}: {t:8.1f} us, floor {floor:7.1f} us ({100 * floor / t:3.0f} %)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
-    parser.add_argument("--only", default="read,decode,prefill,rope,sampling,linears")
+    parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
     args = parser.parse_args()
     sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
-                "prefill": lambda: prefill(args.quick),
+                "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
                 "rope": rope, "sampling": sampling, "linears": linears}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
     with torch.inference_mode():

@@ -19,9 +19,9 @@ _SPLIT = 8192  # vocabulary entries per program
 @triton.jit
 def _mix32(x):
     # x is uint32: products wrap mod 2**32 and shifts are logical, which is exactly the
-    # reference's int64 arithmetic masked to 32 bits. Native 32-bit multiplies: the int64
-    # form made this kernel compute-bound (an emulated 64-bit multiply per step, four
-    # steps per vocabulary entry).
+    # reference's int64 arithmetic masked to 32 bits, in native 32-bit multiplies. The
+    # int64 form compiled to multi-instruction 64-bit multiplies, four per vocabulary
+    # entry, and made the kernel compute-bound (170 us at 256 rows of Qwen3's vocabulary).
     x = x ^ (x >> 16)
     x = x * 0x45D9F3B
     x = x ^ (x >> 16)
