@@ -136,7 +136,7 @@ def test_gumbel_hash_uses_32_bit_multiplies_on_sm90():
 
     signature = {
         "logits_ptr": "*bf16", "stride": "i32", "temp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64",
-        "val_ptr": "*fp32", "idx_ptr": "*i32", "vocab": "i32", "num_splits": "i32",
+        "val_ptr": "*fp32", "idx_ptr": "*i64", "vocab": "i32", "num_splits": "i32",
         "SPLIT": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr",
     }
     constexprs = {"SPLIT": 8192, "BLOCK": 2048, "PDL": True}

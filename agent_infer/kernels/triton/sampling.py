@@ -65,7 +65,7 @@ def _gumbel_argmax_kernel(
     v = tl.max(best_val, axis=0)
     i = tl.min(tl.where(best_val == v, best_idx, vocab), axis=0)  # lowest index among ties
     tl.store(val_ptr + row * num_splits + split, v)
-    tl.store(idx_ptr + row * num_splits + split, i)
+    tl.store(idx_ptr + row * num_splits + split, i.to(tl.int64))
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     assert logits.stride(1) == 1, "the vocabulary dimension must be contiguous"
     splits = triton.cdiv(vocab, _SPLIT)
     vals = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    idx = torch.empty(rows, splits, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, splits)](
         logits, logits.stride(0), temperature, seeds, steps, vals, idx,
         vocab, splits, SPLIT=_SPLIT, BLOCK=_BLOCK, num_warps=8, **launch_opts(logits.device),
     )
-    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
