@@ -27,9 +27,17 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
-    DecodeConfig, decode_attention, decode_counters, decode_num_splits,
+    DecodeConfig,
+    decode_attention,
+    decode_counters,
+    decode_num_splits,
 )
-from agent_infer.kernels.triton.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
+from agent_infer.kernels.triton.gemv import MAX_M, GemvConfig, default_config  # noqa: E402
+from agent_infer.kernels.triton.gemv import linear as gemv_linear  # noqa: E402
+from agent_infer.kernels.triton.prefill_attention import (  # noqa: E402
+    PrefillConfig,
+    prefill_attention,
+)
 from agent_infer.kernels.triton.rope_store import norm_rope_store  # noqa: E402
 from agent_infer.kernels.triton.sampling import gumbel_sample  # noqa: E402
 
@@ -168,7 +176,6 @@ def splits() -> None:
                                                      counters=counters))
             line.append(f"{n}{'*' if n == rule else ''}: {t:6.1f} us {kv_bytes / t / 1e6:4.2f}")
         print(f"  batch {batch:3d}, contexts {100 + step}-{1024 + step}: " + "; ".join(line), flush=True)
-        del k_cache, v_cache
 
 
 def rope() -> None:
@@ -221,26 +228,46 @@ def linears() -> None:
         print(f"  M={m:5d} one layer's four: {total:.1f} us")
 
 
+def _gemv_configs(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The skinny GEMM's default for this shape, then two other tile shapes with the split
+    chosen the same way (about four programs per SM)."""
+    dev = torch.device(DEV)
+    configs = [default_config(m, n, k, dev)]
+    for block_n, block_k in ((32, 256), (128, 64)):
+        split = max(1, min(triton.cdiv(4 * torch.cuda.get_device_properties(0).multi_processor_count,
+                                       triton.cdiv(n, block_n)), triton.cdiv(k, block_k) // 4 or 1))
+        configs.append(GemvConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True))
+    return configs
+
+
 def layer_chain() -> None:
     """A whole layer's four GEMMs back to back in one CUDA graph (36 layers' distinct
     weights, so nothing stays in L2), as decode runs them, for the batch sizes the
     workload passes through; against the floor max(weight bytes at the read bandwidth,
-    FLOPs at 790 TFLOP/s) per GEMM, summed."""
-    print("\n== 36 layers' GEMMs in one CUDA graph (cuBLAS), by decode batch ==")
+    FLOPs at 790 TFLOP/s) per GEMM, summed. Up to gemv.MAX_M rows, the Triton skinny
+    GEMM too (its default tiles and two others, the same for every shape)."""
+    print("\n== 36 layers' GEMMs in one CUDA graph, by decode batch: cuBLAS, and the Triton skinny GEMM ==")
     layers = 36
     weights = [{name: torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for name, (n, k) in LINEARS.items()}
                for _ in range(layers)]
-    for m in (8, 32, 64, 96, 128, 192, 256):
+    for m in (2, 8, 16, 32, 64, 96, 128, 192, 256):
         xs = {k: torch.randn(m, k, dtype=DTYPE, device=DEV) for k in (HIDDEN, INTER)}
+        floor = layers * sum(max(2 * n * k / 4.5e6, 2 * m * n * k / 790e6) for n, k in LINEARS.values())
 
-        def chain():
+        def chain(use):
             for w in weights:
                 for name, (n, k) in LINEARS.items():
-                    F.linear(xs[k], w[name])
+                    use(xs[k], w[name], name)
 
-        t = bench_graph(chain)
-        floor = layers * sum(max(2 * n * k / 4.5e6, 2 * m * n * k / 790e6) for n, k in LINEARS.values())
-        print(f"  M={m:3d}: {t:8.1f} us, floor {floor:7.1f} us ({100 * floor / t:3.0f} %)", flush=True)
+        t = bench_graph(lambda: chain(lambda x, w, name: F.linear(x, w)))
+        line = f"  M={m:3d}: floor {floor:7.1f} us; cuBLAS {t:8.1f} us ({100 * floor / t:3.0f} %)"
+        if m <= MAX_M:
+            cfgs = {name: _gemv_configs(m, n, k) for name, (n, k) in LINEARS.items()}
+            for i in range(3):
+                tt = bench_graph(lambda: chain(lambda x, w, name: gemv_linear(x, w, None, cfgs[name][i])))
+                c = cfgs["o"][i]
+                line += f"; Triton n{c.block_n} k{c.block_k} {tt:8.1f} us ({100 * floor / tt:3.0f} %)"
+        print(line, flush=True)
 
 
 def main() -> None:

@@ -158,6 +158,8 @@ else:
         (16, 64, 512, True, GemvConfig(32, 64, split_k=3, use_dot=True)),
         (1, 50, 300, False, GemvConfig(16, 64, split_k=4)),
         (5, 33, 128, False, GemvConfig(16, 32, split_k=2, use_dot=True)),
+        (40, 48, 256, True, GemvConfig(16, 64, split_k=2, use_dot=True)),  # rows padded to 64
+        (17, 40, 96, False, None),  # rows padded to 32, the default config
     ]
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)

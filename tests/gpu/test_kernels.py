@@ -126,7 +126,7 @@ def test_decode_merged_memory_ordering(batch, max_context, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 33, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 4000)])
 def test_gemv(dtype, m, n, k):
     kc.check_gemv(DEV, dtype, m, n, k, bias=(n == 1000))

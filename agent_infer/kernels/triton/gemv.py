@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y = x W^T (+ b) for x [M, K] with M <= 16, W [N, K].
+"""Skinny GEMM for decode: y = x W^T (+ b) for x [M, K] with M <= 64, W [N, K].
 
 At these M the cost is reading W once, so the kernel is built to stream it: each program
 owns BLOCK_N output columns and one K range, loading [BLOCK_N, BLOCK_K] weight tiles
@@ -7,7 +7,10 @@ loads in flight, K is split too; the partial sums go to an fp32 scratch [S, M, N
 second small kernel adds up (deterministic, no atomics, no zero-fill).
 
 M == 1 uses plain FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the
-end; M > 1 uses tl.dot on a 16-row padded x tile. The reference is F.linear.
+end; M > 1 uses tl.dot on an x tile padded to 16, 32 or 64 rows. The engine takes the
+M == 1 row kernel below; this one is benchmarked against cuBLAS for small decode batches
+(benchmarks/gpu_kernels.py, benchmarks/throughput_kernels.py --only chain). The
+reference is F.linear.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
 
-MAX_M = 16
+MAX_M = 64
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    use_dot: bool = False  # tl.dot on 16 padded rows; required when M > 1
+    use_dot: bool = False  # tl.dot on rows padded to a power of two >= 16; required when M > 1
 
 
 @triton.jit
@@ -110,7 +113,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -126,7 +129,7 @@ def linear(
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
     even_k = k % cfg.block_k == 0
-    block_m = 16 if cfg.use_dot else 1
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     has_bias = bias is not None
     b = bias if has_bias else out
