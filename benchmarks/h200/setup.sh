@@ -25,12 +25,13 @@ ab_latency() {
   done
 }
 
-# Throughput-workload A/B of the same two trees, alternating: ab_throughput [rounds, default 1]
+# Throughput-workload A/B of the same two trees, alternating, the base first in odd rounds
+# and last in even ones (the first run of a call has run slowest): ab_throughput [rounds, default 1]
 ab_throughput() {
   mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
   local V T R
   for R in $(seq ${1:-1}); do
-    for V in base head; do
+    for V in $( [ $((R % 2)) = 1 ] && echo base head || echo head base ); do
       if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
       (cd $T && PYTHONPATH=/tmp/site:$T timeout 150 python3 -m agent_infer.cli bench throughput --model $M8 \
         --output-json $OUT/thr_${V}_$R.json > /tmp/thr_${V}_$R.log 2>&1)
