@@ -2,9 +2,12 @@
 outputs of 100-1024 tokens) at its own shapes, Qwen3-8B, bf16, one GPU: a decode step at
 batch 256 and a prefill step of 14 prompts of 562 tokens (7,868 tokens, what an
 8,192-token step budget takes), with alternative configurations beside the defaults, and
-the read bandwidth that bounds the KV-cache reads.
+the read bandwidth that bounds the KV-cache reads. Two sections follow the workload's
+falling batch instead: decode attention by split count (`splits`) and the 36 layers'
+GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`).
 
-    python benchmarks/throughput_kernels.py [--quick]
+    python benchmarks/throughput_kernels.py [--quick] [--block-size N]
+        [--only read,decode,splits,prefill,rope,sampling,linears,chain]
 
 Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
 of triton.testing.do_bench (L2 flushed before each call). Each line prints as it goes.
