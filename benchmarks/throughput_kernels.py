@@ -35,7 +35,7 @@ from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
     decode_counters,
     decode_num_splits,
 )
-from agent_infer.kernels.triton.gemv import MAX_M, GemvConfig, default_config  # noqa: E402
+from agent_infer.kernels.triton.gemv import MAX_M, GemvConfig, default_config, split_for  # noqa: E402
 from agent_infer.kernels.triton.gemv import linear as gemv_linear  # noqa: E402
 from agent_infer.kernels.triton.prefill_attention import (  # noqa: E402
     PrefillConfig,
@@ -237,8 +237,7 @@ def _gemv_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     dev = torch.device(DEV)
     configs = [default_config(m, n, k, dev)]
     for block_n, block_k in ((32, 256), (128, 64)):
-        split = max(1, min(triton.cdiv(4 * torch.cuda.get_device_properties(0).multi_processor_count,
-                                       triton.cdiv(n, block_n)), triton.cdiv(k, block_k) // 4 or 1))
+        split = split_for(n, k, block_n, block_k, dev)
         configs.append(GemvConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True))
     return configs
 

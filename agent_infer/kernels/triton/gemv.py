@@ -104,10 +104,16 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
         block_n, block_k, use_dot = 16, 512, False
     else:
         block_n, block_k, use_dot = 64, 128, True
+    return GemvConfig(block_n, block_k, split_for(n, k, block_n, block_k, device), num_warps=4, num_stages=4,
+                      use_dot=use_dot)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """K splits for [block_n, block_k] weight tiles: about four programs per SM, and at
+    least four K tiles per split."""
     tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(triton.cdiv(4 * num_sms(device), tiles), k_tiles // 4 or 1))
-    return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=use_dot)
+    return max(1, min(triton.cdiv(4 * num_sms(device), tiles), k_tiles // 4 or 1))
 
 
 def linear(
