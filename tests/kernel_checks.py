@@ -380,6 +380,39 @@ def check_decode(
         assert_close(given[:k], ref[:k], f"decode attention into a given output (contexts {context_lens[:k]})")
 
 
+def check_decode_order(device, dtype: torch.dtype, context_lens: list[int], num_splits: int) -> None:
+    """Sequences taken in a given order (`order`, forced on): longest first and a shuffle
+    both give the reference, with merged splits and without; an order that lists a row
+    twice and leaves one out leaves that row's output untouched (the grid really goes by
+    the order, and each program reads and writes the row it names)."""
+    from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
+    from agent_infer.engine.forward_context import longest_first
+
+    batch = PagedBatch(
+        device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens], 8, 2, 64, 16, False,
+    )
+    m = batch.meta
+    out, ref, _ = _run_backends(batch)  # stores this step's K/V; the reference output
+    n = len(context_lens)
+    shuffled = torch.randperm(n, generator=_gen(5)).to(torch.int32)
+    orders = {"longest first": torch.from_numpy(longest_first(m.context_lens.cpu().numpy())), "shuffled": shuffled}
+    counters = decode_counters(n, 2, device)
+    for name, order in orders.items():
+        for merged in (None, counters):
+            with poisoned_empty():
+                got = decode_attention(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
+                                       batch.scale, num_splits, counters=merged, order=order.to(device), ordered=True)
+            assert_close(got, ref, f"decode attention, {name}, {num_splits} splits, merged {merged is not None}")
+    # One split: with several, the second kernel that merges them goes by rows, not the order.
+    skip = torch.tensor([0] + list(range(0, n - 1)), dtype=torch.int32, device=device)  # row n - 1 left out
+    given = torch.randn_like(ref)
+    before = given.clone()
+    decode_attention(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, batch.scale, 1,
+                     out=given, order=skip, ordered=True)
+    assert torch.equal(given[n - 1], before[n - 1]), "a row the order leaves out was written"
+    assert_close(given[: n - 1], ref[: n - 1], "decode attention, the rows the order names")
+
+
 def check_decode_padding_rows(device, dtype: torch.dtype, block_size: int, num_splits: int) -> None:
     """A graph batch padded with rows of context 0 (slot -1): real rows match the
     reference, padding rows are zeros (never NaN), and nothing is stored for them."""

@@ -39,6 +39,12 @@ def test_rows_are_packed_padded_and_exact():
         assert rows.slots.tolist() == step.slot_mapping.tolist() + [-1] * pad
         assert rows.context_lens.dtype == torch.int32
         assert rows.context_lens.tolist() == step.context_lens.tolist() + [1] * pad
+        # Every row once, longest context first; padding rows (context 1) after the real ones.
+        order = rows.order.tolist()
+        assert rows.order.dtype == torch.int32 and sorted(order) == list(range(size))
+        lens = rows.context_lens.tolist()
+        assert [lens[i] for i in order] == sorted(lens, reverse=True)
+        assert order[b:] == list(range(b, size))
         want_prev = step.prev_index.tolist() + [-1] * pad if placeholders else [-1] * size
         assert rows.prev_index.tolist() == want_prev
         assert all(t.is_contiguous() and t.numel() == size for t in vars(rows).values())
@@ -48,6 +54,9 @@ def test_each_size_has_its_own_views_and_host_buffers_alternate():
     flat = torch.arange(5 * 8, dtype=torch.int64)
     small, large = RowInputs.of(flat, 2), RowInputs.of(flat, 8)
     assert small.positions.tolist() == [4, 5] and large.positions.tolist() == list(range(16, 24))
+    # The last row's two int32 halves: context lengths, then the order; nothing past it.
+    assert small.context_lens.data_ptr() + 8 == small.order.data_ptr() == flat[9].data_ptr()
+    assert large.order.data_ptr() + 4 * 8 == flat[40 - 1].data_ptr() + 8
     staging = _RowStaging(8, torch.device("cpu"))
     first = staging.hosts[staging.turn]
     staging.load(_step(2, False), 2)

@@ -132,6 +132,27 @@ else:
         assert preload_first_tile(1, kv_heads, decode_num_splits(1, kv_heads, dev), dev)
         assert not preload_first_tile(512, kv_heads, decode_num_splits(512, kv_heads, dev), dev)
 
+    @pytest.mark.parametrize("num_splits", [1, 3])
+    def test_decode_order(num_splits):
+        kc.check_decode_order(DEV, torch.float32, [40, 3, 150, 77, 18], num_splits)
+
+    def test_decode_order_only_past_one_wave():
+        """Rows go in the given order exactly when the grid is more than one wave: four
+        programs per SM, three when they merge splits (132 SMs off a GPU). With the
+        engine's split rule and 8 KV heads: from 25 sequences (two splits, merged) up to
+        33, none from 33 to 66 (one split each, one wave), all from 67."""
+        from agent_infer.kernels.triton.decode_attention import decode_num_splits, ordered_rows
+
+        dev = torch.device("cpu")
+        for batch in range(1, 300):
+            splits = decode_num_splits(batch, 8, dev)
+            for merge in (False, True):
+                per_sm = 3 if merge and splits > 1 else 4
+                want = batch * 8 * splits > per_sm * 132
+                assert ordered_rows(batch, 8, splits, merge and splits > 1, dev) == want, (batch, merge)
+        engine = [b for b in range(1, 300) if ordered_rows(b, 8, decode_num_splits(b, 8, dev), decode_num_splits(b, 8, dev) > 1, dev)]
+        assert engine == list(range(25, 33)) + list(range(67, 300))
+
     @pytest.mark.parametrize("num_splits", [1, 4])
     def test_decode_padding_rows(num_splits):
         kc.check_decode_padding_rows(DEV, torch.float32, 16, num_splits)

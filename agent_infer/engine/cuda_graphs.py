@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agent_infer.engine.forward_context import AttentionMetadata, forward_context
+from agent_infer.engine.forward_context import AttentionMetadata, forward_context, longest_first
 from agent_infer.kernels import ops
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,16 @@ class RowInputs:
     positions: torch.Tensor  # int64
     slots: torch.Tensor  # int64, -1: padding row, stores nothing
     context_lens: torch.Tensor  # int32
+    order: torch.Tensor  # int32, the rows by context length, longest first (padding rows last)
 
     @staticmethod
     def of(flat: torch.Tensor, size: int) -> "RowInputs":
-        """The five rows of a `size`-row batch packed back to back at the start of `flat`
-        (int64; the int32 context lengths take the first half of the last row), so one
+        """The rows of a `size`-row batch packed back to back at the start of `flat`
+        (int64; the int32 context lengths and row order share the last row), so one
         contiguous copy of 5 x size int64 moves all of them."""
         rows = flat[: 5 * size].view(5, size)
-        return RowInputs(rows[0], rows[1], rows[2], rows[3], rows[4].view(torch.int32)[:size])
+        last = rows[4].view(torch.int32)
+        return RowInputs(rows[0], rows[1], rows[2], rows[3], last[:size], last[size:])
 
 
 class _RowStaging:
@@ -88,7 +90,8 @@ class _RowStaging:
 
     def load(self, step, size: int) -> RowInputs:
         """Stage `step`'s rows padded to `size` (padding rows: token 0, slot -1, context
-        1) and copy them; returns the device views the graph of `size` reads."""
+        1; the order over all of them) and copy them; returns the device views the graph
+        of `size` reads."""
         host = self.hosts[self.turn]
         self.turn ^= 1
         rows = RowInputs.of(host, size)
@@ -106,6 +109,7 @@ class _RowStaging:
             else:
                 arr[:b] = src
                 arr[b:] = pad
+        rows.order.numpy()[:] = longest_first(rows.context_lens.numpy())
         self.dev[: 5 * size].copy_(host[: 5 * size], non_blocking=True)
         return self.device_rows(size)
 
@@ -140,6 +144,7 @@ class DecodeGraphs:
             query_lens_host=[1] * bs,
             context_lens_host=[1] * bs,
             decode_counters=self.decode_workspace,
+            decode_order=rows.order,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -156,6 +161,7 @@ class DecodeGraphs:
             rows = self.rows.device_rows(bs)
             rows.slots.fill_(-1)  # every row a padding row: the warm-up pass stores nothing
             rows.context_lens.fill_(1)
+            rows.order.copy_(torch.arange(bs, dtype=torch.int32, device=self.device))
             self._forward(bs)  # warm-up: Triton compilation, cuBLAS handles, autotuning
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

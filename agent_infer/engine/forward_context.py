@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 
@@ -37,10 +38,19 @@ class AttentionMetadata:
     # A mixed step (is_prefill): the first num_decode sequences are decode rows, one query
     # token each, which a backend may run through its decode kernel.
     num_decode: int = 0
+    # Decode only, optional: [batch] int32, the rows by context length, longest first
+    # (`longest_first`); a decode kernel may take its sequences in this order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.block_tables.shape[0]
+
+
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """Row indices by context length, longest first (ties in row order), int32: the
+    `decode_order` of a decode step."""
+    return np.argsort(-context_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
 _current: AttentionMetadata | None = None

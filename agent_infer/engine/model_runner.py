@@ -21,7 +21,7 @@ import torch
 
 from agent_infer.config import EngineConfig, ModelConfig
 from agent_infer.engine.cuda_graphs import DecodeGraphs
-from agent_infer.engine.forward_context import AttentionMetadata, forward_context
+from agent_infer.engine.forward_context import AttentionMetadata, forward_context, longest_first
 from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
 from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -200,6 +200,7 @@ class ModelRunner:
             context_lens_host=step.context_lens.tolist(),
             decode_counters=self.decode_workspace if not step.is_prefill or step.num_decode else None,
             num_decode=step.num_decode,
+            decode_order=None if step.is_prefill else to_dev(longest_first(step.context_lens)),
         )
         input_ids = to_dev(step.input_ids)
         if step.prev_index is not None:

@@ -103,3 +103,30 @@ def test_graph_batch_padding_and_mixed_lengths(tiny_model_dirs):
     g = _engine(path, eager=False).generate(prompts, params)
     e = _engine(path, eager=True).generate(prompts, params)
     assert [o.token_ids for o in g] == [o.token_ids for o in e]
+
+
+def test_decode_order_forced_on_gives_the_same_tokens(tiny_model_dirs):
+    """The decode kernel taking sequences longest first (what it does past one wave of
+    programs, e.g. batch 256 of Qwen3-8B) changes no token: forced on for every decode
+    call, graphs and eager give the tokens of the row-order run. 11 requests of mixed
+    lengths: the order changes as they finish."""
+    from unittest import mock
+
+    from agent_infer.kernels.triton import decode_attention as dec
+
+    path = tiny_model_dirs["qwen3"]
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 90))] for _ in range(11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 40), ignore_eos=True) for _ in prompts]
+    plain = [o.token_ids for o in _engine(path, eager=True).generate(prompts, params)]
+    calls = []
+
+    def always(*args):
+        calls.append(args)
+        return True
+
+    with mock.patch.object(dec, "ordered_rows", always):
+        g = [o.token_ids for o in _engine(path, eager=False).generate(prompts, params)]
+        e = [o.token_ids for o in _engine(path, eager=True).generate(prompts, params)]
+    assert calls, "the decode kernel never asked whether to use the order"
+    assert g == plain and e == plain

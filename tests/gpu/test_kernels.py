@@ -119,6 +119,14 @@ def test_decode_attention_merged(dtype, case):
     kc.check_decode_merged(DEV, dtype, *case)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_order(num_splits):
+    """Sequences in a given order (longest first, shuffled), forced on, over 100 rows of
+    random contexts: more than one wave of programs on an H200 with one split."""
+    lens = [int(x) for x in torch.randint(1, 3000, (100,), generator=torch.Generator().manual_seed(3))]
+    kc.check_decode_order(DEV, torch.bfloat16, lens, num_splits)
+
+
 @pytest.mark.parametrize("batch,max_context,splits", [(1, 8000, 64), (8, 4000, 16), (64, 2000, 4)])
 def test_decode_merged_memory_ordering(batch, max_context, splits):
     """Hundreds of back-to-back merged launches, each checked against the two-kernel path."""

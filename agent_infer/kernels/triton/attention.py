@@ -4,7 +4,8 @@
 Prefill uses the ragged paged kernel (its grid uses the host's max_query_len). Decode
 uses the split-K kernel, whose launch depends on shapes only, so it can be captured in
 a CUDA graph and replayed with new context lengths and block tables; with the runner's
-`meta.decode_counters` it merges its splits in the same launch.
+`meta.decode_counters` it merges its splits in the same launch, and with
+`meta.decode_order` it may take the longest contexts first.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class TritonAttentionBackend:
                 meta.max_query_len, scale,
             )
         return decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, counters=meta.decode_counters
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, counters=meta.decode_counters,
+            order=meta.decode_order,
         )
 
     @staticmethod

@@ -112,13 +112,13 @@ def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexp
 # graphs' static buffers; specialising on it would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["s_table"])
 def _decode_split_kernel(
-    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr, order_ptr,
     sqb, sqh, sob, soh,
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
     num_heads, num_kv_heads, group, head_dim, num_splits, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, ORDERED: tl.constexpr,
 ):
     # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
     # side and together read whole cache rows (a row holds every KV head of a token).
@@ -127,8 +127,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    # The context lengths are this forward's inputs (written before its first kernel, by
-    # no kernel of it), so they are read before the PDL wait.
+    # The context lengths and the row order are this forward's inputs (written before its
+    # first kernel, by no kernel of it), so they are read before the PDL wait.
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -260,6 +262,25 @@ def preload_first_tile(batch: int, num_kv_heads: int, splits: int, device: torch
     return batch * num_kv_heads * splits <= _resident_programs(device)
 
 
+def ordered_rows(batch: int, num_kv_heads: int, splits: int, merge: bool, device: torch.device) -> bool:
+    """Whether to launch the sequences in the caller's order (longest context first)
+    rather than row order: only when the grid is larger than about one wave. Programs
+    then start as others finish, and with the longest first the call no longer ends on a
+    few long contexts running alone. In a single wave every program starts at once and
+    the order only decides which programs share an SM; longest first then puts the long
+    ones together.
+
+    Fitted to an H200 over the throughput workload's contexts (Qwen3-8B, 8 KV heads;
+    `benchmarks/throughput_kernels.py --only splits`): ordered, 3-14 % faster at batches
+    of 72-256 (one split, 576+ programs) and 10-14 % at 28-32 (two splits merged, 448+);
+    unordered, where ordering was up to 9 % slower: 24 (384 programs) and 48-64 (384-512). So the bound is four
+    programs per SM, three when the programs merge splits: the merging programs hold up
+    to 150 registers per thread (three per SM) where the others hold 128 (four; both
+    checked by tests/test_kernel_compile.py)."""
+    per_sm = 3 if merge else 4
+    return batch * num_kv_heads * splits > per_sm * num_sms(device)
+
+
 def decode_counters(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
     """The zeroed int32 workspace that lets `decode_attention` merge its splits in one
     launch: one counter per (sequence, KV head) for batches up to `max_batch`. Allocate it
@@ -295,6 +316,8 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     preload: bool | None = None,
+    order: torch.Tensor | None = None,
+    ordered: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
 
@@ -305,7 +328,9 @@ def decode_attention(
     `counters` (from `decode_counters`, at least B * KV heads, zero on entry and left
     zero) merges the splits in the same launch; without it a second kernel merges them.
     `out`, when given, receives the result (strided rows allowed). `preload` overrides
-    `preload_first_tile`.
+    `preload_first_tile`. `order` (int32, at least B, a permutation of 0..B-1: e.g. the
+    rows by context length, longest first) is the order the grid takes the sequences in
+    where `ordered_rows` says it pays; `ordered` overrides that choice.
 
     Under PDL the kernel reads the context lengths before waiting for the kernel launched
     just before it, and with the preload also the block tables and the first tile's keys
@@ -337,6 +362,12 @@ def decode_attention(
         preload = preload_first_tile(batch, num_kv_heads, splits, q.device)
     direct = splits == 1
     merge = counters is not None and not direct
+    if order is None:
+        ordered = False
+    else:
+        assert order.dtype == torch.int32 and order.shape[0] >= batch and order.device == q.device
+        if ordered is None:
+            ordered = ordered_rows(batch, num_kv_heads, splits, merge, q.device)
     group_p = triton.next_power_of_2(group) if merge else 1
     merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (group_p * block_d))) if merge else 1
     if direct:
@@ -347,13 +378,14 @@ def decode_attention(
     _decode_split_kernel[(num_kv_heads, batch, splits)](
         q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse,
         counters if merge else context_lens,  # unused without MERGE
+        order if ordered else context_lens,  # unused unless ORDERED
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, num_kv_heads, group, head_dim, splits, scale * _LOG2E,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=group_p, MERGE_S=merge_s, PRECISION=dot_precision(q.dtype),
-        PRELOAD=preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
+        PRELOAD=preload, ORDERED=ordered, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct and not merge:
         _decode_combine_kernel[(batch, num_heads)](
