@@ -4,10 +4,12 @@ batch 256 and a prefill step of 14 prompts of 562 tokens (7,868 tokens, what an
 8,192-token step budget takes), with alternative configurations beside the defaults, and
 the read bandwidth that bounds the KV-cache reads. Two sections follow the workload's
 falling batch instead: decode attention by split count (`splits`) and the 36 layers'
-GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`).
+GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`); `blas` compares
+cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes
+(benchmarks/decode_gemm.py pits a Triton tiled GEMM against cuBLAS at those batches).
 
     python benchmarks/throughput_kernels.py [--quick] [--block-size N]
-        [--only read,decode,splits,prefill,rope,sampling,linears,chain]
+        [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas]
 
 Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
 of triton.testing.do_bench (L2 flushed before each call). Each line prints as it goes.
@@ -28,12 +30,14 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+from agent_infer.engine.forward_context import longest_first  # noqa: E402
 from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
     DecodeConfig,
     decode_attention,
     decode_counters,
     decode_num_splits,
+    ordered_rows,
 )
 from agent_infer.kernels.triton.gemv import MAX_M, GemvConfig, default_config, split_for  # noqa: E402
 from agent_infer.kernels.triton.gemv import linear as gemv_linear  # noqa: E402
@@ -154,15 +158,28 @@ def prefill(quick: bool) -> None:
         print(f"  {case:22s}: " + "; ".join(line), flush=True)
 
 
+def _orders(lens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same context lengths in three row orders: as drawn, longest first, and
+    alternating longest / shortest."""
+    desc = lens.sort(descending=True).values
+    alt = torch.empty_like(desc)
+    half = (len(desc) + 1) // 2
+    alt[0::2] = desc[:half]
+    alt[1::2] = desc[half:].flip(0)
+    return {"random": lens, "longest first": desc, "long/short": alt}
+
+
 def splits() -> None:
     """Decode attention over the workload's falling batch: at decode step s about
     256 * (1 - s / 1024) sequences remain, with contexts of their prompt (100-1024) + s.
-    Times each split count; the engine's rule (decode_num_splits) is marked."""
+    Times each split count; the engine's rule (decode_num_splits) is marked. Then the
+    rule's split count with the rows in other orders (the grid runs sequences in order:
+    with the longest first, they no longer finish alone at the end of the call)."""
     print("\n== decode attention by split count over the workload's batches, CUDA graph ==")
     gen = torch.Generator().manual_seed(1)
     counters = decode_counters(DECODE_BATCH, KV_HEADS, DEV)
     scale = HEAD_DIM**-0.5
-    for batch in (16, 32, 64, 96, 128, 192, 256):
+    for batch in (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 72, 80, 96, 128, 192, 256):
         step = int(1024 * (1 - batch / 256))
         lens = torch.randint(100 + step, 1025 + step, (batch,), generator=gen).to(torch.int32)
         max_blocks = triton.cdiv(int(lens.max()), BLOCK)
@@ -173,12 +190,24 @@ def splits() -> None:
         q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
         kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
         rule = decode_num_splits(batch, KV_HEADS, q.device)
+        ordered = ordered_rows(batch, KV_HEADS, rule, rule > 1, q.device)
         line = []
         for n in sorted({1, 2, 4, 8, rule}):
             t = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=n,
                                                      counters=counters))
             line.append(f"{n}{'*' if n == rule else ''}: {t:6.1f} us {kv_bytes / t / 1e6:4.2f}")
         print(f"  batch {batch:3d}, contexts {100 + step}-{1024 + step}: " + "; ".join(line), flush=True)
+        line = []
+        for name, ordered_lens in _orders(lens).items():
+            t = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, ordered_lens, scale,
+                                                     num_splits=rule, counters=counters))
+            line.append(f"{name} {t:6.1f} us {kv_bytes / t / 1e6:4.2f}")
+        # As the engine does it: rows as drawn, the grid through `order` (longest first).
+        order = torch.from_numpy(longest_first(lens.cpu().numpy())).to(DEV)
+        t = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=rule,
+                                                 counters=counters, order=order, ordered=True))
+        line.append(f"order tensor {t:6.1f} us {kv_bytes / t / 1e6:4.2f}")
+        print(f"      splits {rule}, by row order (the engine orders: {ordered}): " + "; ".join(line), flush=True)
 
 
 def rope() -> None:
@@ -272,15 +301,57 @@ def layer_chain() -> None:
         print(line, flush=True)
 
 
+def _graph_time(fn, reps: int = 20) -> float:
+    """Mean µs of one replay of a CUDA graph of `fn` (after one warm replay)."""
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def blas() -> None:
+    """cuBLAS against cuBLASLt (torch's preferred_blas_library) for each projection at
+    every decode batch the engine captures a graph for (36 weights per graph), and at
+    prefill sizes (L2 flushed)."""
+    print("\n== cuBLAS / cuBLASLt per projection, us per GEMM; decode: 36 weights in one graph ==")
+    layers = 36
+    weights = {name: [torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for _ in range(layers)]
+               for name, (n, k) in LINEARS.items()}
+    libs = ("cublas", "cublaslt")
+    for m in list(range(16, 257, 8)) + [7868, 8192]:
+        times = {}  # (projection, library) -> us
+        for name, (n, k) in LINEARS.items():
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            for lib in libs:
+                torch.backends.cuda.preferred_blas_library(lib)
+                if m <= 256:
+                    times[name, lib] = _graph_time(lambda: [F.linear(x, w) for w in weights[name]]) / layers
+                else:
+                    times[name, lib] = bench(lambda: F.linear(x, weights[name][0]))
+        torch.backends.cuda.preferred_blas_library("cublas")
+        line = "; ".join(f"{name} {times[name, libs[0]]:6.1f}/{times[name, libs[1]]:6.1f}" for name in LINEARS)
+        layer = [sum(times[name, lib] for name in LINEARS) for lib in libs]
+        best = sum(min(times[name, lib] for lib in libs) for name in LINEARS)
+        print(f"  M={m:5d}: {line}; layer {layer[0]:7.1f}/{layer[1]:7.1f}, best of each {best:7.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
-    parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain")
+    parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain,blas")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
     args = parser.parse_args()
     sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
                 "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
-                "rope": rope, "sampling": sampling, "linears": linears}
+                "rope": rope, "sampling": sampling, "linears": linears, "blas": blas}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
     with torch.inference_mode():
         for name in args.only.split(","):

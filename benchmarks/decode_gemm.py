@@ -1,0 +1,138 @@
+"""A plain Triton tiled GEMM against cuBLAS at the decode batches where cuBLAS is
+furthest from its floor (96-256 rows), Qwen3-8B's four projections, one H200.
+
+    python benchmarks/decode_gemm.py
+
+The kernel: y = x W^T, x [M, K], W [N, K] (the engine's layout), tiles [BLOCK_M,
+BLOCK_N] with the M tiles that share a weight tile adjacent in launch order (L2 reuse),
+an optional K split whose fp32 partials a second kernel adds up. Pointer loads pipelined
+by Triton (no TMA, no warp specialisation). Every tile shape x split in `TILES` is
+checked against F.linear, then timed as 36 distinct weights in one CUDA graph (nothing
+stays in L2), beside cuBLAS and cuBLASLt in the same graph.
+
+On an H200 (ninth session, docs/PERFORMANCE.md) the best tile per shape was 68-80 % of
+cuBLAS's speed at every size, so the engine keeps cuBLAS; this file is the measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput_kernels import DEV, DTYPE, LINEARS, _graph_time  # noqa: E402
+
+from agent_infer.kernels.triton.gemv import _split_reduce_kernel  # noqa: E402  (the skinny GEMM's K-split sum)
+
+# (block_m, block_n, block_k, warps, stages)
+TILES = ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
+         (128, 64, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+         (128, 256, 64, 8, 3), (64, 64, 64, 4, 5))
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M tiles fastest: the programs needing one weight tile run together (L2 reuse).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n, pid_k = pid % num_m, pid // num_m, tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :]
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + kk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):  # K is a multiple of BLOCK_K
+        x = tl.load(x_rows + k0, mask=(m < M)[:, None], other=0.0)
+        w = tl.load(w_rows + k0, mask=(n < N)[:, None], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    if SPLIT:
+        tl.store(out_ptr + (pid_k * M + m).to(tl.int64)[:, None] * N + n[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, t: Tile) -> torch.Tensor:
+    (m, k), n = x.shape, w.shape[0]
+    assert k % t.block_k == 0
+    k_tiles = k // t.block_k
+    k_per_split = triton.cdiv(k_tiles, min(t.split_k, k_tiles)) * t.block_k
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+    if split == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        _matmul_kernel[grid](x, w, out, m, n, k, k_per_split, SPLIT=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                             BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+        return out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _matmul_kernel[grid](x, w, part, m, n, k, k_per_split, SPLIT=True, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _split_reduce_kernel[(m, triton.cdiv(n, block))](part, out, out, m, n, n, split, HAS_BIAS=False, BLOCK=block,
+                                                     num_warps=4)
+    return out
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
+    print("== Triton tiles x K splits against cuBLAS / cuBLASLt, 36 weights per graph, us per GEMM ==")
+    layers, sizes = 36, (96, 128, 192, 256)
+    best = {}
+    for name, (n, k) in LINEARS.items():
+        weights = [torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for _ in range(layers)]
+        for m in sizes:
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            want = F.linear(x, weights[0])
+            floor = max(2 * n * k / 4.5e6, 2 * m * n * k / 790e6)
+            lib = {}
+            for blas in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(blas)
+                lib[blas] = _graph_time(lambda: [F.linear(x, w) for w in weights]) / layers
+            torch.backends.cuda.preferred_blas_library("cublas")
+            rows = []
+            for bm, bn, bk, warps, stages in TILES:
+                for split in (1, 2, 3, 4):
+                    t = Tile(bm, bn, bk, split, warps, stages)
+                    try:
+                        torch.testing.assert_close(matmul(x, weights[0], t), want, rtol=2e-2, atol=2e-2)
+                        rows.append((_graph_time(lambda: [matmul(x, w, t) for w in weights]) / layers, t))
+                    except triton.runtime.errors.OutOfResources:
+                        continue
+            rows.sort(key=lambda r: r[0])
+            best[name, m] = (rows[0][0], lib["cublas"], lib["cublaslt"], floor)
+            top = "; ".join(f"m{t.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} st{t.num_stages} s{t.split_k} "
+                            f"{us:.1f}" for us, t in rows[:3])
+            print(f"  {name:8s} M={m:3d}: floor {floor:6.1f}; cuBLAS {lib['cublas']:6.1f}, Lt {lib['cublaslt']:6.1f}; "
+                  f"Triton best: {top}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    print("  per layer (four GEMMs), us: Triton best / cuBLAS / cuBLASLt / floor")
+    for m in sizes:
+        tot = [sum(best[name, m][i] for name in LINEARS) for i in range(4)]
+        print(f"    M={m:3d}: {tot[0]:6.1f} / {tot[1]:6.1f} / {tot[2]:6.1f} / {tot[3]:6.1f}")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
