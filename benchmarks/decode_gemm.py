@@ -25,11 +25,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput_kernels import DEV, DTYPE, LINEARS, _graph_time  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_infer.kernels.triton.gemv import _split_reduce_kernel  # noqa: E402  (the skinny GEMM's K-split sum)
+from benchmarks.gemv_chain import graph_time_us  # noqa: E402
+from benchmarks.throughput_kernels import DEV, DTYPE, LINEARS  # noqa: E402
 
 # (block_m, block_n, block_k, warps, stages)
 TILES = ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
@@ -108,7 +108,7 @@ def main() -> None:
             lib = {}
             for blas in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(blas)
-                lib[blas] = _graph_time(lambda: [F.linear(x, w) for w in weights]) / layers
+                lib[blas] = graph_time_us(lambda: [F.linear(x, w) for w in weights]) / layers
             torch.backends.cuda.preferred_blas_library("cublas")
             rows = []
             for bm, bn, bk, warps, stages in TILES:
@@ -116,7 +116,7 @@ def main() -> None:
                     t = Tile(bm, bn, bk, split, warps, stages)
                     try:
                         torch.testing.assert_close(matmul(x, weights[0], t), want, rtol=2e-2, atol=2e-2)
-                        rows.append((_graph_time(lambda: [matmul(x, w, t) for w in weights]) / layers, t))
+                        rows.append((graph_time_us(lambda: [matmul(x, w, t) for w in weights]) / layers, t))
                     except triton.runtime.errors.OutOfResources:
                         continue
             rows.sort(key=lambda r: r[0])

@@ -31,6 +31,7 @@ import triton.language as tl  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from agent_infer.engine.forward_context import longest_first  # noqa: E402
+from benchmarks.gemv_chain import graph_time_us  # noqa: E402
 from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
     DecodeConfig,
@@ -301,22 +302,6 @@ def layer_chain() -> None:
         print(line, flush=True)
 
 
-def _graph_time(fn, reps: int = 20) -> float:
-    """Mean µs of one replay of a CUDA graph of `fn` (after one warm replay)."""
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 def blas() -> None:
     """cuBLAS against cuBLASLt (torch's preferred_blas_library) for each projection at
     every decode batch the engine captures a graph for (36 weights per graph), and at
@@ -333,7 +318,7 @@ def blas() -> None:
             for lib in libs:
                 torch.backends.cuda.preferred_blas_library(lib)
                 if m <= 256:
-                    times[name, lib] = _graph_time(lambda: [F.linear(x, w) for w in weights[name]]) / layers
+                    times[name, lib] = graph_time_us(lambda: [F.linear(x, w) for w in weights[name]]) / layers
                 else:
                     times[name, lib] = bench(lambda: F.linear(x, weights[name][0]))
         torch.backends.cuda.preferred_blas_library("cublas")
