@@ -385,8 +385,8 @@ def check_decode_order(device, dtype: torch.dtype, context_lens: list[int], num_
     both give the reference, with merged splits and without; an order that lists a row
     twice and leaves one out leaves that row's output untouched (the grid really goes by
     the order, and each program reads and writes the row it names)."""
-    from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
     from agent_infer.engine.forward_context import longest_first
+    from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
 
     batch = PagedBatch(
         device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens], 8, 2, 64, 16, False,

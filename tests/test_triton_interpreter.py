@@ -139,8 +139,8 @@ else:
     def test_decode_order_only_past_one_wave():
         """Rows go in the given order exactly when the grid is more than one wave: four
         programs per SM, three when they merge splits (132 SMs off a GPU). With the
-        engine's split rule and 8 KV heads: from 25 sequences (two splits, merged) up to
-        33, none from 33 to 66 (one split each, one wave), all from 67."""
+        engine's split rule and 8 KV heads: 25-32 sequences (two splits, merged), none
+        from 33 to 66 (one split each, one wave), all from 67."""
         from agent_infer.kernels.triton.decode_attention import decode_num_splits, ordered_rows
 
         dev = torch.device("cpu")
@@ -150,7 +150,8 @@ else:
                 per_sm = 3 if merge and splits > 1 else 4
                 want = batch * 8 * splits > per_sm * 132
                 assert ordered_rows(batch, 8, splits, merge and splits > 1, dev) == want, (batch, merge)
-        engine = [b for b in range(1, 300) if ordered_rows(b, 8, decode_num_splits(b, 8, dev), decode_num_splits(b, 8, dev) > 1, dev)]
+        rule = {b: decode_num_splits(b, 8, dev) for b in range(1, 300)}
+        engine = [b for b, splits in rule.items() if ordered_rows(b, 8, splits, splits > 1, dev)]
         assert engine == list(range(25, 33)) + list(range(67, 300))
 
     @pytest.mark.parametrize("num_splits", [1, 4])

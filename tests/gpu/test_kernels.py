@@ -122,7 +122,8 @@ def test_decode_attention_merged(dtype, case):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_order(num_splits):
     """Sequences in a given order (longest first, shuffled), forced on, over 100 rows of
-    random contexts: more than one wave of programs on an H200 with one split."""
+    random contexts, with the GPU running programs concurrently (the interpreter runs
+    them one after another)."""
     lens = [int(x) for x in torch.randint(1, 3000, (100,), generator=torch.Generator().manual_seed(3))]
     kc.check_decode_order(DEV, torch.bfloat16, lens, num_splits)
 

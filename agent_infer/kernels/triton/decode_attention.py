@@ -273,10 +273,11 @@ def ordered_rows(batch: int, num_kv_heads: int, splits: int, merge: bool, device
     Fitted to an H200 over the throughput workload's contexts (Qwen3-8B, 8 KV heads;
     `benchmarks/throughput_kernels.py --only splits`): ordered, 3-14 % faster at batches
     of 72-256 (one split, 576+ programs) and 10-14 % at 28-32 (two splits merged, 448+);
-    unordered, where ordering was up to 9 % slower: 24 (384 programs) and 48-64 (384-512). So the bound is four
-    programs per SM, three when the programs merge splits: the merging programs hold up
-    to 150 registers per thread (three per SM) where the others hold 128 (four; both
-    checked by tests/test_kernel_compile.py)."""
+    left unordered where ordering was up to 9 % slower: 24 (two splits, 384 programs)
+    and 48-64 (one split, 384-512). Hence a wave of four programs per SM, the residency
+    of the one-split kernel (128 registers per thread), and three when merging splits.
+    The latter is fitted to those points: the merging kernel holds 150 registers (three
+    per SM) at 16 splits a merge round, but 128 at the two of batches 17-32."""
     per_sm = 3 if merge else 4
     return batch * num_kv_heads * splits > per_sm * num_sms(device)
 
