@@ -6,10 +6,11 @@ the read bandwidth that bounds the KV-cache reads. Two sections follow the workl
 falling batch instead: decode attention by split count (`splits`) and the 36 layers'
 GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`); `blas` compares
 cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes
-(benchmarks/decode_gemm.py pits a Triton tiled GEMM against cuBLAS at those batches).
+(benchmarks/decode_gemm.py pits a Triton tiled GEMM against cuBLAS at those batches);
+`prefill_rows` times a layer's GEMMs per token by prefill step size.
 
     python benchmarks/throughput_kernels.py [--quick] [--block-size N]
-        [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas]
+        [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows]
 
 Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
 of triton.testing.do_bench (L2 flushed before each call). Each line prints as it goes.
@@ -328,15 +329,31 @@ def blas() -> None:
         print(f"  M={m:5d}: {line}; layer {layer[0]:7.1f}/{layer[1]:7.1f}, best of each {best:7.1f}", flush=True)
 
 
+def prefill_rows(sizes: list[int]) -> None:
+    """A layer's four GEMMs (cuBLAS, L2 flushed) per prefill token by step size: the
+    step budget (--max-num-batched-tokens, 8,192 by default) decides the M of every
+    prefill GEMM, and cuBLAS's speed per row moves with M."""
+    print("\n== one layer's four GEMMs by prefill step size (cuBLAS), us per token ==")
+    weights = {name: torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for name, (n, k) in LINEARS.items()}
+    flops_per_row = 2 * sum(n * k for n, k in LINEARS.values())
+    for m in sizes:
+        xs = {k: torch.randn(m, k, dtype=DTYPE, device=DEV) for k in (HIDDEN, INTER)}
+        t = sum(bench(lambda: F.linear(xs[k], weights[name]), rep=20) for name, (n, k) in LINEARS.items())
+        print(f"  M={m:5d}: {t:8.1f} us, {t / m * 1e3:6.1f} ns per token, {flops_per_row * m / t / 1e6:4.0f} TFLOP/s",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
-    parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain,blas")
+    parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
+    parser.add_argument("--prefill-rows", default="4096:16385:512", help="start:stop:step of the prefill_rows sizes")
     args = parser.parse_args()
     sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
                 "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
-                "rope": rope, "sampling": sampling, "linears": linears, "blas": blas}
+                "rope": rope, "sampling": sampling, "linears": linears, "blas": blas,
+                "prefill_rows": lambda: prefill_rows(range(*map(int, args.prefill_rows.split(":"))))}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
     with torch.inference_mode():
         for name in args.only.split(","):

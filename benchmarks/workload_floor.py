@@ -1,0 +1,75 @@
+"""A floor for `bench throughput`'s workload on one GPU (CPU only, no model needed): the
+time the run could not beat if every kernel ran at the hardware's rate and nothing else
+took time. The workload is regenerated from its seed, as the benchmark draws it.
+
+    python benchmarks/workload_floor.py [--preset qwen3-8b] [--read-tbs 4.5] [--tflops 790 705]
+
+Prefill: the projections' FLOPs (every prompt token through every layer) and causal
+attention's, at the GEMM rate. Decode, step by step over the falling batch (every prompt
+prefilled first, as the default schedule does): each projection and the LM head at
+max(weight bytes at the read rate, FLOPs at the GEMM rate), plus every context's KV
+bytes at the read rate. Nothing else: no norms, activations, sampling or launch gaps.
+Each --tflops value gives one line: on an H200, 790 TFLOP/s is what a short GEMM
+benchmark reaches at boost clock, ~705 what the workload's GEMMs sustain at the 700 W
+power limit (benchmarks/gemm_sustained.py; docs/PERFORMANCE.md, ninth session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent_infer.bench.random_weights import get_preset  # noqa: E402
+
+
+def floor(preset: str, num_seqs: int, min_len: int, max_len: int, seed: int, read_tbs: float,
+          tflops: float) -> dict[str, float]:
+    p = get_preset(preset)
+    # The lengths exactly as agent_infer.bench.offline.throughput_workload draws them.
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(min_len, max_len + 1, num_seqs)
+    out_lens = rng.integers(min_len, max_len + 1, num_seqs)
+    h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    projections = [(q + 2 * kv, h), (h, q), (2 * p.intermediate_size, h), (h, p.intermediate_size)]  # (N, K)
+    per_token = 2 * p.num_layers * sum(n * k for n, k in projections)  # FLOPs of one token's projections
+    read, rate = read_tbs * 1e12, tflops * 1e12
+    attn = 4 * p.num_layers * p.num_heads * p.head_dim * float(np.sum(in_lens * (in_lens + 1) / 2))
+    prefill = (per_token * int(in_lens.sum()) + attn) / rate
+    kv_bytes = 2 * p.num_layers * kv * 2  # K and V, bf16, per cached token
+    gemms = [(n, k, p.num_layers) for n, k in projections] + [(p.vocab_size, h, 1)]
+    decode = kv_time = 0.0
+    for step in range(1, int(out_lens.max())):  # the first token of each request comes from its prefill
+        live = out_lens > step
+        b = int(live.sum())
+        decode += sum(count * max(2 * n * k / read, 2 * b * n * k / rate) for n, k, count in gemms)
+        kv_time += float(np.sum(in_lens[live] + step)) * kv_bytes / read
+    total = prefill + decode + kv_time
+    return {"prefill_s": prefill, "decode_gemm_s": decode, "decode_kv_s": kv_time, "total_s": total,
+            "output_tok_s": float(out_lens.sum()) / total, "output_tokens": int(out_lens.sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--read-tbs", type=float, default=4.5, help="HBM read rate (H200: 4.50 measured)")
+    parser.add_argument("--tflops", type=float, nargs="+", default=[790.0, 705.0], help="bf16 GEMM rate(s)")
+    args = parser.parse_args()
+    for tflops in args.tflops:
+        f = floor(args.preset, args.num_seqs, args.min_len, args.max_len, args.seed, args.read_tbs, tflops)
+        print(f"{args.preset}, reads at {args.read_tbs} TB/s, GEMMs at {tflops:.0f} TFLOP/s: prefill "
+              f"{f['prefill_s']:.2f} s + decode GEMMs {f['decode_gemm_s']:.2f} s + KV reads {f['decode_kv_s']:.2f} s "
+              f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s "
+              f"(12,000 tok/s is {100 * 12000 / f['output_tok_s']:.0f} % of it)")
+
+
+if __name__ == "__main__":
+    main()
