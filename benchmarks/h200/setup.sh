@@ -9,13 +9,14 @@ M8=/tmp/aic/random/qwen3-8b
 [ -d $M8 ] || timeout 150 python3 -c "from agent_infer.bench.random_weights import ensure_random_model as e; e('qwen3-8b')" > /tmp/w.log 2>&1
 
 # Batch-1 latency A/B of the tree in .carry_ab/base.tar (git archive of the base) against
-# this one, alternating, each a fresh process: ab_latency "<TP values>" [rounds, default 1]
+# this one, alternating, each a fresh process, the base first in odd rounds and last in
+# even ones: ab_latency "<TP values>" [rounds, default 1]
 ab_latency() {
   mkdir -p /tmp/base && tar -xf .carry_ab/base.tar -C /tmp/base
   local TP V T R
   for TP in $1; do
     for R in $(seq ${2:-1}); do
-      for V in base head; do
+      for V in $( [ $((R % 2)) = 1 ] && echo base head || echo head base ); do
         if [ $V = base ]; then T=/tmp/base; else T=$PWD; fi
         (cd $T && PYTHONPATH=/tmp/site:$T timeout 120 python3 -m agent_infer.cli -v bench latency --model $M8 --tp $TP \
           --num-iters 3 --output-json $OUT/lat_tp${TP}_$V.json > $OUT/lat_tp${TP}_$V.log 2>&1)
