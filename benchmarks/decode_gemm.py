@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_infer.kernels.triton.gemv import _split_reduce_kernel  # noqa: E402  (the skinny GEMM's K-split sum)
+from agent_infer.kernels.triton.gemv import split_reduce  # noqa: E402
 from benchmarks.gemv_chain import graph_time_us  # noqa: E402
 from benchmarks.throughput_kernels import DEV, DTYPE, LINEARS  # noqa: E402
 
@@ -96,52 +96,32 @@ def _matmul_tma_kernel(x_desc, w_desc, out_desc, M, K, k_per_split,
     out_desc.store([pid_k * M + off_m, off_n], acc.to(out_desc.dtype))
 
 
-def matmul_tma(x: torch.Tensor, w: torch.Tensor, t: Tile) -> torch.Tensor:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    (m, k), n = x.shape, w.shape[0]
-    assert k % t.block_k == 0
-    k_tiles = k // t.block_k
-    k_per_split = triton.cdiv(k_tiles, min(t.split_k, k_tiles)) * t.block_k
-    split = triton.cdiv(k, k_per_split)
-    assert split == 1 or m % t.block_m == 0, "split partial tiles would cross into the next split's rows"
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    dest = out if split == 1 else torch.empty((split * m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    _matmul_tma_kernel[grid](
-        TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]), TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
-        TensorDescriptor.from_tensor(dest, [t.block_m, t.block_n]), m, k, k_per_split,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, WARP_SPECIALIZE=t.warp_specialize,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_reduce_kernel[(m, triton.cdiv(n, block))](dest, out, out, m, n, n, split, HAS_BIAS=False,
-                                                         BLOCK=block, num_warps=4)
-    return out
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor, t: Tile) -> torch.Tensor:
-    if t.tma:
-        return matmul_tma(x, w, t)
+    """x [M, K] @ w [N, K]^T with the tiles, K split and loads of `t`."""
     (m, k), n = x.shape, w.shape[0]
     assert k % t.block_k == 0
     k_tiles = k // t.block_k
     k_per_split = triton.cdiv(k_tiles, min(t.split_k, k_tiles)) * t.block_k
     split = triton.cdiv(k, k_per_split)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    if split == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        _matmul_kernel[grid](x, w, out, m, n, k, k_per_split, SPLIT=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                             BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
-        return out
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _matmul_kernel[grid](x, w, part, m, n, k, k_per_split, SPLIT=True, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(n))
-    _split_reduce_kernel[(m, triton.cdiv(n, block))](part, out, out, m, n, n, split, HAS_BIAS=False, BLOCK=block,
-                                                     num_warps=4)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+    if t.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        assert split == 1 or m % t.block_m == 0, "split partial tiles would cross into the next split's rows"
+        _matmul_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]),
+            TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
+            TensorDescriptor.from_tensor(part.view(-1, n), [t.block_m, t.block_n]), m, k, k_per_split,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, WARP_SPECIALIZE=t.warp_specialize,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+    else:
+        _matmul_kernel[grid](x, w, part, m, n, k, k_per_split, SPLIT=split > 1, BLOCK_M=t.block_m,
+                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    if split > 1:
+        split_reduce(part, None, out)
     return out
 
 

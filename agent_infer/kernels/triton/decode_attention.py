@@ -237,11 +237,13 @@ def _decode_combine_kernel(
     tl.store(out_ptr + seq * sob + head * soh + d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _resident_programs(device: torch.device) -> int:
-    """Programs of this kernel that are resident at once on `device`: two per SM. With
-    the first tile held across the PDL wait it needs up to ~190 registers per thread,
-    so two 4-warp programs fit an SM's 64K registers and a third does not."""
-    return 2 * num_sms(device)
+def _resident_programs(device: torch.device, preload: bool = True, merge: bool = False) -> int:
+    """Programs of this kernel resident at once on `device` (4 warps each, 64K registers
+    per SM; tests/test_kernel_compile.py checks the register counts for sm_90): two per
+    SM with the first tile held across the PDL wait (up to ~190 registers per thread);
+    without it four (128), three when the programs also merge splits (150 at 16 splits a
+    merge round; 128 at two, so for those three is a fitted bound, see `ordered_rows`)."""
+    return (2 if preload else 3 if merge else 4) * num_sms(device)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -274,12 +276,9 @@ def ordered_rows(batch: int, num_kv_heads: int, splits: int, merge: bool, device
     `benchmarks/throughput_kernels.py --only splits`): ordered, 3-14 % faster at batches
     of 72-256 (one split, 576+ programs) and 10-14 % at 28-32 (two splits merged, 448+);
     left unordered where ordering was up to 9 % slower: 24 (two splits, 384 programs)
-    and 48-64 (one split, 384-512). Hence a wave of four programs per SM, the residency
-    of the one-split kernel (128 registers per thread), and three when merging splits.
-    The latter is fitted to those points: the merging kernel holds 150 registers (three
-    per SM) at 16 splits a merge round, but 128 at the two of batches 17-32."""
-    per_sm = 3 if merge else 4
-    return batch * num_kv_heads * splits > per_sm * num_sms(device)
+    and 48-64 (one split, 384-512). A wave is `_resident_programs` without the preload
+    (which `preload_first_tile` keeps to single waves)."""
+    return batch * num_kv_heads * splits > _resident_programs(device, preload=False, merge=merge)
 
 
 def decode_counters(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:

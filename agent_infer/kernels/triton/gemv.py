@@ -147,12 +147,19 @@ def linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, b, out, m, n, out.stride(0), split,
-            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-        )
+        split_reduce(part, bias, out)
     return out
+
+
+def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] <- the sum over S of fp32 partials part [S, M, N] (+ bias [N]), in
+    out's dtype: the second kernel of a K-split GEMM."""
+    split, m, n = part.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _split_reduce_kernel[(m, triton.cdiv(n, block))](
+        part, bias if bias is not None else out, out, m, n, out.stride(0), split,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
