@@ -64,20 +64,33 @@ def test_tiny_models_close_to_transformers_graphs_and_eager(name, tiny_model_dir
     print(f"{name}: tokens matched before first (tolerated) difference, batched/alone: {matched}")
 
 
-DEFAULT = os.environ.get("AGENT_INFER_DEFAULT_MODEL_DIR")
+@pytest.fixture(scope="module")
+def default_model_gpu() -> str:
+    """The converted default model: AGENT_INFER_DEFAULT_MODEL_DIR if set, else converted
+    from its installed package (`make setup` installs it); skipped only when neither is
+    there (benchmarks/h200/s10_default_model.sh brings the package to the lent machine)."""
+    from agent_infer.config import ConfigError
+    from agent_infer.loader.default_model import ensure_default_model
+
+    path = os.environ.get("AGENT_INFER_DEFAULT_MODEL_DIR")
+    if path:
+        return path
+    try:
+        return ensure_default_model()
+    except ConfigError as e:
+        pytest.skip(f"no default model: {e}")
 
 
-@pytest.mark.skipif(not DEFAULT, reason="set AGENT_INFER_DEFAULT_MODEL_DIR to the converted SmolLM2 directory")
-def test_default_model_close_to_transformers():
+def test_default_model_close_to_transformers(default_model_gpu):
     prompts_text = ["The capital of France is", "Write a haiku about autumn:", "def quicksort(arr):",
                     "Explain photosynthesis in simple terms. Plants use sunlight to"]
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
-    graph_eng = _engine(DEFAULT, eager=False)
+    graph_eng = _engine(default_model_gpu, eager=False)
     prompts = [graph_eng.tokenizer.encode(t) for t in prompts_text]
     graph_outs = graph_eng.generate(prompts, params)
-    eager_outs = _engine(DEFAULT, eager=True).generate(prompts, params)
+    eager_outs = _engine(default_model_gpu, eager=True).generate(prompts, params)
     assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs]
-    hf = load_hf_model(DEFAULT, torch.bfloat16, "cuda")
+    hf = load_hf_model(default_model_gpu, torch.bfloat16, "cuda")
     single_outs = [graph_eng.generate([p], params)[0] for p in prompts]
     matched = []
     for i, p in enumerate(prompts):
