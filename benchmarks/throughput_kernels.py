@@ -7,10 +7,12 @@ falling batch instead: decode attention by split count (`splits`) and the 36 lay
 GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`); `blas` compares
 cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes
 (benchmarks/decode_gemm.py pits a Triton tiled GEMM against cuBLAS at those batches);
-`prefill_rows` times a layer's GEMMs per token by prefill step size.
+`prefill_rows` times a layer's GEMMs per token by prefill step size; `tunable` lets
+PyTorch's TunableOp time every GEMM algorithm it offers per decode shape and compares
+the fastest with cuBLAS's own pick.
 
-    python benchmarks/throughput_kernels.py [--quick] [--block-size N]
-        [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows]
+    python benchmarks/throughput_kernels.py [--quick] [--block-size N] [--tunable-rows 32,64,...]
+        [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows,tunable]
 
 Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
 of triton.testing.do_bench (L2 flushed before each call). Each line prints as it goes.
@@ -343,17 +345,52 @@ def prefill_rows(sizes: list[int]) -> None:
               flush=True)
 
 
+def tunable(sizes: list[int]) -> None:
+    """cuBLAS's own pick against the fastest of the GEMM algorithms PyTorch's TunableOp
+    times (torch.cuda.tunable: on CUDA, cuBLAS and the cuBLASLt heuristic's candidates),
+    per projection at decode batches, 36 weights in one graph as in `blas`. Tuning runs
+    eagerly before each capture; the graph then holds the chosen kernel."""
+    import torch.cuda.tunable as tunable_op
+
+    print("\n== cuBLAS's pick / TunableOp's fastest per projection, us per GEMM; 36 weights in one graph ==")
+    tunable_op.set_filename("/tmp/tunableop_results.csv")
+    layers = 36
+    weights = {name: [torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5 for _ in range(layers)]
+               for name, (n, k) in LINEARS.items()}
+    for m in sizes:
+        times = {}
+        for name, (n, k) in LINEARS.items():
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            tunable_op.enable(False)
+            times[name, 0] = graph_time_us(lambda: [F.linear(x, w) for w in weights[name]]) / layers
+            tunable_op.enable(True)
+            tunable_op.tuning_enable(True)
+            F.linear(x, weights[name][0])  # tunes this shape
+            torch.cuda.synchronize()
+            tunable_op.tuning_enable(False)
+            times[name, 1] = graph_time_us(lambda: [F.linear(x, w) for w in weights[name]]) / layers
+            tunable_op.enable(False)
+        line = "; ".join(f"{name} {times[name, 0]:6.1f}/{times[name, 1]:6.1f}" for name in LINEARS)
+        layer = [sum(times[name, i] for name in LINEARS) for i in (0, 1)]
+        print(f"  M={m:4d}: {line}; layer {layer[0]:7.1f}/{layer[1]:7.1f} ({100 * (layer[1] / layer[0] - 1):+.1f} %)",
+              flush=True)
+    for row in tunable_op.get_results():
+        print("  picked:", *row, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the defaults and a few alternatives only")
     parser.add_argument("--only", default="read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows")
+    parser.add_argument("--tunable-rows", default="32,64,96,128,160,192,224,256", help="decode batches of `tunable`")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
     parser.add_argument("--prefill-rows", default="4096:16385:512", help="start:stop:step of the prefill_rows sizes")
     args = parser.parse_args()
     sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
                 "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
                 "rope": rope, "sampling": sampling, "linears": linears, "blas": blas,
-                "prefill_rows": lambda: prefill_rows(range(*map(int, args.prefill_rows.split(":"))))}
+                "prefill_rows": lambda: prefill_rows(range(*map(int, args.prefill_rows.split(":")))),
+                "tunable": lambda: tunable([int(m) for m in args.tunable_rows.split(",")])}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__)
     with torch.inference_mode():
         for name in args.only.split(","):
