@@ -9,6 +9,10 @@ attention's, at the GEMM rate. Decode, step by step over the falling batch (ever
 prefilled first, as the default schedule does): each projection and the LM head at
 max(weight bytes at the read rate, FLOPs at the GEMM rate), plus every context's KV
 bytes at the read rate. Nothing else: no norms, activations, sampling or launch gaps.
+A second total adds the bytes the engine's other kernels must move at the read rate (two
+add + RMSNorms, q/k-norm + RoPE + KV write and SiLU-and-mul per token and layer, the
+final norm, the logits written and sampled): they run between the GEMMs, so no schedule
+hides them; still no launch gaps.
 Each --tflops value gives one line: on an H200, 790 TFLOP/s is what a short GEMM
 benchmark reaches at boost clock, ~705 what the workload's GEMMs sustain at the 700 W
 power limit (benchmarks/gemm_sustained.py; docs/PERFORMANCE.md, ninth session).
@@ -49,8 +53,22 @@ def floor(preset: str, num_seqs: int, min_len: int, max_len: int, seed: int, rea
         decode += sum(count * max(2 * n * k / read, 2 * b * n * k / rate) for n, k, count in gemms)
         kv_time += float(np.sum(in_lens[live] + step)) * kv_bytes / read
     total = prefill + decode + kv_time
+    tokens = int(in_lens.sum()) + int(out_lens.sum())  # every token passes each layer once
+    elementwise = (tokens * elementwise_bytes(p) + int(out_lens.sum()) * 2 * p.vocab_size * 2) / read
     return {"prefill_s": prefill, "decode_gemm_s": decode, "decode_kv_s": kv_time, "total_s": total,
-            "output_tok_s": float(out_lens.sum()) / total, "output_tokens": int(out_lens.sum())}
+            "output_tok_s": float(out_lens.sum()) / total, "output_tokens": int(out_lens.sum()),
+            "elementwise_s": elementwise,
+            "output_tok_s_with_elementwise": float(out_lens.sum()) / (total + elementwise)}
+
+
+def elementwise_bytes(p) -> int:
+    """bf16 bytes one token moves through the kernels between the GEMMs, all layers: per
+    layer two add + RMSNorms (read x and the residual, write both), q/k-norm + RoPE + KV
+    write (read q, k, v; write q and the cache's k, v) and SiLU-and-mul (read gate and up,
+    write one); then the final RMSNorm."""
+    h, q, kv, i = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.intermediate_size
+    per_layer = 2 * 4 * h + 2 * (q + 2 * kv) + 3 * i
+    return 2 * (p.num_layers * per_layer + 2 * h)
 
 
 def main() -> None:
@@ -69,6 +87,9 @@ def main() -> None:
               f"{f['prefill_s']:.2f} s + decode GEMMs {f['decode_gemm_s']:.2f} s + KV reads {f['decode_kv_s']:.2f} s "
               f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s "
               f"(12,000 tok/s is {100 * 12000 / f['output_tok_s']:.0f} % of it)")
+        with_ew = f["output_tok_s_with_elementwise"]
+        print(f"  + the other kernels' bytes {f['elementwise_s']:.2f} s = {f['total_s'] + f['elementwise_s']:.2f} s: "
+              f"{with_ew:,.0f} tok/s (12,000 tok/s is {100 * 12000 / with_ew:.0f} % of it)")
 
 
 if __name__ == "__main__":
