@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     g.add_argument("--kv-cache-gib", type=float, default=None, help="explicit KV cache budget in GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: float8 e4m3 K/V, scale 1, saturating at +-448 "
+                        "(half the bytes per cached token)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--preemption", default="none", choices=["none", "recompute"])
     g.add_argument("--mixed-batches", action="store_true",
@@ -60,6 +63,7 @@ def engine_config_from_args(args: argparse.Namespace):
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,
         mixed_batches=args.mixed_batches,

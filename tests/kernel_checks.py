@@ -26,7 +26,31 @@ TOLERANCE = {
     torch.float32: 2e-5,
     torch.float16: 1e-2,
     torch.bfloat16: 2e-2 if os.environ.get("TRITON_INTERPRET") == "1" else 1e-2,
+    # An fp8 cache written from slightly different K (the kernel's RoPE against the
+    # reference's) may round a few elements to the neighbouring e4m3 value (6 % apart).
+    torch.float8_e4m3fn: 2e-2,
 }
+FP8 = torch.float8_e4m3fn
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical (torch.equal has no fp8 kernel on every device)."""
+    if a.dtype.itemsize == 1 and a.dtype.is_floating_point:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def fp8_values(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to values an e4m3 cache holds exactly, kept in x's dtype. Storing them is
+    exact, so a cache write can be compared bit for bit even where Triton's interpreter
+    rounds fp32 -> fp8 wrongly (it does near powers of two)."""
+    return reference.to_cache_dtype(x, FP8).to(x.dtype)
+
+
+def kv_cache_randn(*shape: int, dtype: torch.dtype, cache_dtype: torch.dtype | None, device, seed: int) -> torch.Tensor:
+    """Random cache contents in the cache's dtype (the model's when `cache_dtype` is None)."""
+    x = randn(*shape, dtype=dtype, device=device, seed=seed)
+    return x if cache_dtype in (None, dtype) else reference.to_cache_dtype(x, cache_dtype)
 
 
 @contextmanager
@@ -134,6 +158,7 @@ def check_silu_and_mul(device, dtype: torch.dtype, shape: tuple[int, ...]) -> No
 def check_norm_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
     is_neox: bool, qk_norm: bool, block_size: int = 16, group: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
     """The fused per-head q/k RMSNorm + RoPE + K/V cache write against the three
     reference ops: q, k (strided views of a merged QKV buffer, rewritten in place) and
@@ -158,8 +183,8 @@ def check_norm_rope_store(
     slots[torch.arange(tokens) % 3 == 2] = -1
     slots = slots.to(device)
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = randn(*shape, dtype=dtype, device=device, seed=26)
-    v_cache = randn(*shape, dtype=dtype, device=device, seed=27)
+    k_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=26)
+    v_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=27)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = (reference.rms_norm(q, q_w, 1e-6), reference.rms_norm(k, k_w, 1e-6)) if qk_norm else (q, k)
     ref_q = reference.apply_rotary(positions, ref_q, cache, is_neox)
@@ -173,12 +198,12 @@ def check_norm_rope_store(
     assert_close(q, ref_q, "norm_rope_store q")
     assert_close(k, ref_k, "norm_rope_store k")
     assert torch.equal(v, v_before), "v must be left as it was"
-    assert torch.equal(v_cache, ref_vc), "V cache differs from the reference (a copy, so exact)"
-    assert_close(k_cache, ref_kc, "norm_rope_store K cache")
+    assert same(v_cache, ref_vc), "V cache differs from the reference (a copy or one cast, so exact)"
+    assert_close(k_cache.float(), ref_kc.float(), "norm_rope_store K cache", k_cache.dtype)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
     untouched[slots[slots >= 0]] = False
     flat, ref_flat = k_cache.view(-1, kv_heads, head_dim), ref_kc.view(-1, kv_heads, head_dim)
-    assert torch.equal(flat[untouched], ref_flat[untouched]), "K cache written outside the step's slots"
+    assert same(flat[untouched], ref_flat[untouched]), "K cache written outside the step's slots"
 
 
 def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_mul: bool, config=None) -> None:
@@ -239,7 +264,7 @@ class PagedBatch:
     def __init__(
         self, device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
         heads: int, kv_heads: int, head_dim: int, block_size: int, is_prefill: bool,
-        padding_rows: int = 0, seed: int = 0,
+        padding_rows: int = 0, seed: int = 0, cache_dtype: torch.dtype | None = None,
     ):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim**-0.5
@@ -254,8 +279,8 @@ class PagedBatch:
             tables[i, :n] = perm[used : used + n]
             used += n
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k_cache = randn(*shape, dtype=dtype, device=device, seed=seed + 1)
-        self.v_cache = randn(*shape, dtype=dtype, device=device, seed=seed + 2)
+        self.k_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=seed + 1)
+        self.v_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=seed + 2)
         slots = []
         for i, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
             pos = torch.arange(ctx - q_len, ctx)
@@ -265,6 +290,8 @@ class PagedBatch:
         tokens = sum(query_lens) + padding_rows
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=seed + 3)
+        if cache_dtype == FP8:
+            qkv[:, q_size:] = fp8_values(qkv[:, q_size:])
         self.q = qkv[:, :q_size].view(tokens, heads, head_dim)
         self.k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
         self.v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
@@ -283,8 +310,13 @@ class PagedBatch:
         )
 
 
-def check_store_kv(device, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int, block_size: int) -> None:
-    """Scattered slots with padding rows (-1) in between; the whole cache is compared."""
+def check_store_kv(
+    device, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int, block_size: int,
+    cache_dtype: torch.dtype | None = None, exact_values: bool = False,
+) -> None:
+    """Scattered slots with padding rows (-1) in between; the whole cache is compared, bit
+    for bit. `exact_values`: K and V hold values an fp8 cache stores exactly (for the
+    interpreter); otherwise an fp8 store must round as torch does, and saturate."""
     from agent_infer.kernels.triton.kv_store import store_kv
 
     num_blocks = -(-2 * tokens // block_size) + 2
@@ -292,16 +324,19 @@ def check_store_kv(device, dtype: torch.dtype, tokens: int, kv_heads: int, head_
     slots[torch.arange(tokens) % 3 == 1] = -1
     slots = slots.to(device)
     kv = randn(tokens, 3 * kv_heads * head_dim, dtype=dtype, device=device, seed=10)
+    if cache_dtype == FP8:
+        kv = fp8_values(kv) if exact_values else kv * 200  # past +-448 too: saturates
     k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
     v = kv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = randn(*shape, dtype=dtype, device=device, seed=11)
-    v_cache = randn(*shape, dtype=dtype, device=device, seed=12)
+    k_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=11)
+    v_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=12)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     reference.store_kv(k, v, ref_k, ref_v, slots)
     store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, ref_k), "store_kv: K cache differs from the reference"
-    assert torch.equal(v_cache, ref_v), "store_kv: V cache differs from the reference"
+    assert same(k_cache, ref_k), "store_kv: K cache differs from the reference"
+    assert same(v_cache, ref_v), "store_kv: V cache differs from the reference"
+    assert torch.isfinite(k_cache.float()).all() and torch.isfinite(v_cache.float()).all()
 
 
 def _run_backends(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
@@ -314,20 +349,21 @@ def _run_backends(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedB
         out = TritonAttentionBackend.forward(
             batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
         )
-    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v), "KV store differs"
+    assert same(batch.k_cache, ref_k) and same(batch.v_cache, ref_v), "KV store differs"
     return out, ref, batch
 
 
 def check_prefill(
     device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
-    heads: int, kv_heads: int, head_dim: int, block_size: int,
+    heads: int, kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype | None = None,
 ) -> None:
     """Through the backend (store + attend); then, with several sequences, the kernel from
     the second sequence on into a given output (a mixed step's call): the first
     sequence's rows keep what they held, the others match the reference."""
     from agent_infer.kernels.triton.prefill_attention import prefill_attention
 
-    batch = PagedBatch(device, dtype, query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, True)
+    batch = PagedBatch(device, dtype, query_lens, prefix_lens, heads, kv_heads, head_dim, block_size, True,
+                       cache_dtype=cache_dtype)
     out, ref, _ = _run_backends(batch)
     assert_close(out, ref, f"prefill attention (q {query_lens}, prefix {prefix_lens})")
     if len(query_lens) > 1:
@@ -346,7 +382,7 @@ def check_prefill(
 
 def check_decode(
     device, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-    block_size: int, num_splits: int | None = None,
+    block_size: int, num_splits: int | None = None, cache_dtype: torch.dtype | None = None,
 ) -> None:
     """Through the backend (store + attend) with the default split count, then with the
     given `num_splits` through the kernel directly, with and without the first key tile
@@ -355,7 +391,7 @@ def check_decode(
 
     batch = PagedBatch(
         device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens],
-        heads, kv_heads, head_dim, block_size, False,
+        heads, kv_heads, head_dim, block_size, False, cache_dtype=cache_dtype,
     )
     out, ref, _ = _run_backends(batch)
     assert_close(out, ref, f"decode attention (contexts {context_lens})")

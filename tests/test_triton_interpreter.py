@@ -89,6 +89,10 @@ else:
     def test_store_kv(dtype, block_size):
         kc.check_store_kv(DEV, dtype, 13, 2, 64, block_size)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_store_kv_fp8_cache(dtype):
+        kc.check_store_kv(DEV, dtype, 13, 2, 64, 16, cache_dtype=kc.FP8, exact_values=True)
+
     PREFILL_CASES = [
         # query lens, cached prefix lens, heads, kv heads, head_dim, block size
         ([5, 17, 33], [0, 16, 23], 8, 2, 64, 16),  # GQA 4, prefixes ending on/off a block edge
@@ -114,6 +118,13 @@ else:
     @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"c{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}")
     def test_decode_attention(dtype, case):
         kc.check_decode(DEV, dtype, *case)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    def test_attention_fp8_cache(dtype):
+        """An fp8 cache read back as the model's dtype, in both attention kernels (the
+        step's K/V are fp8 values, so the interpreter's cache writes are exact)."""
+        kc.check_prefill(DEV, dtype, *PREFILL_CASES[0], cache_dtype=kc.FP8)
+        kc.check_decode(DEV, dtype, *DECODE_CASES[0], cache_dtype=kc.FP8)
 
     @pytest.mark.parametrize("kv_heads", [8, 4, 1])
     def test_decode_preload_only_in_one_wave(kv_heads):

@@ -93,6 +93,7 @@ class ModelRunner:
         self.config = engine_config
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = engine_config.resolve_kv_cache_dtype(dtype)
         self.max_model_len = max_model_len
         self.tp = tp
         self.block_size = engine_config.block_size
@@ -122,7 +123,7 @@ class ModelRunner:
 
     def kv_spec(self) -> KVSpec:
         cfg = self.model_config
-        return dense_kv_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.tp.world_size)
+        return dense_kv_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_cache_dtype, self.tp.world_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.pool = KVMemoryPool(self.kv_spec(), self.block_size, num_blocks, self.device)

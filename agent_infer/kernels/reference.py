@@ -55,8 +55,18 @@ def store_kv(
     kv_heads, head_dim] at flat slots; a slot of -1 (padding) is skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[keep], v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache entry. An fp8 cache saturates at its largest finite value (e4m3 has
+    no infinity); the clamp makes that explicit rather than left to the cast's overflow
+    rule, as the Triton stores do."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -83,8 +93,8 @@ def prefill_attention(
     start = 0
     for i, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-        ki = _gather_context(k_cache, block_tables[i], ctx).transpose(0, 1)
-        vi = _gather_context(v_cache, block_tables[i], ctx).transpose(0, 1)
+        ki = _gather_context(k_cache, block_tables[i], ctx).transpose(0, 1).to(q.dtype)
+        vi = _gather_context(v_cache, block_tables[i], ctx).transpose(0, 1).to(q.dtype)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)

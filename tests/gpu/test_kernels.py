@@ -93,6 +93,37 @@ def test_decode_attention(dtype, case):
     kc.check_decode(DEV, dtype, *case)
 
 
+# An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): the cache writes round and saturate as
+# torch's cast after a clamp does; attention over it matches the reference reading the
+# same cache back as the model's dtype.
+FP8_MODEL_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_norm_rope_store_fp8_cache(dtype, is_neox):
+    for tokens in (1, 300):
+        kc.check_norm_rope_store(DEV, dtype, tokens, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM, is_neox, True,
+                                 cache_dtype=kc.FP8)
+
+
+@pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES + [torch.float32])
+def test_store_kv_fp8_cache(dtype):
+    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, 16, cache_dtype=kc.FP8)
+
+
+@pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES[1:3], ids=["bs16", "bs32"])
+def test_prefill_attention_fp8_cache(dtype, case):
+    kc.check_prefill(DEV, dtype, *case, cache_dtype=kc.FP8)
+
+
+@pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
+@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (1, 3, 4, 6)], ids=["long", "mixed", "b40", "gqa8"])
+def test_decode_attention_fp8_cache(dtype, case):
+    kc.check_decode(DEV, dtype, *case, cache_dtype=kc.FP8)
+
+
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_decode_padding_rows(num_splits):
     kc.check_decode_padding_rows(DEV, torch.bfloat16, 16, num_splits)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
+from agent_infer.kernels.triton.utils import check_kv_cache_dtype, dot_precision, launch_opts, num_sms, pdl_begin
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -98,6 +98,8 @@ def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, v
 def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr):
     """One key tile (K, V; keys where `kmask`) folded into the running softmax state
     (acc, m_i, l_i) of the group's queries."""
+    k = k.to(q.dtype)  # an fp8 cache is read back as the model's dtype (no-op otherwise)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -341,7 +343,8 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
-    assert k_cache.dtype == q.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    check_kv_cache_dtype(k_cache, q.dtype)
+    assert v_cache.dtype == k_cache.dtype
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     if counters is not None:

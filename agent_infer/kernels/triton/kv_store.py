@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agent_infer.kernels.triton.utils import check_kv_cache_dtype, to_cache_dtype
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -29,8 +31,8 @@ def _store_kv_kernel(
         v = tl.load(v_ptr + t * svt + h[:, None] * svh + d[None, :], mask=mask)
         k_dst = k_cache_ptr + block * kc_b + offset * kc_s + h[:, None] * kc_h + d[None, :]
         v_dst = v_cache_ptr + block * vc_b + offset * vc_s + h[:, None] * vc_h + d[None, :]
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -42,6 +44,8 @@ def store_kv(
     assert v.shape == k.shape and slot_mapping.shape[0] == tokens
     assert k_cache.shape[1:] == v_cache.shape[1:] and k_cache.shape[2:] == (n_heads, head_dim)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
+    check_kv_cache_dtype(k_cache, k.dtype)
+    assert v_cache.dtype == k_cache.dtype
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if tokens == 0:
         return

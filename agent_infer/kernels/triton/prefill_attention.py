@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import dot_precision
+from agent_infer.kernels.triton.utils import check_kv_cache_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 
@@ -49,6 +49,8 @@ def _attend(
         else:
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        k = k.to(q.dtype)  # an fp8 cache is read back as the model's dtype (no-op otherwise)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL:
             visible = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
@@ -167,7 +169,8 @@ def prefill_attention(
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert k_cache.dtype == q.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    check_kv_cache_dtype(k_cache, q.dtype)
+    assert v_cache.dtype == k_cache.dtype
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     block_d = check_head_dim(head_dim)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+from agent_infer.kernels.triton.utils import check_kv_cache_dtype, launch_opts, pdl_begin, to_cache_dtype
 
 # Token counts from which a program takes a group of heads. One head per one-warp program
 # keeps the batch-1 chain as it was tuned; at hundreds of tokens and more (large decode
@@ -124,15 +124,15 @@ def _rope_store_kernel(
             block = slot // BLOCK_SIZE
             offset = slot % BLOCK_SIZE
             kc = (k_cache_ptr + block * kc_b + offset * kc_s + kv_heads * kc_h)[:, None]
-            tl.store(kc + idx1, y1.to(k_cache_ptr.dtype.element_ty), mask=r_mask)
-            tl.store(kc + idx2, y2.to(k_cache_ptr.dtype.element_ty), mask=r_mask)
-            tl.store(kc + tail_idx, yt.to(k_cache_ptr.dtype.element_ty), mask=tail_mask)
+            tl.store(kc + idx1, to_cache_dtype(y1, k_cache_ptr.dtype.element_ty), mask=r_mask)
+            tl.store(kc + idx2, to_cache_dtype(y2, k_cache_ptr.dtype.element_ty), mask=r_mask)
+            tl.store(kc + tail_idx, to_cache_dtype(yt, k_cache_ptr.dtype.element_ty), mask=tail_mask)
             vr = (v_ptr + t * svt + kv_heads * svh)[:, None]
             vc = (v_cache_ptr + block * vc_b + offset * vc_s + kv_heads * vc_h)[:, None]
             d = tl.arange(0, 2 * BLOCK_R)[None, :]
             d_mask = d < 2 * half
-            tl.store(vc + d, tl.load(vr + d, mask=d_mask).to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(vc + tail_idx, tl.load(vr + tail_idx, mask=tail_mask).to(v_cache_ptr.dtype.element_ty),
+            tl.store(vc + d, to_cache_dtype(tl.load(vr + d, mask=d_mask), v_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(vc + tail_idx, to_cache_dtype(tl.load(vr + tail_idx, mask=tail_mask), v_cache_ptr.dtype.element_ty),
                      mask=tail_mask)
 
 
@@ -154,6 +154,8 @@ def norm_rope_store(
     assert k.shape == v.shape == (tokens, n_kv, dim) and positions.shape[0] == slot_mapping.shape[0] == tokens
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.shape[2:] == (n_kv, dim) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    check_kv_cache_dtype(k_cache, k.dtype)
+    assert v_cache.dtype == k_cache.dtype
     rot_dim = cos_sin_cache.shape[-1]
     assert rot_dim % 2 == 0 and rot_dim <= dim and cos_sin_cache.stride(-1) == 1
     qk_norm = q_weight is not None

@@ -88,3 +88,21 @@ def pdl_begin(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# The largest finite float8 e4m3 value (torch.float8_e4m3fn, Triton's float8e4nv).
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
+    """x as a KV-cache entry of CACHE_TYPE. An fp8 cache (e4m3, the only fp8 kind the
+    engine allocates) saturates at +-448, explicitly, like reference.to_cache_dtype."""
+    if CACHE_TYPE.is_fp8():
+        x = tl.clamp(x.to(tl.float32), -E4M3_MAX, E4M3_MAX)
+    return x.to(CACHE_TYPE)
+
+
+def check_kv_cache_dtype(cache: torch.Tensor, compute: torch.dtype) -> None:
+    """The caches hold the model's dtype or float8 e4m3 (read back as the model's)."""
+    assert cache.dtype in (compute, torch.float8_e4m3fn), f"a {cache.dtype} KV cache for {compute} activations"
