@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 NEW = 32
 TOP = 5
+SMOL_PROMPTS = ["The capital of France is", "Write a haiku about autumn:", "def quicksort(arr):",
+                "Explain photosynthesis in simple terms. Plants use sunlight to"]
 
 
 def check_logprobs_close(ours_tokens, ours_top, ref, name):
@@ -43,6 +45,20 @@ def _engine(path, eager, **kw):
                                   kv_cache_bytes=2 << 30, max_num_seqs=16, **kw))
 
 
+def _matched_with_transformers(path, prompts, outs_by_tag, name) -> list[int]:
+    """Each run's greedy outputs (by tag, e.g. batched / alone) against transformers in
+    bf16 under vLLM's closeness rule; returns, per prompt and run, the tokens matched
+    before the first (tolerated) difference."""
+    hf = load_hf_model(path, torch.bfloat16, "cuda")
+    matched = []
+    for i, p in enumerate(prompts):
+        ref = hf_greedy(hf, p, NEW, top_k=TOP)
+        for tag, outs in outs_by_tag.items():
+            top = [dict(t.top) for t in outs[i].logprobs]
+            matched.append(check_logprobs_close(outs[i].token_ids, top, ref, f"{name}[{i}] {tag}"))
+    return matched
+
+
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
 def test_tiny_models_close_to_transformers_graphs_and_eager(name, tiny_model_dirs):
     path = tiny_model_dirs[name]
@@ -54,13 +70,7 @@ def test_tiny_models_close_to_transformers_graphs_and_eager(name, tiny_model_dir
     single_outs = [graph_eng.generate([p], params)[0] for p in prompts]
     eager_outs = _engine(path, eager=True).generate(prompts, params)
     assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs], "graphs and eager differ"
-    hf = load_hf_model(path, torch.bfloat16, "cuda")
-    matched = []
-    for i, p in enumerate(prompts):
-        ref = hf_greedy(hf, p, NEW, top_k=TOP)
-        for tag, o in (("batch", graph_outs[i]), ("alone", single_outs[i])):
-            top = [dict(t.top) for t in o.logprobs]
-            matched.append(check_logprobs_close(o.token_ids, top, ref, f"{name}[{i}] {tag}"))
+    matched = _matched_with_transformers(path, prompts, {"batch": graph_outs, "alone": single_outs}, name)
     print(f"{name}: tokens matched before first (tolerated) difference, batched/alone: {matched}")
 
 
@@ -82,22 +92,15 @@ def default_model_gpu() -> str:
 
 
 def test_default_model_close_to_transformers(default_model_gpu):
-    prompts_text = ["The capital of France is", "Write a haiku about autumn:", "def quicksort(arr):",
-                    "Explain photosynthesis in simple terms. Plants use sunlight to"]
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
     graph_eng = _engine(default_model_gpu, eager=False)
-    prompts = [graph_eng.tokenizer.encode(t) for t in prompts_text]
+    prompts = [graph_eng.tokenizer.encode(t) for t in SMOL_PROMPTS]
     graph_outs = graph_eng.generate(prompts, params)
     eager_outs = _engine(default_model_gpu, eager=True).generate(prompts, params)
     assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs]
-    hf = load_hf_model(default_model_gpu, torch.bfloat16, "cuda")
     single_outs = [graph_eng.generate([p], params)[0] for p in prompts]
-    matched = []
-    for i, p in enumerate(prompts):
-        ref = hf_greedy(hf, p, NEW, top_k=TOP)
-        for tag, o in (("batch", graph_outs[i]), ("alone", single_outs[i])):
-            top = [dict(t.top) for t in o.logprobs]
-            matched.append(check_logprobs_close(o.token_ids, top, ref, f"smol[{i}] {tag}"))
+    matched = _matched_with_transformers(default_model_gpu, prompts, {"batch": graph_outs, "alone": single_outs},
+                                         "smol")
     print(f"default model: tokens matched before first (tolerated) difference, batched/alone: {matched}")
     chat = graph_eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                    tokenize=False, add_generation_prompt=True)
@@ -128,20 +131,12 @@ def test_default_model_fp8_kv_cache_close_to_transformers(default_model_gpu):
     bf16 activations and an fp8 cache this 135M model's chat answer drifts ("L'Étoile de la
     Cité, la Cité de la France, is the capital of France..."), on the GPU and on the CPU
     reference path alike (docs/PERFORMANCE.md, tenth session)."""
-    prompts_text = ["The capital of France is", "Write a haiku about autumn:", "def quicksort(arr):",
-                    "Explain photosynthesis in simple terms. Plants use sunlight to"]
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
     eng = _engine(default_model_gpu, eager=False, kv_cache_dtype="fp8")
-    prompts = [eng.tokenizer.encode(t) for t in prompts_text]
+    prompts = [eng.tokenizer.encode(t) for t in SMOL_PROMPTS]
     outs = eng.generate(prompts, params)
     single = [eng.generate([p], params)[0] for p in prompts]
-    hf = load_hf_model(default_model_gpu, torch.bfloat16, "cuda")
-    matched = []
-    for i, p in enumerate(prompts):
-        ref = hf_greedy(hf, p, NEW, top_k=TOP)
-        for tag, o in (("batch", outs[i]), ("alone", single[i])):
-            top = [dict(t.top) for t in o.logprobs]
-            matched.append(check_logprobs_close(o.token_ids, top, ref, f"smol fp8[{i}] {tag}"))
+    matched = _matched_with_transformers(default_model_gpu, prompts, {"batch": outs, "alone": single}, "smol fp8")
     print(f"default model, fp8 KV cache: tokens matched before first (tolerated) difference: {matched}")
 
 
