@@ -347,9 +347,10 @@ def prefill_rows(sizes: list[int]) -> None:
 
 def tunable(sizes: list[int]) -> None:
     """cuBLAS's own pick against the fastest of the GEMM algorithms PyTorch's TunableOp
-    times (torch.cuda.tunable: on CUDA, cuBLAS and the cuBLASLt heuristic's candidates),
-    per projection at decode batches, 36 weights in one graph as in `blas`. Tuning runs
-    eagerly before each capture; the graph then holds the chosen kernel."""
+    times (torch.cuda.tunable; which candidates it offers depends on the torch build:
+    torch 2.11 on CUDA offered only the default, results/s10_tunable.txt), per projection
+    at decode batches, 36 weights in one graph as in `blas`. Tuning runs eagerly before
+    each capture; the graph then holds the chosen kernel."""
     import torch.cuda.tunable as tunable_op
 
     print("\n== cuBLAS's pick / TunableOp's fastest per projection, us per GEMM; 36 weights in one graph ==")
