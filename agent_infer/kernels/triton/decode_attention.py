@@ -343,8 +343,7 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
-    check_kv_cache_dtype(k_cache, q.dtype)
-    assert v_cache.dtype == k_cache.dtype
+    check_kv_cache_dtype(k_cache, v_cache, q.dtype)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     if counters is not None:

@@ -44,8 +44,7 @@ def store_kv(
     assert v.shape == k.shape and slot_mapping.shape[0] == tokens
     assert k_cache.shape[1:] == v_cache.shape[1:] and k_cache.shape[2:] == (n_heads, head_dim)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    check_kv_cache_dtype(k_cache, k.dtype)
-    assert v_cache.dtype == k_cache.dtype
+    check_kv_cache_dtype(k_cache, v_cache, k.dtype)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if tokens == 0:
         return

@@ -154,8 +154,7 @@ def norm_rope_store(
     assert k.shape == v.shape == (tokens, n_kv, dim) and positions.shape[0] == slot_mapping.shape[0] == tokens
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.shape[2:] == (n_kv, dim) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    check_kv_cache_dtype(k_cache, k.dtype)
-    assert v_cache.dtype == k_cache.dtype
+    check_kv_cache_dtype(k_cache, v_cache, k.dtype)
     rot_dim = cos_sin_cache.shape[-1]
     assert rot_dim % 2 == 0 and rot_dim <= dim and cos_sin_cache.stride(-1) == 1
     qk_norm = q_weight is not None

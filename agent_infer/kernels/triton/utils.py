@@ -103,6 +103,7 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
     return x.to(CACHE_TYPE)
 
 
-def check_kv_cache_dtype(cache: torch.Tensor, compute: torch.dtype) -> None:
-    """The caches hold the model's dtype or float8 e4m3 (read back as the model's)."""
-    assert cache.dtype in (compute, torch.float8_e4m3fn), f"a {cache.dtype} KV cache for {compute} activations"
+def check_kv_cache_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, compute: torch.dtype) -> None:
+    """Both caches hold the model's dtype, or both float8 e4m3 (read back as the model's)."""
+    assert k_cache.dtype == v_cache.dtype, f"K cache {k_cache.dtype}, V cache {v_cache.dtype}"
+    assert k_cache.dtype in (compute, torch.float8_e4m3fn), f"a {k_cache.dtype} KV cache for {compute} activations"
