@@ -1,8 +1,9 @@
 """A floor for `bench throughput`'s workload on one GPU (CPU only, no model needed): the
 time the run could not beat if every kernel ran at the hardware's rate and nothing else
-took time. The workload is regenerated from its seed, as the benchmark draws it.
+took time. The workload is regenerated from its seed, as the benchmark draws it
+(nano-vllm's draw by default, `--workload uniform` for the other).
 
-    python benchmarks/workload_floor.py [--preset qwen3-8b] [--read-tbs 4.5] [--tflops 790 705]
+    python benchmarks/workload_floor.py [--preset qwen3-8b] [--workload nano-vllm] [--read-tbs 4.5] [--tflops 790 705]
 
 Prefill: the projections' FLOPs (every prompt token through every layer) and causal
 attention's, at the GEMM rate. Decode, step by step over the falling batch (every prompt
@@ -28,16 +29,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent_infer.bench.offline import WORKLOADS  # noqa: E402
 from agent_infer.bench.random_weights import get_preset  # noqa: E402
 
 
-def floor(preset: str, num_seqs: int, min_len: int, max_len: int, seed: int, read_tbs: float,
+def floor(preset: str, workload: str, num_seqs: int, min_len: int, max_len: int, seed: int, read_tbs: float,
           tflops: float) -> dict[str, float]:
     p = get_preset(preset)
-    # The lengths exactly as agent_infer.bench.offline.throughput_workload draws them.
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(min_len, max_len + 1, num_seqs)
-    out_lens = rng.integers(min_len, max_len + 1, num_seqs)
+    # The lengths exactly as `bench throughput` draws them.
+    prompts, outs = WORKLOADS[workload](num_seqs, min_len, max_len, p.vocab_size, seed)
+    in_lens = np.asarray([len(x) for x in prompts])
+    out_lens = np.asarray(outs)
     h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
     projections = [(q + 2 * kv, h), (h, q), (2 * p.intermediate_size, h), (h, p.intermediate_size)]  # (N, K)
     per_token = 2 * p.num_layers * sum(n * k for n, k in projections)  # FLOPs of one token's projections
@@ -74,6 +76,7 @@ def elementwise_bytes(p) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workload", default="nano-vllm", choices=sorted(WORKLOADS))
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -82,7 +85,7 @@ def main() -> None:
     parser.add_argument("--tflops", type=float, nargs="+", default=[790.0, 705.0], help="bf16 GEMM rate(s)")
     args = parser.parse_args()
     for tflops in args.tflops:
-        f = floor(args.preset, args.num_seqs, args.min_len, args.max_len, args.seed, args.read_tbs, tflops)
+        f = floor(args.preset, args.workload, args.num_seqs, args.min_len, args.max_len, args.seed, args.read_tbs, tflops)
         print(f"{args.preset}, reads at {args.read_tbs} TB/s, GEMMs at {tflops:.0f} TFLOP/s: prefill "
               f"{f['prefill_s']:.2f} s + decode GEMMs {f['decode_gemm_s']:.2f} s + KV reads {f['decode_kv_s']:.2f} s "
               f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s "

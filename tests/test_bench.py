@@ -19,7 +19,8 @@ from agent_infer.bench.cli import add_bench_parser
 from agent_infer.bench.hf_baseline import left_pad
 from agent_infer.bench.monitor import GpuMonitor, GpuSeries, parse_smi_line
 from agent_infer.bench.offline import (
-    LatencyRun, format_table, json_text, run_throughput, summarise_latency, throughput_workload,
+    LatencyRun, fresh_prompts, format_table, json_text, nano_vllm_workload, run_throughput, summarise_latency,
+    uniform_workload,
 )
 from agent_infer.bench.roofline import decode_roofline, decode_weight_params
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
@@ -312,12 +313,38 @@ def test_json_text_puts_number_lists_on_one_line():
     assert '"names": [\n' in text  # lists of strings keep indent=2's layout
 
 
-def test_throughput_workload_is_seeded_and_in_range():
-    prompts, outs = throughput_workload(50, 100, 1024, vocab=1000, seed=3)
+def test_uniform_workload_is_seeded_and_in_range():
+    prompts, outs = uniform_workload(50, 100, 1024, vocab=1000, seed=3)
     assert len(prompts) == len(outs) == 50
     assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in outs)
     assert all(0 <= t < 1000 and isinstance(t, int) for p in prompts for t in p)
-    assert throughput_workload(50, 100, 1024, vocab=1000, seed=3) == (prompts, outs)
+    assert uniform_workload(50, 100, 1024, vocab=1000, seed=3) == (prompts, outs)
+
+
+def test_nano_vllm_workload_is_its_bench_draw():
+    """nano-vllm's bench.py: random.seed(0); the prompts (a length, then its ids), then the
+    max_tokens, all from Python's global generator. 256 requests give 133,966 output tokens."""
+    import random
+
+    random.seed(0)
+    expected = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    expected_out = [random.randint(100, 1024) for _ in range(256)]
+    prompts, outs = nano_vllm_workload(256, 100, 1024, vocab=151936, seed=0)
+    assert prompts == expected and outs == expected_out
+    assert sum(outs) == 133966
+    # A small vocabulary keeps its ids in range.
+    small, _ = nano_vllm_workload(8, 100, 1024, vocab=500, seed=0)
+    assert max(max(p) for p in small) < 500
+
+
+def test_fresh_prompts_keep_the_lengths_and_share_no_block():
+    prompts, _ = nano_vllm_workload(32, 100, 1024, vocab=151936, seed=0)
+    fresh = fresh_prompts(prompts, 151936, seed=101)
+    assert [len(p) for p in fresh] == [len(p) for p in prompts]
+    assert all(max(p) <= 10000 for p in fresh)
+    first_blocks = {tuple(p[:16]) for p in prompts}
+    assert not any(tuple(p[:16]) in first_blocks for p in fresh), "a fresh round would hit the prefix cache"
+    assert fresh_prompts(prompts, 151936, seed=101) == fresh
 
 
 # ---- the commands, really run -----------------------------------------------------------
@@ -372,7 +399,7 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     out_json = tmp_path / "thr.json"
     rc = run_bench([
         "throughput", "--random-weights", "tiny", "--device", "cpu", "--kv-cache-gib", "0.02",
-        "--num-seqs", "6", "--min-len", "24", "--max-len", "40", "--seed", "5",
+        "--num-seqs", "6", "--min-len", "24", "--max-len", "40", "--seed", "5", "--rounds", "2",
         "--compare-hf", "--hf-num-seqs", "3", "--profile", str(tmp_path / "prof"), "--profile-steps", "2",
         "--output-json", str(out_json),
     ])
@@ -392,8 +419,15 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     for tag in ("throughput", "throughput-prefill"):
         assert "traceEvents" in json.loads((tmp_path / "prof" / f"trace-{tag}.json").read_text())
     assert "2 steps from the start (1 prefill, 1 decode; 192 prompt tokens in all, 192 computed in the trace)" in out
-    prompts, outs = throughput_workload(6, 24, 40, rw.PRESETS["tiny"].vocab_size, seed=5)
+    prompts, outs = nano_vllm_workload(6, 24, 40, rw.PRESETS["tiny"].vocab_size, seed=5)
     assert r["num_requests"] == 6
+    # the first batch is the headline; the later round ran the same lengths with fresh ids
+    (later,) = r["later_rounds"]
+    assert later["output_tokens"] == r["output_tokens"] and later["input_tokens"] == r["input_tokens"]
+    assert later["cached_prompt_tokens"] == 0 == r["cached_prompt_tokens"]
+    assert r["later_output_tok_s"] == later["output_tok_s"]
+    assert r["first_vs_later"] == pytest.approx(r["output_tok_s"] / later["output_tok_s"])
+    assert r["kernel_compiles"] is None  # counted on GPUs only
     assert r["output_tokens"] == sum(outs) and r["input_tokens"] == sum(len(p) for p in prompts)
     assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
     assert r["total_tok_s"] == pytest.approx((r["input_tokens"] + r["output_tokens"]) / r["wall_s"])
@@ -403,7 +437,8 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     assert hf["padded_prompt_len"] == max(len(p) for p in prompts[:3])
     assert hf["output_tok_s"] == pytest.approx(hf["output_tokens"] / hf["seconds"])
     rows = _table_rows(out)
-    assert rows["output tok/s"][2] == f"{r['output_tok_s'] / hf['output_tok_s']:,.2f}x"
+    assert rows["output tok/s, first batch"][2] == f"{r['output_tok_s'] / hf['output_tok_s']:,.2f}x"
+    assert "output tok/s, later rounds (median of 1)" in rows
     assert "first 3 requests as one batch" in out
     # the step timeline: in the JSON, summarised there and in a table after the main one
     trace = r["step_trace"]
@@ -411,7 +446,7 @@ def test_throughput_command_on_tiny(bench_cache, tmp_path, capsys):
     summary = {b["band"]: b for b in r["step_summary"]}
     assert summary["total"]["steps"] == r["engine_steps"] and summary["prefill"]["steps"] == r["prefill_steps"]
     assert summary["total"]["total_s"] == pytest.approx(r["wall_s"], rel=0.05)
-    assert out.index("| output tok/s") < out.index("| step band")
+    assert out.index("| output tok/s, first batch") < out.index("| step band")
     assert rows["total"][0] == str(r["engine_steps"]) and rows["prefill"][0] == str(r["prefill_steps"])
 
 
@@ -422,7 +457,7 @@ def test_throughput_step_trace_matches_the_engine(tiny_model_dirs, mixed):
     engine = LLMEngine(EngineConfig(model=tiny_model_dirs["qwen3"], device="cpu", dtype="float32", num_kv_blocks=96,
                                     block_size=16, max_num_batched_tokens=32, mixed_batches=mixed))
     batches = record_batches(engine)
-    prompts, out_lens = throughput_workload(6, 4, 24, VOCAB, seed=2)
+    prompts, out_lens = uniform_workload(6, 4, 24, VOCAB, seed=2)
     r = run_throughput(engine, prompts, out_lens, temperature=0.6, seed=0)
     trace, stats = r["step_trace"], engine.stats
     assert stats.trace is None, "the trace stops with the timed run"
@@ -459,6 +494,7 @@ def test_bench_registers_latency_throughput_and_serve():
     assert args.bandwidth_tbs == 4.26 and callable(args.handler)
     args = parser.parse_args(["bench", "throughput"])
     assert (args.num_seqs, args.min_len, args.max_len, args.temperature, args.max_num_seqs) == (256, 100, 1024, 0.6, None)  # None: the engine's 256
+    assert (args.workload, args.rounds, args.num_warmup) == ("nano-vllm", 3, 0)
 
 
 def test_monitor_nvml_path_with_a_fake_driver(monkeypatch):

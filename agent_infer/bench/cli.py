@@ -68,15 +68,21 @@ def add_bench_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
     # No more sequence slots (and captured graphs) than the batch, unless asked.
     lat.set_defaults(handler=_latency, max_num_seqs=None)
 
-    thr = bsub.add_parser("throughput", help="the nano-vllm workload: output tok/s of many requests")
+    thr = bsub.add_parser("throughput", help="nano-vllm's workload: output tok/s of many requests, first batch first")
     add_engine_args(thr)
     _add_common_args(thr)
     g = thr.add_argument_group("throughput")
+    g.add_argument("--workload", default="nano-vllm", choices=["nano-vllm", "uniform"],
+                   help="nano-vllm: its bench.py's exact draw (Python random, ids < 10,000); uniform: NumPy "
+                        "lengths, ids over the whole vocabulary")
     g.add_argument("--num-seqs", type=_positive, default=256)
     g.add_argument("--min-len", type=_positive, default=100, help="input and output lengths are uniform in [min, max]")
     g.add_argument("--max-len", type=_positive, default=1024)
     g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--num-warmup", type=int, default=1, help="untimed runs first (same prompts shape, short outputs)")
+    g.add_argument("--rounds", type=_positive, default=3,
+                   help="timed batches: the first after start-up (the headline), then the same lengths with fresh ids")
+    g.add_argument("--num-warmup", type=int, default=0,
+                   help="untimed batches before the first timed one (same prompt lengths, short outputs)")
     g.add_argument("--hf-num-seqs", type=_positive, default=32,
                    help="requests transformers runs (as one left-padded batch) with --compare-hf")
     thr.set_defaults(handler=_throughput)

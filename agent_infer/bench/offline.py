@@ -7,11 +7,16 @@ for the `output_len - 1` tokens after the first. Warm-up runs come first (graph 
 Triton compilation); the figures are medians over `--num-iters` timed runs. Every run
 uses fresh random prompts so the prefix cache never serves one.
 
-throughput: the nano-vllm workload: `--num-seqs` requests, input and output lengths
-uniform in [min_len, max_len], random token ids, EOS ignored, temperature 0.6 (seeded);
-output tok/s = output tokens / wall time of the whole batch. The engine's per-step timeline
-of the timed run goes into the JSON (results.step_trace) and a table of where the wall time
-went, by step kind and decode batch size, is printed after the main one (step_trace.py).
+throughput: nano-vllm's own benchmark workload by default (its bench.py's draw, in its
+order: 256 prompts of randint(100, 1024) ids randint(0, 10000), then each max_tokens
+randint(100, 1024); EOS ignored, temperature 0.6), `--workload uniform` for lengths drawn
+with NumPy over the whole vocabulary. The headline is the first batch after start-up:
+what a user's first `generate()` gets. `--rounds` more batches of the same lengths with
+fresh ids (no prefix-cache hits) are reported beside it. Output tok/s = output tokens /
+wall time of the whole batch. The engine's per-step timeline of the first round goes into
+the JSON (results.step_trace) and a table of where its wall time went, by step kind and
+decode batch size, is printed after the main one (step_trace.py); on a GPU each round
+also lists the Triton kernel variants it compiled (none, when start-up covered them).
 
 Both can run Hugging Face transformers on the same checkpoint first (`--compare-hf`),
 then free it, so the engine sizes its KV cache on an empty GPU.
@@ -23,12 +28,14 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
@@ -275,12 +282,37 @@ def latency_rows(results: dict, hf: dict | None, roof: dict, monitor: dict, B: i
 # ---- throughput -----------------------------------------------------------------------
 
 
-def throughput_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int):
-    """(prompts, output lengths): lengths uniform in [min_len, max_len], random ids."""
+NANO_VLLM_MAX_TOKEN_ID = 10000
+
+
+def nano_vllm_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
+    """(prompts, output lengths) drawn exactly as nano-vllm's bench.py draws them: Python's
+    `random` seeded with `seed`; for each prompt a length randint(min_len, max_len), then
+    that many ids randint(0, 10000); after all prompts, each max_tokens randint(min_len,
+    max_len). (A vocabulary of 10,000 tokens or fewer draws ids below its size instead.)"""
+    rng = random.Random(seed)
+    top = min(NANO_VLLM_MAX_TOKEN_ID, vocab - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)]
+    return prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+
+
+def uniform_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int):
+    """(prompts, output lengths): lengths uniform in [min_len, max_len] (NumPy), ids over
+    the whole vocabulary."""
     rng = np.random.default_rng(seed)
     in_lens = rng.integers(min_len, max_len + 1, num_seqs)
     out_lens = rng.integers(min_len, max_len + 1, num_seqs)
     return random_prompts(rng, in_lens, vocab), [int(n) for n in out_lens]
+
+
+WORKLOADS = {"nano-vllm": nano_vllm_workload, "uniform": uniform_workload}
+
+
+def fresh_prompts(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths with new random ids: a later round of the same shape
+    that the prefix cache cannot serve."""
+    rng = np.random.default_rng(seed)
+    return random_prompts(rng, [len(p) for p in prompts], min(vocab, NANO_VLLM_MAX_TOKEN_ID + 1))
 
 
 def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temperature: float, seed: int) -> dict:
@@ -293,7 +325,8 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
     trace = engine.stats.start_trace()
     t0 = trace.origin  # the first step's period starts with the clock
     try:
-        outs = engine.generate(prompts, params, use_tqdm=False)
+        with compile_watch(engine.device) as watch:
+            outs = engine.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0  # generate() ends on a step's host read: synchronised
     finally:
         engine.stats.stop_trace()
@@ -309,6 +342,7 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
         "num_requests": len(prompts),
         "input_tokens": n_in,
         "output_tokens": n_out,
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
         "wall_s": wall,
         "output_tok_s": n_out / wall,
         "total_tok_s": (n_in + n_out) / wall,
@@ -317,8 +351,21 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
         "prefill_steps": stats["prefill_steps"],
         "decode_steps": stats["decode_steps"],
         "max_decode_batch": engine.stats.max_decode_batch,
+        "kernel_compiles": None if watch is None else [c.kernel for c in watch.compiles],
         "step_trace": trace_for_json(trace.columns()),
     }
+
+
+@contextmanager
+def compile_watch(device: torch.device):
+    """The Triton kernel variants compiled inside the block (GPU); None elsewhere."""
+    if device.type != "cuda":
+        yield None
+        return
+    from agent_infer.kernels.triton.compile_watch import CompileWatch
+
+    with CompileWatch() as watch:
+        yield watch
 
 
 def _step_counts(stats) -> dict[str, int]:
@@ -330,7 +377,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         raise ConfigError("need 1 <= --min-len <= --max-len")
     setup = prepare(args)
     vocab = setup.model_config.vocab_size
-    prompts, out_lens = throughput_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    prompts, out_lens = WORKLOADS[args.workload](args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
 
     hf = None
     if args.compare_hf:
@@ -348,16 +395,26 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         if 2 * args.max_len > engine.max_model_len:
             raise ConfigError(f"2 x --max-len = {2 * args.max_len} exceeds max_model_len {engine.max_model_len}")
         for i in range(args.num_warmup):
-            # Same prompt shapes, short outputs: prefill sizes and a falling decode batch
-            # are compiled/captured before the clock starts.
-            w_prompts, _ = throughput_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed + 1000 + i)
-            w_out = np.random.default_rng(args.seed + 2000 + i).integers(1, min(16, args.max_len) + 1, len(w_prompts))
+            # Same prompt shapes, short outputs, before the clock starts.
+            w_out = np.random.default_rng(args.seed + 2000 + i).integers(1, min(16, args.max_len) + 1, len(prompts))
             t0 = time.perf_counter()
-            run_throughput(engine, w_prompts, [int(n) for n in w_out], args.temperature, args.seed)
+            run_throughput(engine, fresh_prompts(prompts, vocab, args.seed + 1000 + i), [int(n) for n in w_out],
+                           args.temperature, args.seed)
             _say(f"warm-up {i + 1}/{args.num_warmup}: {time.perf_counter() - t0:.1f} s")
+        # The headline is the first batch the engine meets (after any --num-warmup); later
+        # rounds run the same lengths with fresh ids, so none is served by the prefix cache.
+        rounds = []
         with GpuMonitor(args.monitor_interval_ms / 1e3) as mon:
-            results = run_throughput(engine, prompts, out_lens, args.temperature, args.seed)
-        _say(f"{results['output_tokens']} output tokens in {results['wall_s']:.2f} s")
+            for r in range(args.rounds):
+                batch_prompts = prompts if r == 0 else fresh_prompts(prompts, vocab, args.seed + 100 + r)
+                rounds.append(run_throughput(engine, batch_prompts, out_lens, args.temperature, args.seed))
+                _say(f"round {r + 1}/{args.rounds}: {rounds[-1]['output_tokens']} output tokens in "
+                     f"{rounds[-1]['wall_s']:.2f} s ({rounds[-1]['output_tok_s']:,.0f} tok/s)")
+        results = rounds[0]
+        results["later_rounds"] = [{k: v for k, v in r.items() if k != "step_trace"} for r in rounds[1:]]
+        if len(rounds) > 1:
+            results["later_output_tok_s"] = statistics.median(r["output_tok_s"] for r in rounds[1:])
+            results["first_vs_later"] = results["output_tok_s"] / results["later_output_tok_s"]
         bands = summarise_step_trace(results["step_trace"])
         results["step_summary"] = [b.as_dict() for b in bands]
         monitor = mon.summary()
@@ -373,26 +430,41 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         pre_prompts = random_prompts(np.random.default_rng(args.seed + 4000), [len(p) for p in prof_prompts], vocab)
         payload["profile_prefill"] = maybe_profile(args, engine, pre_prompts, prof_params, "throughput-prefill",
                                                    phase="prefill")
-        title = (f"throughput: {model_label(setup)}, {args.num_seqs} requests, lengths uniform in "
-                 f"[{args.min_len}, {args.max_len}], temperature {args.temperature}, {mode_label(setup)}")
+        title = (f"throughput: {model_label(setup)}, {args.workload} workload: {args.num_seqs} requests, input and "
+                 f"output lengths uniform in [{args.min_len}, {args.max_len}], temperature {args.temperature}, "
+                 f"{mode_label(setup)}; engine start-up {init_s:.1f} s")
         if hf:
             title += (f"\nHF column: transformers on the first {hf['num_requests']} requests as one batch (prompts "
                       f"left-padded to {hf['padded_prompt_len']}, {hf['new_tokens_per_request']} new tokens each, greedy)")
         finish(args, title, throughput_rows(results, hf, monitor), payload)
-        print(f"\nwhere the wall time went, by step (prefill includes mixed steps; decode by batch size):\n"
-              f"{format_step_summary(bands, results['wall_s'])}", flush=True)
+        print(f"\nwhere the first round's wall time went, by step (prefill includes mixed steps; decode by batch "
+              f"size):\n{format_step_summary(bands, results['wall_s'])}", flush=True)
     finally:
         engine.shutdown()  # TP workers end with it
     return 0
 
 
 def throughput_rows(results: dict, hf: dict | None, monitor: dict) -> list[tuple]:
-    return [
-        ("output tok/s", results["output_tok_s"], hf["output_tok_s"] if hf else None, "rate", None),
-        ("total tok/s (input + output)", results["total_tok_s"], None, "rate", None),
-        ("requests/s", results["requests_s"], None, "rate", None),
-        ("wall s", results["wall_s"], None, "time", None),
-    ] + memory_rows(monitor)
+    rows = [
+        ("output tok/s, first batch", results["output_tok_s"], hf["output_tok_s"] if hf else None, "rate", None),
+    ]
+    later = results.get("later_rounds") or []
+    if later:
+        rows += [
+            (f"output tok/s, later rounds (median of {len(later)})", results["later_output_tok_s"], None, "rate", None),
+            ("first batch / later rounds", results["first_vs_later"], None, "info", None),
+        ]
+    rows += [
+        ("total tok/s (input + output), first batch", results["total_tok_s"], None, "rate", None),
+        ("requests/s, first batch", results["requests_s"], None, "rate", None),
+        ("wall s, first batch", results["wall_s"], None, "time", None),
+    ]
+    if results.get("kernel_compiles") is not None:
+        rows.append(("Triton kernel compiles, first batch", len(results["kernel_compiles"]), None, "info", None))
+        if later:
+            rows.append(("Triton kernel compiles, later rounds", sum(len(r["kernel_compiles"]) for r in later),
+                         None, "info", None))
+    return rows + memory_rows(monitor)
 
 
 # ---- report --------------------------------------------------------------------------

@@ -41,7 +41,8 @@ class _Pinned:
     was read back (one step in flight at most)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.hosts = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        pin = device.type == "cuda"  # (a CPU device only in tests of the staging)
+        self.hosts = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.dev = torch.zeros(shape, dtype=dtype, device=device)
         self.turn = 0
 
@@ -177,14 +178,19 @@ class DecodeGraphs:
         return batch_size <= self.max_batch
 
     def run(self, step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Replay the graph for `step` (a decode HostStep); returns logits [B, vocab].
-        Placeholder inputs take their token from `prev_tokens` (the previous step's
-        samples, still on the device)."""
-        b = len(step.input_ids)
-        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        """Replay the graph for `step` (a decode HostStep); returns logits [B, vocab]."""
+        size = self.stage(step, prev_tokens)
+        self.graphs[size].replay()
+        return self.logits[size][:len(step.input_ids)]
+
+    def stage(self, step, prev_tokens: torch.Tensor | None) -> int:
+        """Everything a replay needs that runs outside the graph: the inputs copied into the
+        static buffers of the graph size that fits `step`, and placeholder inputs resolved
+        to their tokens in `prev_tokens` (the previous step's samples, still on the
+        device). Returns that graph size."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(step.input_ids))]
         rows = self.rows.load(step, size)
         if step.prev_index is not None:
             ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
         self.block_tables.load_block(step.block_tables)
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        return size

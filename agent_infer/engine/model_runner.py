@@ -141,6 +141,17 @@ class ModelRunner:
         )
         self.graphs.capture()
 
+    def eager_decode_batches(self) -> tuple[list[int], list[int]]:
+        """Decode-row counts for the start-up warm-up to run eagerly, so that no eager step
+        compiles a decode-kernel variant later: (plain decode steps, which run eagerly
+        without graphs; the decode rows of mixed steps, which always do)."""
+        attn = self.model.attention_layers[0]
+        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        n = self.config.max_num_seqs
+        plain = [] if self.graphs is not None else self.backend.eager_decode_batches(n, *heads, False, self.device)
+        mixed = self.backend.eager_decode_batches(n - 1, *heads, True, self.device) if self.config.mixed_batches else []
+        return plain, mixed
+
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
         """Peak activation bytes of the largest step (a prefill of `num_tokens`) plus the

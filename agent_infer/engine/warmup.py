@@ -1,9 +1,11 @@
 """Start-up warm-up: a few made-up requests through the normal path before the first
 real one, so that what a step compiles on first use (Triton kernel variants: prefill tile
 sizes chosen by the longest query, element-wise kernels specialised on a token count of
-1 or a multiple of 16, the sampling kernel, mixed steps) is compiled at start-up and not
-while clients wait. Measured on an H200 with a cold Triton cache: each new variant stalled
-its step by 1.5-2.3 s, and the first mixed steps of a server met four (docs/PERFORMANCE.md).
+1 or a multiple of 16, the sampling kernel, mixed steps, and, where decode steps run
+outside CUDA graphs, the decode kernel's variants by batch size) is compiled at start-up
+and not while clients wait: with a cold Triton cache each new variant stalls its step by
+one to two seconds on an H200 (docs/PERFORMANCE.md). tests/test_kernel_variants.py checks
+on CPU that no serving step needs a variant these steps did not compile.
 
 The engine is left as it was: no request, every block free, the prefix cache and every
 counter empty. Tensor-parallel workers follow these steps like any other.
@@ -26,6 +28,19 @@ PROMPT_LENGTHS = (1, 17, 48, 129)
 # Then a wave of this many sampled requests, one arriving a step late: sampling over
 # 15 and 16 rows, and a mixed step when mixed batches are on.
 WAVE = 16
+
+
+def _decode_step_of(engine: LLMEngine, rows: int, arrival: bool, add) -> None:
+    """Queue `rows` one-token requests, prefill them, then launch one step in which they
+    all decode: plain, or with a prompt arriving (`arrival`: a mixed step when mixed
+    batches are on). `add(prompt_len, params, k)` queues request k."""
+    for k in range(rows):
+        add(1, SamplingParams(max_tokens=3 if arrival else 2, temperature=0.0, ignore_eos=True), k)
+    while engine.num_waiting:
+        engine.step()  # the prefill (several steps if the token budget is smaller than `rows`)
+    if arrival:
+        add(16, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), rows)
+    engine.step()
 
 
 def warm_up(engine: LLMEngine) -> float:
@@ -59,6 +74,13 @@ def warm_up(engine: LLMEngine) -> float:
     engine.step()
     add(16, nucleus, base + WAVE)
     drain()
+
+    plain, mixed = engine.runner.eager_decode_batches()
+    salt = base + WAVE + 1
+    for rows, arrival in [(r, False) for r in plain] + [(r, True) for r in mixed]:
+        _decode_step_of(engine, rows, arrival, lambda n, p, k: add(n, p, salt + k))
+        salt += rows + 1
+        drain()
 
     engine.reset_history()
     return time.perf_counter() - t0

@@ -36,6 +36,12 @@ class TorchAttentionBackend:
     def decode_workspace(max_batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
         return None
 
+    @staticmethod
+    def eager_decode_batches(
+        max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, mixed: bool, device: torch.device,
+    ) -> list[int]:
+        return []  # nothing is compiled
+
 
 def get_attention_backend(name: str, device: torch.device):
     if name == "auto":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from agent_infer.engine.forward_context import AttentionMetadata
-from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
+from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters, variant_batches
 from agent_infer.kernels.triton.kv_store import store_kv
 from agent_infer.kernels.triton.prefill_attention import prefill_attention
 
@@ -46,6 +46,17 @@ class TritonAttentionBackend:
     def decode_workspace(max_batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
         """`AttentionMetadata.decode_counters` for decode batches up to `max_batch`."""
         return decode_counters(max_batch, num_kv_heads, device)
+
+    @staticmethod
+    def eager_decode_batches(
+        max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, mixed: bool, device: torch.device,
+    ) -> list[int]:
+        """Decode-row counts whose eager steps compile every decode-kernel variant that
+        eager steps of up to `max_batch` rows need: plain decode steps (with the row
+        order) or, `mixed`, the decode rows of mixed steps (without it). Both merge
+        their splits with the runner's counters."""
+        return variant_batches(max_batch, num_kv_heads, num_heads // num_kv_heads, head_dim, counters=True,
+                               order=not mixed, device=device)
 
 
 def _mixed(

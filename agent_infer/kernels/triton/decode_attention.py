@@ -283,6 +283,62 @@ def ordered_rows(batch: int, num_kv_heads: int, splits: int, merge: bool, device
     return batch * num_kv_heads * splits > _resident_programs(device, preload=False, merge=merge)
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The host's choices for one decode call; all but `splits` are constexprs of the
+    kernels, and `splits` is specialised by Triton (1, a multiple of 16, or other), so
+    `variant` tells apart the calls that need different compiled kernels (the combining
+    kernel's tile, without an in-launch merge, included)."""
+
+    splits: int
+    direct: bool  # one split: the programs write the output
+    merge: bool  # the splits are merged in the same launch (counters given)
+    preload: bool
+    ordered: bool
+    group_p: int
+    merge_s: int
+
+    @property
+    def variant(self) -> tuple:
+        split_class = 1 if self.splits == 1 else 16 if self.splits % 16 == 0 else 0
+        combine = 0 if self.direct or self.merge else triton.next_power_of_2(self.splits)
+        return (self.direct, self.merge, self.preload, self.ordered, self.group_p, self.merge_s, split_class, combine)
+
+
+def launch_plan(
+    batch: int, num_kv_heads: int, group: int, block_d: int, counters: bool, order: bool, device: torch.device,
+    num_splits: int | None = None, preload: bool | None = None, ordered: bool | None = None,
+) -> LaunchPlan:
+    """What `decode_attention` launches for `batch` sequences (`counters`/`order`: whether
+    the caller passes them; the other arguments override the shape-derived choices)."""
+    splits = num_splits or decode_num_splits(batch, num_kv_heads, device)
+    if preload is None:
+        preload = preload_first_tile(batch, num_kv_heads, splits, device)
+    direct = splits == 1
+    merge = counters and not direct
+    if not order:
+        ordered = False
+    elif ordered is None:
+        ordered = ordered_rows(batch, num_kv_heads, splits, merge, device)
+    group_p = triton.next_power_of_2(group) if merge else 1
+    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (group_p * block_d))) if merge else 1
+    return LaunchPlan(splits, direct, merge, preload, ordered, group_p, merge_s)
+
+
+def variant_batches(
+    max_batch: int, num_kv_heads: int, group: int, head_dim: int, counters: bool, order: bool, device: torch.device,
+) -> list[int]:
+    """The smallest batch of each distinct compiled variant that calls of 1..max_batch
+    sequences need: running these batches once compiles every variant such calls can
+    meet (what a start-up warm-up of eager decode steps runs)."""
+    block_d = check_head_dim(head_dim)
+    first: dict[tuple, int] = {}
+    for batch in range(1, max_batch + 1):
+        plan = launch_plan(batch, num_kv_heads, group, block_d, counters, order, device)
+        first.setdefault(plan.variant, batch)
+    return sorted(first.values())
+
+
 def decode_counters(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
     """The zeroed int32 workspace that lets `decode_attention` merge its splits in one
     launch: one counter per (sequence, KV head) for batches up to `max_batch`. Allocate it
@@ -358,20 +414,12 @@ def decode_attention(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
-    splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
-    cfg = config or default_config(head_dim, q.dtype)
-    if preload is None:
-        preload = preload_first_tile(batch, num_kv_heads, splits, q.device)
-    direct = splits == 1
-    merge = counters is not None and not direct
-    if order is None:
-        ordered = False
-    else:
+    if order is not None:
         assert order.dtype == torch.int32 and order.shape[0] >= batch and order.device == q.device
-        if ordered is None:
-            ordered = ordered_rows(batch, num_kv_heads, splits, merge, q.device)
-    group_p = triton.next_power_of_2(group) if merge else 1
-    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (group_p * block_d))) if merge else 1
+    plan = launch_plan(batch, num_kv_heads, group, block_d, counters is not None, order is not None, q.device,
+                       num_splits, preload, ordered)
+    splits, direct, merge, ordered = plan.splits, plan.direct, plan.merge, plan.ordered
+    cfg = config or default_config(head_dim, q.dtype)
     if direct:
         part_o = part_lse = out  # unused
     else:
@@ -386,8 +434,9 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, num_kv_heads, group, head_dim, splits, scale * _LOG2E,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=group_p, MERGE_S=merge_s, PRECISION=dot_precision(q.dtype),
-        PRELOAD=preload, ORDERED=ordered, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
+        BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
+        PRECISION=dot_precision(q.dtype), PRELOAD=plan.preload, ORDERED=ordered,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct and not merge:
         _decode_combine_kernel[(batch, num_heads)](

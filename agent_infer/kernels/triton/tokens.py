@@ -16,6 +16,10 @@ from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 _SPLIT = 8192  # vocabulary entries per program of the first argmax pass
 _BLOCK = 2048
+# Ids per program of the placeholder fill. One size for every call: a block sized to the
+# call would be a constexpr that changes with the decode batch, and each new value a
+# compilation in the middle of serving (1-2 s each on an H200, docs/PERFORMANCE.md).
+_FILL_BLOCK = 1024
 
 
 @triton.jit
@@ -75,7 +79,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+# n changes every step: not specialised, so its value never picks a new compiled variant.
+@triton.jit(do_not_specialize=["n"])
 def _fill_placeholders_kernel(ids_ptr, prev_index_ptr, prev_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -93,8 +98,7 @@ def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_to
     assert prev_index.numel() == n and input_ids.is_contiguous() and prev_index.is_contiguous()
     assert input_ids.dtype == prev_tokens.dtype == torch.int64
     if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _fill_placeholders_kernel[(triton.cdiv(n, block),)](
-            input_ids, prev_index, prev_tokens, n, BLOCK=block, num_warps=4, **launch_opts(input_ids.device),
+        _fill_placeholders_kernel[(triton.cdiv(n, _FILL_BLOCK),)](
+            input_ids, prev_index, prev_tokens, n, BLOCK=_FILL_BLOCK, num_warps=4, **launch_opts(input_ids.device),
         )
     return input_ids

@@ -1,0 +1,176 @@
+"""After start-up, no serving step compiles a Triton kernel variant (CPU guard).
+
+A variant compiled while serving stalls its step by one to two seconds on an H200; the
+first batch of nano-vllm's workload once paid ~2.5 s that way (the placeholder fill had
+a block size per decode batch). The engine compiles at start-up what a step can need:
+the decode graphs are captured for every graph batch size, and the warm-up's requests
+run the rest (engine/warmup.py). This test checks that promise where the kernels cannot
+run: the engine's own scheduler produces the steps, first the warm-up's, then those of a
+nano-vllm-like workload, and each step is replayed with every Triton kernel replaced by
+a recorder of the variant it would compile (tests/kernel_variants.py) — prefill steps
+through the whole forward pass and the sampler, decode steps through what runs outside
+the captured graphs (input staging and placeholder fill) and the sampler. Every variant
+of the workload must be one of the warm-up's. tests/gpu/test_no_compile_after_startup.py
+checks the same on a GPU with Triton's own compile hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.engine.cuda_graphs import DecodeGraphs
+from agent_infer.engine.llm_engine import LLMEngine
+from agent_infer.engine.model_runner import ModelRunner
+from agent_infer.engine.sampler import Sampler, SamplingBatch
+from agent_infer.engine.warmup import warm_up
+from agent_infer.sampling_params import SamplingParams
+from agent_infer.tp_layers.distributed import SINGLE
+from tests.kernel_variants import VariantRecorder, dispatch_to_triton
+
+pytest.importorskip("triton")
+
+# Steps come from a tiny model (the scheduler's choices do not depend on the weights); they
+# are replayed on one layer of Qwen3-8B's real dimensions, since launch choices depend on
+# them (row blocks by hidden size, head groups by head counts), in bfloat16 as on a GPU.
+# The vocabulary is small: it fixes the sampling kernels' shape once per model.
+TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16)
+REAL = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=1, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128)
+COMMON = dict(vocab_size=503, max_position_embeddings=2304, tie_word_embeddings=False)
+
+
+def _write(path: str, dims: dict, dtype: torch.dtype) -> str:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dims, **COMMON, torch_dtype=str(dtype)[6:]))
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("variants")
+    return {"tiny": _write(str(root / "tiny"), TINY, torch.float32),
+            "real": _write(str(root / "real"), REAL, torch.bfloat16)}
+
+
+class StepLog:
+    """Every step the engine launches, with the sampling settings of its sampling rows."""
+
+    def __init__(self, engine: LLMEngine):
+        self.steps: list[tuple] = []
+        launch = engine.runner.launch
+
+        def recording_launch(step, sampling_seqs):
+            self.steps.append((step, [s.sampling_params for s in sampling_seqs], [s.seed for s in sampling_seqs]))
+            return launch(step, sampling_seqs)
+
+        engine.runner.launch = recording_launch
+
+    def take(self) -> list[tuple]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def _workload(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's prompt lengths (100-1024), short outputs; mostly temperature 0.6 as there,
+    some greedy and some top-p rows as a server sees."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 502) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        kw = {"temperature": 0.0} if i % 3 == 0 else {"temperature": 0.6, "top_p": 0.9 if i % 5 == 0 else 1.0}
+        params.append(SamplingParams(max_tokens=rng.randint(8, 40), ignore_eos=True, seed=i, **kw))
+    return prompts, params
+
+
+def _replay(runner: ModelRunner, graphs: DecodeGraphs | None, steps: list[tuple], vocab: int) -> None:
+    """Run each step's launches as a GPU engine would, under the recorder: prefill steps
+    (and, without graphs, decode steps) through the forward pass, decode steps with graphs
+    through what runs outside them."""
+    from agent_infer.engine.structs import Sequence
+
+    prev_rows = 0
+    for step, params, seeds in steps:
+        runner._prev_tokens = torch.zeros(max(prev_rows, 1), dtype=torch.int64)
+        if step.is_prefill or graphs is None:
+            if step.prev_index is not None:  # the stand-in fill leaves placeholder ids: make them real ones
+                step = dataclasses.replace(step, input_ids=np.where(step.prev_index >= 0, 0, step.input_ids))
+            logits, _ = runner.execute(step)
+        else:
+            size = graphs.stage(step, runner._prev_tokens)
+            logits = torch.empty(size, vocab, dtype=runner.dtype)[: len(step.input_ids)]
+        if params:
+            seqs = [Sequence(request_id=str(i), prompt_token_ids=[0], sampling_params=p, max_tokens=1, seed=s)
+                    for i, (p, s) in enumerate(zip(params, seeds))]
+            Sampler()(logits, SamplingBatch.from_seqs(seqs, vocab, logits.device))
+        prev_rows = len(step.sample_indices)
+
+
+@contextmanager
+def _no_matmuls():
+    """F.linear returns an uninitialised result of the right shape: the replay counts
+    kernel variants, and the real-size GEMMs would take minutes on a CPU."""
+    import torch.nn.functional as F
+
+    def linear(x, weight, bias=None):
+        return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "linear", linear)
+        yield
+
+
+MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixed_batches=True)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode):
+    from agent_infer.kernels.triton.attention import TritonAttentionBackend
+
+    options = MODES[mode]
+    # The GPU-side runner the steps are replayed on: real dimensions, the Triton backend,
+    # decode graphs unless eager (built, not captured: only their input staging runs).
+    config = EngineConfig(model=model_dirs["real"], device="cpu", dtype="bfloat16", warmup=False, **options)
+    real = ModelConfig.from_hf(config.model)
+    runner = ModelRunner(real, config, torch.device("cpu"), torch.bfloat16, 2304, SINGLE)
+    runner.backend = TritonAttentionBackend
+    runner.decode_workspace = TritonAttentionBackend.decode_workspace(config.max_num_seqs, real.num_kv_heads,
+                                                                      runner.device)
+    runner.init_kv_cache(6144)
+    if mode != "eager":
+        runner.graphs = DecodeGraphs(runner.model, config.max_num_seqs, -(-2304 // config.block_size),
+                                     runner.device, runner.decode_workspace)
+
+    # The steps: a tiny model's engine, whose warm-up asks the GPU-side runner which eager
+    # decode steps it needs.
+    engine = LLMEngine(EngineConfig(model=model_dirs["tiny"], device="cpu", dtype="float32", num_kv_blocks=6144,
+                                    warmup=False, **options))
+    engine.runner.eager_decode_batches = runner.eager_decode_batches
+    log = StepLog(engine)
+    warm_up(engine)
+    warm_steps = log.take()
+    prompts, params = _workload(96)
+    engine.generate(prompts, params)
+    serve_steps = log.take()
+    assert max(len(s.input_ids) for s, _, _ in serve_steps if not s.is_prefill) == 96
+    assert max(len(s.input_ids) for s, _, _ in serve_steps if s.is_prefill) > 4096
+
+    with torch.inference_mode(), dispatch_to_triton(), _no_matmuls():
+        with VariantRecorder().active() as at_start:
+            _replay(runner, runner.graphs, warm_steps, real.vocab_size)
+        with VariantRecorder().active() as serving:
+            _replay(runner, runner.graphs, serve_steps, real.vocab_size)
+    assert at_start.variants, "the replay recorded no launch"
+    new = serving.variants - at_start.variants
+    assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
+        f"{name} {spec} {opts}" for name, spec, opts in sorted(new))
