@@ -98,7 +98,7 @@ prepare() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   export AGENT_INFER_CACHE=$CACHE AGENT_INFER_GIT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   export PYTHONPATH=$SITE:$PWD
-  mkdir -p "$FIG" "$SITE"
+  mkdir -p "$FIG" "$SITE" && FIG=$(cd "$FIG" && pwd)  # absolute: `ab` runs the base tree from its own folder
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
       || { echo "installing .whl/ failed"; return 1; }
@@ -444,6 +444,7 @@ main() {
     setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|default-model|tests) ;;
     *) usage; return 2 ;;
   esac
+  [ -f agent_infer/cli.py ] || { echo "run this from the repository root"; return 2; }
   prepare || return 1
   "cmd_${sub//-/_}" "$@"
 }
