@@ -5,8 +5,7 @@ batch 256 and a prefill step of 14 prompts of 562 tokens (7,868 tokens, what an
 the read bandwidth that bounds the KV-cache reads. Two sections follow the workload's
 falling batch instead: decode attention by split count (`splits`) and the 36 layers'
 GEMMs in one graph, cuBLAS against the Triton skinny GEMM (`chain`); `blas` compares
-cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes
-(benchmarks/decode_gemm.py pits a Triton tiled GEMM against cuBLAS at those batches);
+cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes;
 `prefill_rows` times a layer's GEMMs per token by prefill step size; `tunable` lets
 PyTorch's TunableOp time every GEMM algorithm it offers per decode shape and compares
 the fastest with cuBLAS's own pick.
@@ -112,7 +111,8 @@ def decode(quick: bool, block: int = BLOCK) -> None:
     scale = HEAD_DIM**-0.5
     want = decode_attention(q, k_cache, v_cache, tables, lens, scale)
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
-    # The earlier full sweep (n 32/64/128 x warps 2/4/8 x stages 2/3/4 x splits 1/2) put these first.
+    # The closest rivals of the default in a full sweep (n 32/64/128 x warps 2/4/8 x stages 2/3/4 x
+    # splits 1/2) on an H200: enough to see whether a new GPU or Triton moves the choice.
     configs = [None, DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3), DecodeConfig(64, 2, 3)]
     if quick:
         configs = configs[:2]
@@ -348,7 +348,7 @@ def prefill_rows(sizes: list[int]) -> None:
 def tunable(sizes: list[int]) -> None:
     """cuBLAS's own pick against the fastest of the GEMM algorithms PyTorch's TunableOp
     times (torch.cuda.tunable; which candidates it offers depends on the torch build:
-    torch 2.11 on CUDA offered only the default, results/s10_tunable.txt), per projection
+    torch 2.11 on CUDA offers only the default, so there the two agree), per projection
     at decode batches, 36 weights in one graph as in `blas`. Tuning runs eagerly before
     each capture; the graph then holds the chosen kernel."""
     import torch.cuda.tunable as tunable_op

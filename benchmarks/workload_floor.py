@@ -16,7 +16,7 @@ final norm, the logits written and sampled): they run between the GEMMs, so no s
 hides them; still no launch gaps.
 Each --tflops value gives one line: on an H200, 790 TFLOP/s is what a short GEMM
 benchmark reaches at boost clock, ~705 what the workload's GEMMs sustain at the 700 W
-power limit (benchmarks/gemm_sustained.py; docs/PERFORMANCE.md, ninth session).
+power limit (the sustained rate: benchmarks/gemm_sustained.py; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

