@@ -99,85 +99,114 @@ class RopeConfig:
         )
 
 
+# config.json fields that change what a checkpoint computes beyond the dense decoder
+# (attention over a compressed latent, mixtures of experts, extra prediction heads). A
+# family whose model does not read one of them would serve such a checkpoint wrongly and
+# silently, so `refuse_unread_fields` turns it away instead.
+ARCHITECTURE_FIELDS = frozenset({
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "n_shared_experts", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace", "moe_layer_freq",
+    "decoder_sparse_step", "mlp_only_layers", "routed_scaling_factor", "topk_method", "n_group", "topk_group",
+    "scoring_func", "norm_topk_prob", "num_nextn_predict_layers",
+})
+
+
+def refuse_unread_fields(hf: dict[str, Any], family: str, reads: frozenset[str]) -> None:
+    """ConfigError naming the architecture fields `hf` sets (not null or false) that the
+    family's model does not read (`reads`)."""
+    unread = sorted(k for k in ARCHITECTURE_FIELDS - reads if hf.get(k) not in (None, False))
+    if unread:
+        raise ConfigError(
+            f"config.json sets {', '.join(unread)}, which the {family} model does not read: "
+            f"architectures[0] does not match this checkpoint, or the family is not supported"
+        )
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """A model directory's config.json as a dict; a missing or unreadable file is a
+    ConfigError naming it."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"model directory not found: {path}")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"no config.json in {path}: not a Hugging Face model directory")
+    try:
+        with open(cfg_file) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_file} cannot be read: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_file} holds a JSON {type(hf).__name__}, not an object")
+    return hf
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs to know about a checkpoint, read from its config.json."""
+    """What the engine needs to know about a checkpoint, read from its config.json: the
+    core every family shares, and the family's own section (`family`, a frozen dataclass
+    its model module parses: heads and biases for the dense decoders; latent attention
+    and experts for DeepSeek)."""
 
     path: str
     architecture: str
     model_type: str
     hidden_size: int
-    intermediate_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
     rope: RopeConfig
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    hidden_act: str
     checkpoint_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    family: Any
     hf: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
     def from_hf(path: str) -> "ModelConfig":
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise ConfigError(f"model directory not found: {path}")
-        if not os.path.isfile(cfg_file):
-            raise ConfigError(f"no config.json in {path}: not a Hugging Face model directory")
-        with open(cfg_file) as f:
-            hf = json.load(f)
+        return ModelConfig.from_dict(read_config_json(path), path)
+
+    @staticmethod
+    def from_dict(hf: dict[str, Any], path: str = "") -> "ModelConfig":
+        """Parse a config.json's contents (`path`: where it came from, for messages)."""
+        # The families' modules import this one: find them only when a config is parsed.
+        from agent_infer.models.registry import resolve_model_class
+
         archs = hf.get("architectures") or []
         if not archs:
-            raise ConfigError(f"{cfg_file} has no 'architectures' entry")
+            raise ConfigError(f"{os.path.join(path, 'config.json')} has no 'architectures' entry")
         # Multimodal Qwen2-VL style configs nest the language model in text_config.
         text = dict(hf)
         if isinstance(hf.get("text_config"), dict):
             text.update(hf["text_config"])
-        num_heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        model_type = text.get("model_type", "")
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype_name = text.get("torch_dtype") or text.get("dtype") or "float32"
-        if model_type == "qwen2" or model_type.startswith("qwen2_"):
-            qkv_bias = True  # Qwen2 always carries q/k/v biases and says so nowhere in config
-        else:
-            qkv_bias = bool(text.get("attention_bias", False))
-        return ModelConfig(
-            path=path,
-            architecture=archs[0],
-            model_type=model_type,
-            hidden_size=hidden,
-            intermediate_size=int(text.get("intermediate_size", 4 * hidden)),
-            num_layers=int(text["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
-            head_dim=int(text.get("head_dim") or hidden // num_heads),
-            vocab_size=int(text["vocab_size"]),
-            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(text),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            qkv_bias=qkv_bias,
-            o_bias=bool(text.get("attention_bias", False)) and not model_type.startswith("qwen2"),
-            mlp_bias=bool(text.get("mlp_bias", False)),
-            qk_norm=model_type.startswith("qwen3"),
-            hidden_act=text.get("hidden_act", "silu"),
-            checkpoint_dtype=parse_dtype(dtype_name),
-            bos_token_id=text.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            hf=text,
-        )
+        try:
+            family = resolve_model_class(archs[0]).config_class.from_hf(text)
+            return ModelConfig(
+                path=path,
+                architecture=archs[0],
+                model_type=text.get("model_type", ""),
+                hidden_size=int(text["hidden_size"]),
+                num_layers=int(text["num_hidden_layers"]),
+                vocab_size=int(text["vocab_size"]),
+                max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                rope=RopeConfig.from_hf(text),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                checkpoint_dtype=parse_dtype(dtype_name),
+                bos_token_id=text.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                family=family,
+                hf=text,
+            )
+        except KeyError as e:
+            raise ConfigError(f"{os.path.join(path, 'config.json')} lacks {e.args[0]!r}") from None
 
 
 PreemptionMode = Literal["none", "recompute"]

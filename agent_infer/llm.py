@@ -6,7 +6,8 @@ from dataclasses import fields
 from typing import Sequence as Seq
 
 from agent_infer.config import EngineConfig
-from agent_infer.engine.llm_engine import LLMEngine, Prompt
+from agent_infer.engine.launch import launch_engine
+from agent_infer.engine.llm_engine import Prompt
 from agent_infer.engine.outputs import RequestOutput
 from agent_infer.loader.default_model import ensure_default_model
 from agent_infer.loader.tokenizer import ChatFormatter
@@ -23,7 +24,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options: {', '.join(unknown)}")
         self.config = EngineConfig(model=model or ensure_default_model(), **engine_kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = launch_engine(self.config)
 
     @property
     def tokenizer(self):

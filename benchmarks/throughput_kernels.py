@@ -32,7 +32,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from agent_infer.engine.forward_context import longest_first  # noqa: E402
+from agent_infer.attention.metadata import longest_first  # noqa: E402
 from benchmarks.gemv_chain import graph_time_us  # noqa: E402
 from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.kernels.triton.decode_attention import (  # noqa: E402

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
 
-from agent_infer.engine.forward_context import AttentionMetadata
+from agent_infer.attention.metadata import AttentionMetadata
 from agent_infer.kernels import reference
 
 # Relative-error bounds. The interpreter rounds fp32 -> bf16 by truncation (the GPU
@@ -304,7 +305,6 @@ class PagedBatch:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             query_start_loc=qsl.to(device),
             max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
             query_lens_host=list(query_lens),
             context_lens_host=context_lens,
         )
@@ -340,14 +340,22 @@ def check_store_kv(
 
 
 def _run_backends(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
-    from agent_infer.kernels.triton.attention import TritonAttentionBackend
-    from agent_infer.layers.attention import TorchAttentionBackend
+    """The step's K/V stored (Triton's store against the reference's), then each backend
+    attends over its cache."""
+    from agent_infer.attention.dense_torch import DenseTorchBackend
+    from agent_infer.attention.dense_triton import DenseTritonBackend
+    from agent_infer.kernels.triton.kv_store import store_kv
+    from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 
+    layer = SimpleNamespace(cache_layout=DenseKVLayout(batch.k_cache.shape[2], batch.k_cache.shape[3]),
+                            num_heads=batch.q.shape[1])
     ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
-    ref = TorchAttentionBackend.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
+    reference.store_kv(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
+    ref = DenseTorchBackend(layer, 1, batch.q.device).attend(batch.q, DenseKVCache(ref_k, ref_v), batch.meta, batch.scale)
     with poisoned_empty():
-        out = TritonAttentionBackend.forward(
-            batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+        store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+        out = DenseTritonBackend(layer, 1, batch.q.device).attend(
+            batch.q, DenseKVCache(batch.k_cache, batch.v_cache), batch.meta, batch.scale
         )
     assert same(batch.k_cache, ref_k) and same(batch.v_cache, ref_v), "KV store differs"
     return out, ref, batch
@@ -421,7 +429,7 @@ def check_decode_order(device, dtype: torch.dtype, context_lens: list[int], num_
     both give the reference, with merged splits and without; an order that lists a row
     twice and leaves one out leaves that row's output untouched (the grid really goes by
     the order, and each program reads and writes the row it names)."""
-    from agent_infer.engine.forward_context import longest_first
+    from agent_infer.attention.metadata import longest_first
     from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters
 
     batch = PagedBatch(

@@ -24,7 +24,7 @@ from agent_infer.bench.offline import (
 )
 from agent_infer.bench.roofline import decode_roofline, decode_weight_params
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
-from agent_infer.cli import add_engine_args
+from agent_infer.arguments import add_engine_args
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.loader.default_model import DEFAULT_MODEL_NAME
@@ -72,12 +72,12 @@ def test_preset_config_loads_everywhere_and_names_match_transformers(tmp_path, n
     rw.write_config(preset, str(tmp_path))
     ours = ModelConfig.from_hf(str(tmp_path))
     assert ours.architecture == preset.architecture
-    assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+    assert (ours.hidden_size, ours.num_layers, ours.family.num_heads, ours.family.num_kv_heads, ours.family.head_dim) == (
         preset.hidden_size, preset.num_layers, preset.num_heads, preset.num_kv_heads, preset.head_dim)
     assert ours.vocab_size == preset.vocab_size and ours.tie_word_embeddings == preset.tie_word_embeddings
     assert ours.rope.theta == preset.rope_theta
     assert ours.checkpoint_dtype == torch.bfloat16
-    assert ours.qkv_bias == (preset.model_type == "qwen2") and ours.qk_norm == (preset.model_type == "qwen3")
+    assert ours.family.qkv_bias == (preset.model_type == "qwen2") and ours.family.qk_norm == (preset.model_type == "qwen3")
     if name == "llama3-8b":
         assert ours.rope.rope_type == "llama3" and ours.rope.factor == 8.0 and ours.rope.original_max_position == 8192
 

@@ -121,6 +121,22 @@ def test_empty_and_invalid_prompts_raise(smol_engine):
         smol_engine.add_request([1, 10**9], GREEDY)
 
 
+def test_vllm_prompt_dicts(default_model_dir, smol_engine):
+    """LLM.generate takes vLLM's TokensPrompt / TextPrompt dicts beside text and ids."""
+    from agent_infer import LLM
+
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", num_kv_blocks=256)
+    ids = smol_engine.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = smol_engine.generate([ids], params)[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt": PROMPTS[2]}, PROMPTS[2], ids], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected] * 4
+    assert outs[1].prompt == PROMPTS[2] and outs[0].prompt is None
+    assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids == expected  # one dict
+    with pytest.raises(RequestError, match=r"either 'prompt' \(text\) or 'prompt_token_ids'.*'multi_modal_data'"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], params, use_tqdm=False)
+
+
 def test_abort_frees_blocks(default_model_dir):
     eng = engine(default_model_dir)
     seq = eng.add_request("Tell me a long story about dragons", SamplingParams(max_tokens=200, temperature=0.0))

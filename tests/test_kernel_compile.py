@@ -100,12 +100,12 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
     large-batch kernel, one split, many waves, sequences in the given order) four (<= 128
     registers per thread); merging splits in the same launch three; with the preload two
     (no spills).
-    The preload held at every batch size, and V's offsets computed between the two tile
-    loads (30 registers more), cost the Qwen3-8B throughput workload 12 % on an H200.
-    With an fp8 cache (--kv-cache-dtype fp8) every variant compiles to ~168 registers,
-    three programs per SM: the large-batch kernel holds one fewer than with bf16, which
-    is part of why fp8 ran the throughput workload 4 % slower (docs/PERFORMANCE.md, tenth
-    session); the rules above are bf16's."""
+    Holding the preload at every batch size, or computing V's offsets between the two tile
+    loads (30 registers more), halves the programs per SM, so a many-wave grid has half the
+    KV loads in flight. With an fp8 cache (--kv-cache-dtype fp8) every variant compiles to
+    ~168 registers, three programs per SM: the large-batch kernel holds one fewer than with
+    bf16, which is part of why fp8 ran the throughput workload slower (docs/PERFORMANCE.md,
+    fp8 KV cache); the rules above are bf16's."""
     from agent_infer.kernels.triton.decode_attention import _decode_split_kernel
 
     names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr",

@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.distributed.state import SINGLE
 from agent_infer.engine.cuda_graphs import DecodeGraphs
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.engine.model_runner import ModelRunner
 from agent_infer.engine.sampler import Sampler, SamplingBatch
 from agent_infer.engine.warmup import warm_up
 from agent_infer.sampling_params import SamplingParams
-from agent_infer.tp_layers.distributed import SINGLE
 from tests.kernel_variants import VariantRecorder, dispatch_to_triton
 
 pytest.importorskip("triton")
@@ -134,22 +134,22 @@ MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixe
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode):
-    from agent_infer.kernels.triton.attention import TritonAttentionBackend
+def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, monkeypatch):
+    from agent_infer.attention.dense_triton import DenseTritonBackend
+    from agent_infer.engine import model_runner
 
     options = MODES[mode]
     # The GPU-side runner the steps are replayed on: real dimensions, the Triton backend,
     # decode graphs unless eager (built, not captured: only their input staging runs).
     config = EngineConfig(model=model_dirs["real"], device="cpu", dtype="bfloat16", warmup=False, **options)
     real = ModelConfig.from_hf(config.model)
-    runner = ModelRunner(real, config, torch.device("cpu"), torch.bfloat16, 2304, SINGLE)
-    runner.backend = TritonAttentionBackend
-    runner.decode_workspace = TritonAttentionBackend.decode_workspace(config.max_num_seqs, real.num_kv_heads,
-                                                                      runner.device)
+    with monkeypatch.context() as mp:
+        mp.setattr(model_runner, "backend_class", lambda layout, device, name: DenseTritonBackend)
+        runner = ModelRunner(real, config, torch.device("cpu"), torch.bfloat16, 2304, SINGLE)
     runner.init_kv_cache(6144)
     if mode != "eager":
         runner.graphs = DecodeGraphs(runner.model, config.max_num_seqs, -(-2304 // config.block_size),
-                                     runner.device, runner.decode_workspace)
+                                     runner.device, runner.backend)
 
     # The steps: a tiny model's engine, whose warm-up asks the GPU-side runner which eager
     # decode steps it needs.

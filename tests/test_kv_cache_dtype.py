@@ -43,8 +43,8 @@ def test_fp8_cache_holds_more_blocks_in_the_same_bytes(default_model_dir):
         for kind in ("auto", "fp8")
     }
     pools = {kind: e.runner.pool for kind, e in engines.items()}
-    assert pools["auto"].cache.dtype == torch.float32
-    assert pools["fp8"].cache.dtype == torch.float8_e4m3fn
+    assert pools["auto"].dtype == torch.float32
+    assert pools["fp8"].dtype == torch.float8_e4m3fn
     # fp32 -> 1 byte per value: four times the blocks, each byte budget used alike.
     assert engines["fp8"].block_manager.num_blocks == 4 * engines["auto"].block_manager.num_blocks
     assert pools["fp8"].nbytes == pools["auto"].nbytes

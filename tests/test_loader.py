@@ -14,8 +14,8 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.loader.weights import iter_weights
 from agent_infer.sampling_params import SamplingParams
-from agent_infer.tp_layers.distributed import ParallelState
-from agent_infer.tp_layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from agent_infer.distributed.state import ParallelState
+from agent_infer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPT = [5, 17, 33, 101, 250, 7, 9]
@@ -70,7 +70,7 @@ def test_lazy_weights_read_slices(tiny_model_dirs):
 def test_dtype_option(tiny_model_dirs, dtype, torch_dtype):
     eng = LLMEngine(EngineConfig(model=tiny_model_dirs["llama"], device="cpu", dtype=dtype, num_kv_blocks=64))
     assert all(p.dtype == torch_dtype for p in eng.runner.model.parameters())
-    assert eng.runner.pool.cache.dtype == torch_dtype
+    assert eng.runner.pool.dtype == torch_dtype
     out = eng.generate([PROMPT], GREEDY)[0]
     assert len(out.token_ids) == 16
 
@@ -152,3 +152,108 @@ def test_unknown_rope_type_is_a_clear_error(tmp_path):
                                                       "rope_scaling": {"rope_type": "longrope"}}))
     with pytest.raises(ConfigError, match="longrope"):
         ModelConfig.from_hf(str(tmp_path))
+
+
+# ---- loading fails clearly ------------------------------------------------------------
+
+
+def _copy_model(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _load_error(path: str) -> str:
+    from agent_infer.loader.weights import CheckpointError
+
+    with pytest.raises(CheckpointError) as e:
+        LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=16))
+    msg = str(e.value)
+    assert "\n" not in msg, "one line"
+    return msg
+
+
+def test_truncated_safetensors_file_names_the_file(tiny_model_dirs, tmp_path):
+    path = _copy_model(tiny_model_dirs["qwen2"], tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "rb") as f:
+        data = f.read()
+    with open(file, "wb") as f:
+        f.write(data[: len(data) // 2])
+    msg = _load_error(path)
+    assert file in msg and "not a readable safetensors file" in msg and "not fully covered" in msg
+
+
+def test_corrupt_safetensors_file_names_the_file(tiny_model_dirs, tmp_path):
+    path = _copy_model(tiny_model_dirs["qwen2"], tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}!!" + os.urandom(64))
+    msg = _load_error(path)
+    assert file in msg and "not a readable safetensors file" in msg
+
+
+def test_missing_shard_named_by_the_index(tiny_model_dirs, tmp_path):
+    path = str(tmp_path / "sharded")
+    _shard(tiny_model_dirs["qwen2"], path, 3)
+    os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
+    msg = _load_error(path)
+    assert "model.safetensors.index.json names model-00002-of-00003.safetensors" in msg and path in msg
+
+
+def test_index_that_is_not_json_names_the_file(tiny_model_dirs, tmp_path):
+    path = str(tmp_path / "sharded")
+    _shard(tiny_model_dirs["qwen2"], path, 2)
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        f.write('{"weight_map": ')
+    msg = _load_error(path)
+    assert index in msg and "not valid JSON" in msg
+
+
+def test_cli_reports_a_broken_checkpoint_in_one_line(tiny_model_dirs, tmp_path):
+    from tests.test_cli import cli
+
+    path = _copy_model(tiny_model_dirs["qwen2"], tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) - 100)
+    r = cli("generate", "--model", path, "--prompt", "hi", "--device", "cpu", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agent-infer: error: ") and file in lines[0]
+
+
+# ---- the weight map: whole names, never substrings ---------------------------------------
+
+
+def test_weight_map_matches_whole_names():
+    from agent_infer.loader.load import WeightMap, WeightRule
+
+    m = WeightMap(rules=(
+        WeightRule(r"(?P<pre>.+)\.mlp\.(?P<shard>gate|up)_proj\.weight", "{pre}.mlp.gate_up_proj.weight",
+                   shards={"gate": 0, "up": 1}),
+        WeightRule(r"(?P<pre>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<shard>gate|up)_proj\.weight",
+                   "{pre}.mlp.experts.w13", shards={"gate": 0, "up": 1}),
+    ), skip=(r".*\.rotary_emb\.inv_freq",), renames=((r"^model\.language_model\.", "model."),))
+    assert m.resolve("model.layers.3.mlp.up_proj.weight") == ("model.layers.3.mlp.gate_up_proj.weight", 1, None)
+    # The first rule's `.gate_proj.` must not catch an expert's: it is the expert rule's, with its id.
+    assert m.resolve("model.layers.3.mlp.experts.7.gate_proj.weight") == ("model.layers.3.mlp.experts.w13", 0, 7)
+    assert m.resolve("model.language_model.layers.0.mlp.gate_proj.weight") == (
+        "model.layers.0.mlp.gate_up_proj.weight", 0, None)
+    assert m.resolve("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert m.resolve("model.norm.weight") == ("model.norm.weight", None, None)
+
+
+def test_a_missing_shard_of_a_merged_projection_is_an_error(tiny_model_dirs, tmp_path):
+    """Loading k_proj alone into the merged QKV is not enough: its q and v parts would stay
+    uninitialised (blueprint FM-003)."""
+    src = tiny_model_dirs["llama"]
+    dst = tmp_path / "no_v"
+    dst.mkdir()
+    _copy_config(src, str(dst))
+    state = load_file(os.path.join(src, "model.safetensors"))
+    del state["model.layers.1.self_attn.v_proj.weight"]
+    save_file(state, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 weights the model needs: model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+        LLMEngine(EngineConfig(model=str(dst), device="cpu", num_kv_blocks=16))

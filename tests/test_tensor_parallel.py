@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from agent_infer.config import ConfigError, EngineConfig
-from agent_infer.engine.control import ControlClient, ControlServer, WorkerError
+from agent_infer.distributed.control import ControlClient, ControlServer, WorkerError
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.sampling_params import SamplingParams
 
@@ -332,7 +332,7 @@ def test_tp2_row_parallel_reduces_in_add_norm_and_equals_tp1(name, tiny_model_di
     `--all-reduce symm_mem_fused` is accepted there) that is gloo's all-reduce, then the
     add + norm. Same tokens and logprobs as plain TP = 2 exactly, and TP = 1's within fp32
     noise."""
-    from agent_infer.tp_layers import embedding, linear
+    from agent_infer.layers import embedding, linear
 
     calls, embed_calls = [], []
     real, real_embed = linear.all_reduce_add_rms_norm, embedding.all_reduce_rms_norm
@@ -369,8 +369,8 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
     accepts the tensors, else the group's all-reduce then the (add +) norm; both give the
     reference on the summed input. Here a 'group' of two ranks holding the same x (its sum is 2x)."""
     from agent_infer.kernels import ops, reference
-    from agent_infer.tp_layers.distributed import ParallelState
-    from agent_infer.tp_layers.linear import all_reduce_add_rms_norm, all_reduce_rms_norm
+    from agent_infer.distributed.state import ParallelState
+    from agent_infer.layers.linear import all_reduce_add_rms_norm, all_reduce_rms_norm
 
     calls = {"fused": 0, "all_reduce": 0}
 

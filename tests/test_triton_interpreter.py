@@ -258,8 +258,8 @@ else:
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.attention.dense_triton import DenseTritonBackend
         from agent_infer.kernels import ops
-        from agent_infer.kernels.triton.attention import TritonAttentionBackend
         from agent_infer.sampling_params import SamplingParams
         from tests.tiny_models import write_tiny_model
 
@@ -277,15 +277,14 @@ else:
 
         calls: list[bool] = []
 
-        class CountingBackend(TritonAttentionBackend):
-            @staticmethod
-            def forward(q, k, v, k_cache, v_cache, meta, scale, store=True):
+        class CountingBackend(DenseTritonBackend):
+            def attend(self, q, cache, meta, scale):
                 calls.append(meta.is_prefill)
-                return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale, store)
+                return super().attend(q, cache, meta, scale)
 
         expected = run()
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "get_attention_backend", lambda name, device: CountingBackend)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
 
@@ -293,8 +292,8 @@ else:
         """Mixed steps on the Triton path (decode rows through the decode kernel, prompt
         chunks through the prefill kernel, in one step) give the torch path's tokens."""
         from agent_infer.engine import model_runner
+        from agent_infer.attention.dense_triton import DenseTritonBackend
         from agent_infer.kernels import ops
-        from agent_infer.kernels.triton.attention import TritonAttentionBackend
         from tests.test_mixed_batches import _run
         from tests.tiny_models import write_tiny_model
 
@@ -302,15 +301,14 @@ else:
         expected, _ = _run(path, mixed=True, async_scheduling=True)
         mixed_calls: list[int] = []
 
-        class CountingBackend(TritonAttentionBackend):
-            @staticmethod
-            def forward(q, k, v, k_cache, v_cache, meta, scale, store=True):
+        class CountingBackend(DenseTritonBackend):
+            def attend(self, q, cache, meta, scale):
                 if meta.is_prefill and meta.num_decode:
                     mixed_calls.append(meta.num_decode)
-                return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale, store)
+                return super().attend(q, cache, meta, scale)
 
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "get_attention_backend", lambda name, device: CountingBackend)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
         got, _ = _run(path, mixed=True, async_scheduling=True)
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"

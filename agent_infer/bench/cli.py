@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m agent_infer.bench.cli latency ...`: the bench commands without the main CLI."""
     import os
 
-    from agent_infer.cli import add_engine_args
+    from agent_infer.arguments import add_engine_args
     from agent_infer.config import ConfigError
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

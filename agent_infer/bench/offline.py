@@ -79,7 +79,7 @@ def prepare(args: argparse.Namespace) -> Setup:
 
         tokenizer = None if random_model_ready(args.random_weights) else default_tokenizer_source()
         args.model = ensure_random_model(args.random_weights, tokenizer_from=tokenizer)
-    from agent_infer.cli import engine_config_from_args
+    from agent_infer.arguments import engine_config_from_args
 
     config = engine_config_from_args(args)
     device = config.resolve_device()
@@ -101,10 +101,10 @@ def default_tokenizer_source() -> str | None:
 
 
 def build_engine(setup: Setup):
-    from agent_infer.engine.llm_engine import LLMEngine
+    from agent_infer.engine.launch import launch_engine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(setup.config)
+    engine = launch_engine(setup.config)
     seconds = time.perf_counter() - t0
     _say(f"engine ready in {seconds:.1f} s (max_model_len {engine.max_model_len}, "
          f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)")

@@ -27,8 +27,9 @@ from typing import Callable
 
 import torch
 
-from agent_infer.config import ConfigError
+from agent_infer.config import ConfigError, ModelConfig
 from agent_infer.loader.default_model import cache_root
+from agent_infer.models.registry import resolve_model_class
 
 SHARD_BYTES = 4 * 10**9  # like HF's "4GB" shards
 STD = 0.02  # normal std of weight matrices (the usual initializer_range)
@@ -61,14 +62,6 @@ class RandomPreset:
     bos_token_id: int
     eos_token_id: int
     rope_scaling: dict | None = field(default=None, hash=False)
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.model_type == "qwen2"  # Qwen2 always has q/k/v biases
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
 
 
 PRESETS: dict[str, RandomPreset] = {
@@ -119,33 +112,10 @@ def random_model_dir(name: str) -> str:
 
 
 def tensor_shapes(p: RandomPreset) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the checkpoint in file order, with HF names."""
-    h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (p.vocab_size, h))]
-    for i in range(p.num_layers):
-        pre = f"model.layers.{i}."
-        out += [
-            (pre + "input_layernorm.weight", (h,)),
-            (pre + "self_attn.q_proj.weight", (q, h)),
-            (pre + "self_attn.k_proj.weight", (kv, h)),
-            (pre + "self_attn.v_proj.weight", (kv, h)),
-        ]
-        if p.qkv_bias:
-            out += [(pre + "self_attn.q_proj.bias", (q,)), (pre + "self_attn.k_proj.bias", (kv,)),
-                    (pre + "self_attn.v_proj.bias", (kv,))]
-        if p.qk_norm:
-            out += [(pre + "self_attn.q_norm.weight", (p.head_dim,)), (pre + "self_attn.k_norm.weight", (p.head_dim,))]
-        out += [
-            (pre + "self_attn.o_proj.weight", (h, q)),
-            (pre + "post_attention_layernorm.weight", (h,)),
-            (pre + "mlp.gate_proj.weight", (p.intermediate_size, h)),
-            (pre + "mlp.up_proj.weight", (p.intermediate_size, h)),
-            (pre + "mlp.down_proj.weight", (h, p.intermediate_size)),
-        ]
-    out.append(("model.norm.weight", (h,)))
-    if not p.tie_word_embeddings:
-        out.append(("lm_head.weight", (p.vocab_size, h)))
-    return out
+    """Every tensor of the checkpoint in file order, with HF names: what the family's own
+    model expects of a checkpoint of this shape (its biases, norms and ties included)."""
+    cfg = ModelConfig.from_dict(hf_config(p))
+    return resolve_model_class(cfg.architecture).checkpoint_tensors(cfg)
 
 
 def checkpoint_bytes(p: RandomPreset) -> int:

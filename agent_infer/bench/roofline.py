@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from agent_infer.config import ModelConfig
 
 DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured (DESIGN §6)
@@ -12,18 +14,19 @@ DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured (DESIGN §6
 
 def decode_weight_params(cfg: ModelConfig) -> int:
     """Parameters read per decode step: all except the input embedding table, which is
-    only gathered (one row per token). The LM head is read in full, tied or not."""
-    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    attn = h * q + 2 * h * kv + q * h
-    if cfg.qkv_bias:
-        attn += q + 2 * kv
-    if cfg.o_bias:
-        attn += h
-    if cfg.qk_norm:
-        attn += 2 * cfg.head_dim
-    mlp = 3 * h * i + (2 * i + h if cfg.mlp_bias else 0)
-    per_layer = attn + mlp + 2 * h  # + input and post-attention norms
-    return cfg.num_layers * per_layer + h + cfg.vocab_size * h  # + final norm + LM head
+    only gathered (one row per token). The LM head is read in full, tied or not. Counted
+    on the family's own model at TP = 1, built on the meta device (no memory)."""
+    from agent_infer.distributed.state import SINGLE
+    from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from agent_infer.models.registry import resolve_model_class
+
+    with torch.device("meta"):
+        model = resolve_model_class(cfg.architecture)(cfg, SINGLE, 2)
+    total = sum(p.numel() for p in model.parameters())  # a tied table counts once, as the LM head
+    head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    gathered = sum(m.weight.numel() for m in model.modules()
+                   if type(m) is VocabParallelEmbedding and id(m.weight) not in head_weights)
+    return total - gathered
 
 
 @dataclass(frozen=True)

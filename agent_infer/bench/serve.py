@@ -16,7 +16,7 @@ token after the first), ITL and end-to-end latency as mean, median and p99.
 
 The client is aiohttp, as in vLLM's benchmark: at 64 streams of ~165 chunks/s each,
 httpx spent three times the CPU per chunk and its one event loop became the bottleneck,
-so the benchmark measured the client (docs/PERFORMANCE.md, issue 4).
+so the benchmark measured the client (docs/PERFORMANCE.md, tried and rejected).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from agent_infer.engine.control import WorkerError
+from agent_infer.distributed.control import WorkerError
 from agent_infer.engine.llm_engine import LLMEngine, RequestError
 from agent_infer.engine.outputs import RequestOutput
 from agent_infer.loader.tokenizer import load_tokenizer

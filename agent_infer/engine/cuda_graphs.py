@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agent_infer.engine.forward_context import AttentionMetadata, forward_context, longest_first
+from agent_infer.attention.metadata import AttentionMetadata, forward_context, longest_first
 from agent_infer.kernels import ops
 
 log = logging.getLogger(__name__)
@@ -116,13 +116,11 @@ class _RowStaging:
 
 
 class DecodeGraphs:
-    def __init__(
-        self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-        decode_workspace: torch.Tensor | None = None,
-    ):
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device, backend):
+        """`backend`: the attention backend, which adds its fields to the captured metadata."""
         self.model = model
         self.device = device
-        self.decode_workspace = decode_workspace
+        self.backend = backend
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
@@ -134,19 +132,17 @@ class DecodeGraphs:
         self.pool = None
 
     def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:
-        return AttentionMetadata(
+        return self.backend.prepare(AttentionMetadata(
             is_prefill=False,
             slot_mapping=rows.slots,
             block_tables=self.block_tables.dev[:bs],
             context_lens=rows.context_lens,
             query_start_loc=self.query_start_loc[: bs + 1],
             max_query_len=1,
-            max_context_len=self.block_tables.dev.shape[1],  # unused by graph-safe decode kernels
             query_lens_host=[1] * bs,
             context_lens_host=[1] * bs,
-            decode_counters=self.decode_workspace,
             decode_order=rows.order,
-        )
+        ))
 
     def _forward(self, bs: int) -> torch.Tensor:
         rows = self.rows.device_rows(bs)

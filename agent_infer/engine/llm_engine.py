@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -15,28 +14,47 @@ from typing import Sequence as Seq
 import torch
 
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
+from agent_infer.distributed.control import WorkerError
+from agent_infer.distributed.group import torchrun_launch
+from agent_infer.distributed.state import SINGLE
+from agent_infer.distributed.workers import WorkerGroup, local_launch, rank_device
 from agent_infer.engine.block_manager import BlockManager, PrefixCacheStats
 from agent_infer.engine.detokenizer import IncrementalDetokenizer
-from agent_infer.engine.control import WorkerError
 from agent_infer.engine.model_runner import StepOutput
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
+from agent_infer.engine.runner_setup import setup_runner
 from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from agent_infer.engine.structs import FinishReason, Sequence
-from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
-from agent_infer.sampling_params import SamplingParams
-from agent_infer.engine.runner_setup import check_tp_divisibility, setup_runner
 from agent_infer.engine.warmup import warm_up
-from agent_infer.engine.workers import WorkerGroup, local_launch, rank_device, worker_main
-from agent_infer.tp_layers.distributed import SINGLE
-from agent_infer.tp_layers.group import torchrun_launch
+from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
+from agent_infer.models.registry import resolve_model_class
+from agent_infer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+WORKER_ENTRY = "agent_infer.engine.worker"  # what a local worker process runs
+
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) and
+# {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | list[int] | dict
 
 
 class RequestError(ValueError):
     """A request that cannot be accepted (bad prompt); nothing was queued."""
+
+
+def unpack_prompt(prompt: Prompt) -> str | list[int]:
+    """The text or token ids of a prompt, vLLM's prompt dicts included."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    raise RequestError(
+        f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (a list of ids); got keys {sorted(keys)}"
+    )
 
 
 @dataclass
@@ -49,21 +67,23 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        """Rank 0's engine (the only one without tensor parallelism), which starts the other
+        ranks as local worker processes; under torchrun it joins those the launcher
+        started, and ranks > 0 run `engine.launch.launch_engine` instead."""
         self.config = config
         self.model_config = ModelConfig.from_hf(config.model)
         launch = torchrun_launch()
         tp_size = config.tensor_parallel_size
         if launch is not None:
+            if launch.rank != 0:
+                raise ConfigError("under torchrun, ranks > 0 serve rank 0's engine: start it with "
+                                  "agent_infer.engine.launch.launch_engine(config), as LLM(...) does")
             if tp_size not in (1, launch.world_size):
                 raise ConfigError(f"--tp {tp_size} but torchrun started {launch.world_size} processes")
             tp_size = launch.world_size
             config = replace(config, tensor_parallel_size=tp_size)
             self.config = config
-        check_tp_divisibility(self.model_config, tp_size)
-        if launch is not None and launch.rank != 0:
-            # Under torchrun every process runs the caller's script; ranks > 0 serve as
-            # workers of rank 0's engine and end with it.
-            sys.exit(worker_main(config, launch))
+        resolve_model_class(self.model_config.architecture).check_parallel(self.model_config, tp_size)
         self.device = rank_device(config, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -75,7 +95,7 @@ class LLMEngine:
         self.workers: WorkerGroup | None = None
         tp = SINGLE
         if tp_size > 1:
-            self.workers = WorkerGroup(config, launch or local_launch(tp_size), self.device)
+            self.workers = WorkerGroup(config, launch or local_launch(tp_size), self.device, WORKER_ENTRY)
             tp = self.workers.tp
         try:
             self.runner, plan = setup_runner(config, self.model_config, self.device, self.dtype, tp)
@@ -94,7 +114,7 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
-        self._inflight: tuple[ScheduledBatch, object, float] | None = None  # launched, not read back
+        self._inflight: tuple[ScheduledBatch, object] | None = None  # launched, not read back
         self._penalty_requests: set[str] = set()
         # Overlap keeps the sampled tokens on the device (TP workers get them by a device
         # broadcast, see workers.py). Recompute preemption would re-prefill tokens the
@@ -126,6 +146,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        prompt = unpack_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model directory has no tokenizer: pass token ids as the prompt")
@@ -151,6 +172,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        prompt = unpack_prompt(prompt)
         ids = self.tokenize(prompt_token_ids if prompt_token_ids is not None else prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -225,8 +247,7 @@ class LLMEngine:
             outputs += self._resolve()
         return outputs
 
-    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object, float]:
-        t0 = time.perf_counter()
+    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
         if self.workers is None:
@@ -240,10 +261,10 @@ class LLMEngine:
         self.scheduler.on_launch(batch)
         if self.on_launched is not None:
             self.on_launched()
-        return batch, handle, t0
+        return batch, handle
 
     def _resolve(self) -> list[RequestOutput]:
-        batch, handle, t0 = self._inflight
+        batch, handle = self._inflight
         self._inflight = None
         t_wait = time.perf_counter()
         try:
@@ -253,7 +274,7 @@ class LLMEngine:
                 raise
             self._worker_failed(e)
         now = time.perf_counter()
-        self.stats.record_step(batch, now - t0)
+        self.stats.record_step(batch)
         if self.stats.trace is not None:
             self.stats.trace.record(batch, now, blocked_s=now - t_wait)
         return self._postprocess(batch, result)
@@ -369,7 +390,7 @@ class LLMEngine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order (rejected ones carry `error`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -467,7 +488,6 @@ class EngineStats:
     prompt_tokens: int = 0  # computed prompt tokens (prefix hits excluded)
     generation_tokens: int = 0
     max_decode_batch: int = 0
-    busy_seconds: float = 0.0
     last_batch_size: int = 0  # sequences in the latest step
     last_batch_tokens: int = 0
     last_batch_prefill: bool = False
@@ -483,11 +503,10 @@ class EngineStats:
         trace, self.trace = self.trace, None
         return trace
 
-    def record_step(self, batch: ScheduledBatch, seconds: float) -> None:
+    def record_step(self, batch: ScheduledBatch) -> None:
         self.steps += 1
         self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
         self.last_batch_decode_rows = batch.num_decode
-        self.busy_seconds += seconds
         if batch.is_prefill:
             self.prefill_steps += 1
             self.prompt_tokens += batch.num_tokens - batch.num_decode  # a mixed step's decode rows are not prompt

@@ -19,19 +19,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.attention.backend import AttentionBackend, backend_class
+from agent_infer.attention.metadata import AttentionMetadata, forward_context, longest_first
+from agent_infer.config import ConfigError, EngineConfig, ModelConfig
+from agent_infer.distributed.state import ParallelState, broadcast_from_first
 from agent_infer.engine.cuda_graphs import DecodeGraphs
-from agent_infer.engine.forward_context import AttentionMetadata, forward_context, longest_first
-from agent_infer.engine.kv_specs import KVSpec, dense_kv_spec
-from agent_infer.engine.memory_pool import KVMemoryPool
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import PLACEHOLDER, Sequence
 from agent_infer.kernels import ops
-from agent_infer.layers.attention import get_attention_backend
+from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
-from agent_infer.tp_layers.distributed import ParallelState, broadcast_from_first
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +97,10 @@ class ModelRunner:
         self.tp = tp
         self.block_size = engine_config.block_size
         self.sampler = Sampler()
-        self.backend = get_attention_backend(engine_config.attention_backend, device)
         self.model = self._load_model()
-        # Lets the decode kernel merge its splits in the same launch; allocated once, so
-        # its address is fixed for CUDA graphs (None: the backend needs none).
-        self.decode_workspace = self.backend.decode_workspace(
-            engine_config.max_num_seqs, self.kv_spec().num_kv_heads, device
-        )
+        # What each attention layer caches per token; the engine itself never looks inside.
+        self.cache_layouts = [layer.cache_layout for layer in self.model.attention_layers]
+        self.backend = self._make_backend()
         self.pool: KVMemoryPool | None = None
         self.graphs: DecodeGraphs | None = None
         # The sampled tokens of the last step that sampled (on a TP worker: rank 0's,
@@ -121,35 +117,40 @@ class ModelRunner:
         model.load_weights(iter_weights(self.model_config.path))
         return model.eval()
 
-    def kv_spec(self) -> KVSpec:
-        cfg = self.model_config
-        return dense_kv_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_cache_dtype, self.tp.world_size)
+    def _make_backend(self) -> AttentionBackend:
+        """One backend for the model's layout (every attention layer of a model shares its
+        kind), from the registry by layout and device."""
+        layout = self.cache_layouts[0]
+        if any(other.kind != layout.kind for other in self.cache_layouts):
+            raise ConfigError(f"{type(self.model).__name__} mixes cache layouts; one backend serves one layout")
+        cls = backend_class(layout, self.device, self.config.attention_backend)
+        cls.check_cache_dtype(self.kv_cache_dtype, self.dtype)
+        return cls(self.model.attention_layers[0], self.config.max_num_seqs, self.device)
+
+    def cache_bytes_per_token(self) -> int:
+        """KV-cache bytes one token costs on this rank, over all layers."""
+        return bytes_per_token(self.cache_layouts, self.kv_cache_dtype)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.pool = KVMemoryPool(self.kv_spec(), self.block_size, num_blocks, self.device)
-        for i, attn in enumerate(self.model.attention_layers):
-            attn.kv_cache = self.pool.layer(i)
-            attn.backend = self.backend
+        self.pool = KVMemoryPool(self.cache_layouts, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+        for layer, view in zip(self.model.attention_layers, self.pool.views):
+            layer.bind(view, self.backend)
 
     def capture_graphs(self) -> None:
         """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(
-            self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.decode_workspace
-        )
+        self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.backend)
         self.graphs.capture()
 
     def eager_decode_batches(self) -> tuple[list[int], list[int]]:
         """Decode-row counts for the start-up warm-up to run eagerly, so that no eager step
         compiles a decode-kernel variant later: (plain decode steps, which run eagerly
         without graphs; the decode rows of mixed steps, which always do)."""
-        attn = self.model.attention_layers[0]
-        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         n = self.config.max_num_seqs
-        plain = [] if self.graphs is not None else self.backend.eager_decode_batches(n, *heads, False, self.device)
-        mixed = self.backend.eager_decode_batches(n - 1, *heads, True, self.device) if self.config.mixed_batches else []
+        plain = [] if self.graphs is not None else self.backend.eager_decode_batches(n, mixed=False)
+        mixed = self.backend.eager_decode_batches(n - 1, mixed=True) if self.config.mixed_batches else []
         return plain, mixed
 
     @torch.inference_mode()
@@ -170,10 +171,10 @@ class ModelRunner:
             context_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
             query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
             max_query_len=num_tokens,
-            max_context_len=num_tokens,
             query_lens_host=[num_tokens],
             context_lens_host=[num_tokens],
         )
+        meta = self.backend.prepare(meta)
         ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
         with forward_context(meta):
             hidden = self.model(ids, positions)
@@ -184,8 +185,8 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits
         self.pool = None
-        for attn in self.model.attention_layers:
-            attn.kv_cache = None
+        for layer in self.model.attention_layers:
+            layer.bind(None, None)
         torch.cuda.empty_cache()
         return max(0, peak)
 
@@ -207,13 +208,12 @@ class ModelRunner:
             context_lens=to_dev(step.context_lens),
             query_start_loc=to_dev(step.query_start_loc),
             max_query_len=int(step.query_lens.max()),
-            max_context_len=int(step.context_lens.max()),
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
-            decode_counters=self.decode_workspace if not step.is_prefill or step.num_decode else None,
             num_decode=step.num_decode,
             decode_order=None if step.is_prefill else to_dev(longest_first(step.context_lens)),
         )
+        meta = self.backend.prepare(meta)
         input_ids = to_dev(step.input_ids)
         if step.prev_index is not None:
             input_ids = self._fill_placeholders(input_ids, to_dev(step.prev_index))

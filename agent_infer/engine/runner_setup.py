@@ -5,16 +5,16 @@ agree on the pool size (the smallest any rank can afford) and on the context len
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
-from agent_infer.engine.memory_pool import KVMemoryPool
+from agent_infer.distributed.all_reduce import choose_all_reduce
+from agent_infer.distributed.state import ParallelState
 from agent_infer.engine.model_runner import ModelRunner
-from agent_infer.tp_layers.distributed import ParallelState
-from agent_infer.tp_layers.symm_mem import FUSED_MAX_BYTES, build_all_reduce, build_all_reduce_norm
+from agent_infer.kvcache.pool import KVMemoryPool
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,6 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
-def check_tp_divisibility(model_config: ModelConfig, tp: int) -> None:
-    """Fail before any process starts when the heads cannot be split tp ways."""
-    if tp == 1:
-        return
-    heads, kv = model_config.num_heads, model_config.num_kv_heads
-    works = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
-    if heads % tp or (tp <= kv and kv % tp) or (tp > kv and tp % kv):
-        raise ConfigError(
-            f"tensor-parallel size {tp} does not divide this model ({heads} attention heads, {kv} KV heads); "
-            f"sizes that work: {works}"
-        )
-
-
 def setup_runner(
     config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: ParallelState
 ) -> tuple[ModelRunner, RunnerPlan]:
@@ -55,7 +42,7 @@ def setup_runner(
     runner = ModelRunner(model_config, config, device, dtype, max_model_len, tp)
     peak = runner.profile_peak_memory(min(config.max_num_batched_tokens, max_model_len), config.max_num_seqs)
     budget = KVMemoryPool.estimate_num_blocks(
-        runner.kv_spec(), config.block_size, device, config.gpu_memory_utilization,
+        runner.cache_bytes_per_token() * config.block_size, device, config.gpu_memory_utilization,
         config.kv_cache_bytes, config.num_kv_blocks, peak,
     )
     num_blocks = _agree_min(budget.num_blocks, device, tp)
@@ -79,35 +66,6 @@ def setup_runner(
     runner.init_kv_cache(num_blocks)
     runner.capture_graphs()
     return runner, RunnerPlan(num_blocks, max_model_len)
-
-
-def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtype, mode: str) -> ParallelState:
-    """Pick the all-reduce once, on every rank alike, and say which. On GPUs `auto` takes
-    symmetric memory and, where its start-up check passes, the fused all-reduce + residual
-    add + RMSNorm; `symm_mem` is the plain symmetric-memory all-reduce, `symm_mem_fused`
-    insists on the fusion. On CPU: gloo (the row-parallel layers then reduce, add and
-    normalise in three steps, `all_reduce_add_rms_norm`'s fallback)."""
-    if tp.world_size == 1:
-        return tp
-    fused = mode == "symm_mem_fused"
-    if device.type != "cuda" or mode == "nccl":
-        if tp.is_first:
-            log.info("all-reduce: %s", "gloo" if device.type != "cuda" else "NCCL")
-        return tp
-    impl = build_all_reduce(tp.group, device, dtype)
-    if impl is None and mode in ("symm_mem", "symm_mem_fused"):
-        raise ConfigError(f"--all-reduce {mode} was asked for but symmetric memory does not work here")
-    # Collective: every rank agrees on `impl` (build_all_reduce's check), so all call it.
-    norm_impl = build_all_reduce_norm(tp.group, device, dtype) if impl is not None and mode != "symm_mem" else None
-    if fused and norm_impl is None:
-        raise ConfigError("--all-reduce symm_mem_fused was asked for but the fused kernel does not work here")
-    if tp.is_first:
-        log.info("all-reduce: %s%s",
-                 "symmetric memory (one-shot / two-shot), NCCL above 8 MiB" if impl else "NCCL",
-                 f"; fused with the residual add + RMSNorm up to {FUSED_MAX_BYTES >> 10} KiB" if norm_impl else "")
-    if impl is None:
-        return tp
-    return replace(tp, all_reduce_impl=impl, all_reduce_norm_impl=norm_impl)
 
 
 def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:

@@ -1,4 +1,5 @@
-"""`config.json` architectures[0] -> model class, imported only when used."""
+"""`config.json` architectures[0] -> model class (a `models.base.CausalLM`), imported only
+when used."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import importlib
 
 from agent_infer.config import ConfigError
 
-_DENSE = ("agent_infer.models.qwen", "DenseForCausalLM")
+_LLAMA = ("agent_infer.models.llama", "LlamaForCausalLM")
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": _DENSE,
-    "Qwen2ForCausalLM": _DENSE,
-    "Qwen3ForCausalLM": _DENSE,
+    "LlamaForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
     # Text-only use of the VL checkpoints: for text tokens M-RoPE reduces to plain RoPE.
-    "Qwen2VLForConditionalGeneration": _DENSE,
-    "Qwen2_5_VLForConditionalGeneration": _DENSE,
+    "Qwen2VLForConditionalGeneration": _LLAMA,
+    "Qwen2_5_VLForConditionalGeneration": _LLAMA,
 }
 
 

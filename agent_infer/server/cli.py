@@ -37,9 +37,9 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from agent_infer.cli import engine_config_from_args
+    from agent_infer.arguments import engine_config_from_args
     from agent_infer.engine.async_engine import AsyncEngine, AsyncEngineConfig
-    from agent_infer.engine.llm_engine import LLMEngine
+    from agent_infer.engine.launch import launch_engine
     from agent_infer.server.openai_server import build_app
 
     logging.getLogger("agent_infer").setLevel(getattr(logging, args.log_level.upper()))
@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
-    engine = LLMEngine(config)
+    engine = launch_engine(config)
     app = build_app(AsyncEngine(engine, async_config), name, retry_after_s=args.retry_after)
 
     # Bind here, so that --port 0 can report the port it got.
@@ -70,10 +70,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agent_infer.cli import _Parser, add_engine_args
+    from agent_infer.arguments import Parser, add_engine_args
 
     parser = argparse.ArgumentParser(prog="agent-infer")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_serve_parser(sub, add_engine_args)
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -78,7 +78,7 @@ def test_tiny_models_close_to_transformers_graphs_and_eager(name, tiny_model_dir
 def default_model_gpu() -> str:
     """The converted default model: AGENT_INFER_DEFAULT_MODEL_DIR if set, else converted
     from its installed package (`make setup` installs it); skipped only when neither is
-    there (benchmarks/h200/s10_default_model.sh brings the package to the lent machine)."""
+    there (`benchmarks/gpu_figures.sh default-model` installs it on a lent machine)."""
     from agent_infer.config import ConfigError
     from agent_infer.loader.default_model import ensure_default_model
 
@@ -119,7 +119,7 @@ def test_fp8_kv_cache_graphs_equal_eager(name, tiny_model_dirs):
     prompts = _prompts(seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     graph_eng = _engine(path, eager=False, kv_cache_dtype="fp8")
-    assert graph_eng.runner.pool.cache.dtype == torch.float8_e4m3fn
+    assert graph_eng.runner.pool.dtype == torch.float8_e4m3fn
     graph_outs = graph_eng.generate(prompts, params)
     eager_outs = _engine(path, eager=True, kv_cache_dtype="fp8").generate(prompts, params)
     assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs], "graphs and eager differ"
@@ -130,7 +130,7 @@ def test_default_model_fp8_kv_cache_close_to_transformers(default_model_gpu):
     quantisation), vLLM's closeness rule, batched and alone. No "Paris" check here: with
     bf16 activations and an fp8 cache this 135M model's chat answer drifts ("L'Étoile de la
     Cité, la Cité de la France, is the capital of France..."), on the GPU and on the CPU
-    reference path alike (docs/PERFORMANCE.md, tenth session)."""
+    reference path alike (docs/PERFORMANCE.md, fp8 KV cache)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
     eng = _engine(default_model_gpu, eager=False, kv_cache_dtype="fp8")
     prompts = [eng.tokenizer.encode(t) for t in SMOL_PROMPTS]

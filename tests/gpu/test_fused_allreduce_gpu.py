@@ -46,7 +46,7 @@ TIMEOUT_S = 240
 def test_fused_all_reduce_norm_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
-    from agent_infer.tp_layers.group import SAFE_ENV, free_port
+    from agent_infer.distributed.group import SAFE_ENV, free_port
     from tests.fused_allreduce_checks import run_processes
 
     os.environ.update(SAFE_ENV)  # inherited by the workers (they set it again first thing)
@@ -65,7 +65,7 @@ def test_fused_all_reduce_norm_two_gpus(tmp_path):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    from agent_infer.tp_layers.group import SAFE_ENV
+    from agent_infer.distributed.group import SAFE_ENV
 
     os.environ.update(SAFE_ENV)
     out = Path(out_dir) / f"rank{rank}.json"
@@ -89,7 +89,7 @@ def _checks(rank: int, device: torch.device, group) -> list[str]:
 
     from agent_infer.kernels import reference
     from agent_infer.kernels.triton import norm as triton_norm
-    from agent_infer.tp_layers.symm_mem import SymmMemAllReduce, SymmMemAllReduceNorm
+    from agent_infer.distributed.symm_mem import SymmMemAllReduce, SymmMemAllReduceNorm
     from tests.fused_allreduce_checks import EPS, case_inputs, expected
     from tests.kernel_checks import assert_close
 

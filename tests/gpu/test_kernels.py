@@ -7,10 +7,12 @@ Run on the GPU machine: python -m pytest -q tests/gpu/test_kernels.py
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from agent_infer.engine.forward_context import AttentionMetadata
+from agent_infer.attention.metadata import AttentionMetadata
 from agent_infer.kernels import reference
 from tests import kernel_checks as kc
 
@@ -212,8 +214,10 @@ def test_decode_attention_cuda_graph(dtype, block_size, merged):
     shorter than at capture time (and a padding row of context 0), new block tables, new
     q/k/v. Each replay must match the reference on the same data. `merged`: with the
     counter workspace in the metadata (one launch), which every replay must leave zero."""
-    from agent_infer.kernels.triton.attention import TritonAttentionBackend
+    from agent_infer.attention.dense_triton import DenseTritonBackend
     from agent_infer.kernels.triton.decode_attention import decode_counters
+    from agent_infer.kernels.triton.kv_store import store_kv
+    from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 
     batch, max_blocks = 4, 4200 // block_size + 2
     num_blocks = batch * max_blocks + 5
@@ -232,7 +236,6 @@ def test_decode_attention_cuda_graph(dtype, block_size, merged):
         context_lens=torch.empty(batch, dtype=torch.int32, device=DEV),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
         max_query_len=1,
-        max_context_len=-1,  # decode must not use it
         query_lens_host=[1] * batch,
         context_lens_host=[],  # nor host lists
         decode_counters=decode_counters(batch, KV_HEADS, DEV) if merged else None,
@@ -254,8 +257,12 @@ def test_decode_attention_cuda_graph(dtype, block_size, merged):
         meta.context_lens.copy_(torch.tensor(contexts, dtype=torch.int32))
         qkv.copy_(torch.randn(qkv.shape, generator=gen).to(dtype))
 
+    layer = SimpleNamespace(cache_layout=DenseKVLayout(KV_HEADS, HEAD_DIM), num_heads=HEADS)
+    backend = DenseTritonBackend(layer, batch, DEV)
+
     def forward() -> torch.Tensor:
-        return TritonAttentionBackend.forward(q, k, v, k_cache, v_cache, meta, scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return backend.attend(q, DenseKVCache(k_cache, v_cache), meta, scale)
 
     fill([1, 17, 300, 2000], seed=0)
     side = torch.cuda.Stream()

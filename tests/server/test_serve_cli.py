@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from agent_infer.cli import add_engine_args
+from agent_infer.arguments import add_engine_args
 from agent_infer.server.cli import add_serve_parser, cmd_serve
 
 

@@ -123,9 +123,8 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, ORDERED: tl.constexpr,
 ):
     # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
-    # side and together read whole cache rows (a row holds every KV head of a token).
-    # At batch 256 over 200-1400 keys this ran 2 % faster than sequences fastest
-    # (222.8 against 227.3 us, benchmarks/throughput_kernels.py).
+    # side and together read whole cache rows (a row holds every KV head of a token);
+    # `benchmarks/throughput_kernels.py --only decode` checks this order against the other.
     kv_head = tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -244,15 +243,15 @@ def _resident_programs(device: torch.device, preload: bool = True, merge: bool =
     per SM; tests/test_kernel_compile.py checks the register counts for sm_90): two per
     SM with the first tile held across the PDL wait (up to ~190 registers per thread);
     without it four (128), three when the programs also merge splits (150 at 16 splits a
-    merge round; 128 at two, so for those three is a fitted bound, see `ordered_rows`)."""
+    merge round; at two splits 128 would allow four, so three is a conservative bound)."""
     return (2 if preload else 3 if merge else 4) * num_sms(device)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per (sequence, KV head): about two programs per SM in all, from static
     shapes only. Rounded up: rounding down left batches of 17-33 sequences (8 KV heads)
-    one split each, 136-264 programs over long contexts, too few loads in flight (their
-    throughput-workload steps took 18 % longer on an H200)."""
+    one split each, 136-264 programs over long contexts: too few programs to keep enough
+    KV loads in flight."""
     return max(1, min(MAX_SPLITS, triton.cdiv(_resident_programs(device), max(1, batch * num_kv_heads))))
 
 
@@ -261,8 +260,8 @@ def preload_first_tile(batch: int, num_kv_heads: int, splits: int, device: torch
     whole grid is resident at once (batch 1 at 8 KV heads: 33 splits, 264 programs on
     132 SMs). The preload is what lets a short batch-1 program overlap its predecessor,
     but the registers it holds cut residency from four programs per SM to two; a larger
-    grid then streams the KV cache with fewer loads in flight (on an H200, batch 256 of
-    200-1400 keys: 293 us against 221 us without it, `benchmarks/decode_residency.py`)."""
+    grid then streams the KV cache with fewer loads in flight (`benchmarks/decode_residency.py`
+    measures the cost per batch)."""
     return batch * num_kv_heads * splits <= _resident_programs(device)
 
 
@@ -274,12 +273,9 @@ def ordered_rows(batch: int, num_kv_heads: int, splits: int, merge: bool, device
     the order only decides which programs share an SM; longest first then puts the long
     ones together.
 
-    Fitted to an H200 over the throughput workload's contexts (Qwen3-8B, 8 KV heads;
-    `benchmarks/throughput_kernels.py --only splits`): ordered, 3-14 % faster at batches
-    of 72-256 (one split, 576+ programs) and 10-14 % at 28-32 (two splits merged, 448+);
-    left unordered where ordering was up to 9 % slower: 24 (two splits, 384 programs)
-    and 48-64 (one split, 384-512). A wave is `_resident_programs` without the preload
-    (which `preload_first_tile` keeps to single waves)."""
+    A wave is `_resident_programs` without the preload (which `preload_first_tile` keeps
+    to single waves); `benchmarks/throughput_kernels.py --only splits` rechecks the
+    threshold on a new GPU (docs/PERFORMANCE.md has the H200's figures)."""
     return batch * num_kv_heads * splits > _resident_programs(device, preload=False, merge=merge)
 
 

@@ -283,8 +283,8 @@ def _gemv_row_kernel(
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
 
 
-# Two tiles before the PDL wait: +2.0 % batch-1 decode at TP = 1, +0.5 % at TP = 2 on an
-# H200 against one (benchmarks/h200/prefetch_ab.sh, docs/PERFORMANCE.md).
+# Two tiles before the PDL wait, not one: the GEMV's first loads overlap the predecessor's
+# tail; more tiles hold registers with no further overlap (docs/PERFORMANCE.md).
 ROW_PREFETCH_TILES = 2
 
 

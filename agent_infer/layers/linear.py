@@ -1,16 +1,18 @@
 """Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded,
-shard_id=None)` that takes the checkpoint's full tensor (or a lazy handle to it) and
-copies in the part this rank owns. A tensor that already has the shard's shape was
-sliced before (blueprint FM-001) and is copied as is, never sliced twice."""
+shard_id=None, expert_id=None)` (loader/load.py) that takes the checkpoint's full tensor
+(or a lazy handle to it) and copies in the part this rank owns. A tensor that already
+has the shard's shape was sliced before (blueprint FM-001) and is copied as is, never
+sliced twice. Merged projections list their shards in `expected_pieces`, so a checkpoint
+that lacks one fails to load."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from agent_infer.distributed.state import ParallelState, all_reduce_sum, divide
 from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
-from agent_infer.tp_layers.distributed import ParallelState, all_reduce_sum, divide
 
 
 def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
@@ -20,24 +22,6 @@ def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
     if shape_of(loaded)[dim] == size:
         return materialize(loaded)
     return narrow(loaded, dim, start, size)
-
-
-class ReplicatedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
-
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
-        copy_into(param, materialize(loaded))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -55,9 +39,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         size = param.shape[0]
         copy_into(param, _shard(loaded, 0, self.tp.rank * size, size))
+
+    def _expect(self, shards) -> None:
+        for p in self.parameters(recurse=False):
+            p.expected_pieces = {(s, None) for s in shards}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
@@ -70,8 +58,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: ParallelState):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, tp)
+        self._expect(range(len(out_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: int, expert_id=None) -> None:
         size = divide(self.out_sizes[shard_id], self.tp.world_size, f"projection {shard_id}")
         offset = sum(self.out_sizes[:shard_id]) // self.tp.world_size
         part = _shard(loaded, 0, self.tp.rank * size, size)
@@ -110,8 +99,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, total, bias, tp)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        self._expect(("q", "k", "v"))
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: str, expert_id=None) -> None:
         rank = self.tp.rank
         if shard_id == "q":
             offset, size, start = 0, self.q_size, rank * self.q_size
@@ -143,11 +133,11 @@ class RowParallelLinear(nn.Module):
             # layer (its address is captured in the decode graphs), zero between calls.
             self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         size = param.shape[1]
         copy_into(param, _shard(loaded, 1, self.tp.rank * size, size))
 
-    def bias_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+    def bias_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         copy_into(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agent_infer.tp_layers.distributed import ParallelState
+from agent_infer.distributed.state import ParallelState
 
 log = logging.getLogger(__name__)
 

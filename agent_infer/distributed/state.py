@@ -24,7 +24,7 @@ class ParallelState:
     # The all-reduce of a row-parallel output fused with the residual add + RMSNorm after
     # it, in one kernel (`SymmMemAllReduceNorm`: `accepts(x, residual)`, `__call__(x,
     # residual, weight, eps)`); None, or a call it does not accept: the all-reduce above,
-    # then the add + norm (`tp_layers.linear.all_reduce_add_rms_norm`).
+    # then the add + norm (`layers.linear.all_reduce_add_rms_norm`).
     all_reduce_norm_impl: Any = None
 
     @property

@@ -1,6 +1,8 @@
 """The attention metadata of the step being run, reachable by every attention layer
 without threading it through each model's forward signature. Set by a context manager
-around one forward pass; never nested."""
+around one forward pass; never nested. The engine builds it, attention backends add what
+they need (`AttentionBackend.prepare`), layers and kernels read it: it imports nothing
+of theirs."""
 
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [batch] int32
     query_start_loc: torch.Tensor  # [batch + 1] int32
     max_query_len: int
-    max_context_len: int
     # Host copies, so the plain-PyTorch path never reads back from the device.
     query_lens_host: list[int]
     context_lens_host: list[int]
-    # Decode only, optional: the runner's zeroed int32 workspace (at least batch x KV heads,
-    # allocated once: a fixed address for CUDA graphs) that lets the Triton decode kernel
-    # merge its splits in the same launch; each call leaves it zero. None: two launches.
+    # Decode (and a mixed step's decode rows), optional: the backend's zeroed int32
+    # counters (allocated once: a fixed address for CUDA graphs) that let a split decode
+    # kernel merge its splits in the same launch; each call leaves them zero. None: the
+    # backend needs none, or merges in a second launch.
     decode_counters: torch.Tensor | None = None
     # A mixed step (is_prefill): the first num_decode sequences are decode rows, one query
     # token each, which a backend may run through its decode kernel.

@@ -1,15 +1,13 @@
-"""KV memory budget and the one up-front allocation of the paged cache."""
+"""KV memory budget and the one up-front allocation of the paged cache, for any mix of
+cache layouts (kvcache/layouts.py)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from agent_infer.engine.kv_specs import KVSpec
-
-log = logging.getLogger(__name__)
+from agent_infer.kvcache.layouts import CacheLayout
 
 # On a CPU the "free memory" is the machine's; take a modest share of it by default.
 CPU_DEFAULT_SHARE = 0.25
@@ -21,10 +19,6 @@ class KVBudget:
     num_blocks: int
     bytes_per_block: int
     source: str  # how the budget was decided, for the start-up log
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
 
 
 def cpu_available_bytes() -> int:
@@ -38,38 +32,49 @@ def cpu_available_bytes() -> int:
     return 8 << 30
 
 
+def bytes_per_token(layouts: list[CacheLayout], dtype: torch.dtype) -> int:
+    """Cache bytes one token costs on this rank, over every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(layout.values_per_token for layout in layouts) * elem
+
+
 class KVMemoryPool:
     """Decides how many blocks fit, then allocates them once (graph-safe: never grown).
 
-    Dense layout: one tensor [num_layers, 2, num_blocks, block_size, kv_heads, head_dim];
-    layer i reads K at [i, 0] and V at [i, 1]. MLA layout: [num_layers, num_blocks,
-    block_size, 1, latent_dim].
+    Layers with the same layout share one tensor, [layers, *layout.shape(blocks, size)],
+    and each layer gets its typed view of its slice (`views[i]`). Every layer has the
+    same number of blocks: one block id means the same tokens in all of them.
     """
 
-    def __init__(self, spec: KVSpec, block_size: int, num_blocks: int, device: torch.device):
-        self.spec = spec
+    def __init__(
+        self, layouts: list[CacheLayout], block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
+    ):
+        self.layouts = list(layouts)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.dtype = dtype
         self.device = device
-        if spec.num_kv_tensors == 2:
-            shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        else:
-            shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # Zeros, not empty: unused slots are masked out, but 0 * NaN would still poison
-        # a weighted sum of garbage values.
-        self.cache = torch.zeros(shape, dtype=spec.dtype, device=device)
-
-    def layer(self, i: int) -> torch.Tensor:
-        return self.cache[i]
+        groups: dict[CacheLayout, list[int]] = {}
+        for i, layout in enumerate(self.layouts):
+            groups.setdefault(layout, []).append(i)
+        self.tensors: list[torch.Tensor] = []
+        views: dict[int, object] = {}
+        for layout, layers in groups.items():
+            # Zeros, not empty: unused slots are masked out, but 0 * NaN would still poison
+            # a weighted sum of garbage values.
+            t = torch.zeros((len(layers), *layout.shape(num_blocks, block_size)), dtype=dtype, device=device)
+            self.tensors.append(t)
+            for j, i in enumerate(layers):
+                views[i] = layout.view(t[j])
+        self.views = [views[i] for i in range(len(self.layouts))]
 
     @property
     def nbytes(self) -> int:
-        return self.cache.numel() * self.cache.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @staticmethod
     def estimate_num_blocks(
-        spec: KVSpec,
-        block_size: int,
+        bytes_per_block: int,
         device: torch.device,
         gpu_memory_utilization: float,
         kv_cache_bytes: int | None = None,
@@ -79,11 +84,10 @@ class KVMemoryPool:
         """Blocks that fit the budget: an explicit block count, an explicit byte budget,
         or (GPU) total memory x utilisation minus what weights, activations and other
         processes already take, or (CPU) a share of the available memory."""
-        per_block = spec.bytes_per_block(block_size)
         if num_blocks is not None:
-            return KVBudget(num_blocks, per_block, "num_kv_blocks")
+            return KVBudget(num_blocks, bytes_per_block, "num_kv_blocks")
         if kv_cache_bytes is not None:
-            return KVBudget(max(0, kv_cache_bytes // per_block), per_block, f"kv_cache_bytes={kv_cache_bytes}")
+            return KVBudget(max(0, kv_cache_bytes // bytes_per_block), bytes_per_block, f"kv_cache_bytes={kv_cache_bytes}")
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             torch_reserved = torch.cuda.memory_reserved(device)
@@ -97,4 +101,4 @@ class KVMemoryPool:
         else:
             budget = min(CPU_DEFAULT_CAP, int(cpu_available_bytes() * CPU_DEFAULT_SHARE))
             source = f"CPU default ({budget / 2**30:.2f} GiB)"
-        return KVBudget(max(0, budget // per_block), per_block, source)
+        return KVBudget(max(0, budget // bytes_per_block), bytes_per_block, source)

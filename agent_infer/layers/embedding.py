@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agent_infer.distributed.state import ParallelState, all_gather_last_dim, all_reduce_sum
 from agent_infer.kernels import ops
+from agent_infer.layers.linear import all_reduce_rms_norm
 from agent_infer.loader.weights import Weight, copy_into, narrow, shape_of
-from agent_infer.tp_layers.distributed import ParallelState, all_gather_last_dim, all_reduce_sum
-from agent_infer.tp_layers.linear import all_reduce_rms_norm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         rows = self.end - self.start
         full = shape_of(loaded)[0]
         if full == self.rows_per_rank and self.tp.world_size > 1:

@@ -19,6 +19,9 @@ Synchronous stepping runs the same protocol (its steps just carry no placeholder
 If a rank fails mid-step the others block in a collective that will never complete; the
 control channel (acks, error reports, closed sockets) is how rank 0 finds out, and the
 failed engine then kills its local workers rather than waiting for an orderly exit.
+
+This module is rank 0's side of the processes and the channel; what a worker runs is the
+engine's (`agent_infer.engine.worker`), started here by module name.
 """
 
 from __future__ import annotations
@@ -31,19 +34,17 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import replace
 
 import torch
 
-from agent_infer.config import EngineConfig, ModelConfig
-from agent_infer.engine.control import ControlClient, ControlServer, WorkerError, exit_now
-from agent_infer.engine.runner_setup import setup_runner
-from agent_infer.tp_layers.group import LaunchInfo, apply_safe_env, destroy_group, free_port, init_group, store
+from agent_infer.config import EngineConfig
+from agent_infer.distributed.control import ControlServer, WorkerError, exit_now
+from agent_infer.distributed.group import LaunchInfo, destroy_group, free_port, init_group, store
 
 log = logging.getLogger(__name__)
 
-_CONTROL_KEY = "agent_infer/control_address"
+CONTROL_KEY = "agent_infer/control_address"  # where rank 0 publishes the channel, in the group's store
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -53,7 +54,7 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return base
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: get SIGKILL when the parent dies, so a crashed engine leaves no orphans."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -66,7 +67,9 @@ class WorkerGroup:
     """Rank 0's side: starts local workers (unless torchrun did), joins the group, and
     drives the workers over the control channel."""
 
-    def __init__(self, config: EngineConfig, info: LaunchInfo, device: torch.device):
+    def __init__(self, config: EngineConfig, info: LaunchInfo, device: torch.device, entry: str):
+        """`entry`: the module a local worker runs (`python -m entry`, its spec pickled on
+        stdin as (config, launch info, parent pid))."""
         self.info = info
         self.procs: list[subprocess.Popen] = []
         if not info.external:
@@ -74,7 +77,7 @@ class WorkerGroup:
             # is never re-imported in a worker.
             for rank in range(1, info.world_size):
                 spec = pickle.dumps((config, replace(info, rank=rank, local_rank=rank), os.getpid()))
-                p = subprocess.Popen([sys.executable, "-m", "agent_infer.engine.workers"], stdin=subprocess.PIPE)
+                p = subprocess.Popen([sys.executable, "-m", entry], stdin=subprocess.PIPE)
                 p.stdin.write(spec)
                 p.stdin.close()
                 self.procs.append(p)
@@ -82,7 +85,7 @@ class WorkerGroup:
             self.tp = init_group(info, device)
             host = info.master_addr if info.external else "127.0.0.1"
             self.control = ControlServer(host, info.world_size - 1)
-            store().set(_CONTROL_KEY, self.control.address)
+            store().set(CONTROL_KEY, self.control.address)
             self.control.accept_all(timeout_s=600, alive=self._dead_worker)
             self.control.start_watch(on_fatal=lambda msg: exit_now(msg, self.kill))
         except BaseException:
@@ -137,59 +140,6 @@ class WorkerGroup:
                 p.wait(5)
 
 
-def worker_main(config: EngineConfig, info: LaunchInfo) -> int:
-    """Join the group, build this rank's shard of the model, then run steps until told
-    to stop (or rank 0 goes away)."""
-    apply_safe_env()
-    logging.basicConfig(level=logging.WARNING)
-    device = rank_device(config, info.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
-    client = None
-    try:
-        tp = init_group(info, device)
-        client = ControlClient(store().get(_CONTROL_KEY).decode(), info.rank)
-        model_config = ModelConfig.from_hf(config.model)
-        dtype = config.resolve_dtype(device)
-        runner, _ = setup_runner(config, model_config, device, dtype, tp)
-        while True:
-            msg = client.recv()
-            if msg is None or msg[0] == "shutdown":
-                break
-            if msg[0] == "step":
-                runner.follow(msg[2])
-                client.send(("ack", msg[1]))
-        return 0
-    except Exception as e:
-        detail = f"{type(e).__name__}: {e}"
-        log.error("worker %d failed:\n%s", info.rank, traceback.format_exc())
-        if client is not None:
-            try:
-                client.send(("error", detail))
-            except OSError:
-                pass
-        return 1
-    finally:
-        destroy_group()
-        if client is not None:
-            client.close()
-
-
 def local_launch(world_size: int) -> LaunchInfo:
     return LaunchInfo(rank=0, world_size=world_size, local_rank=0, master_addr="127.0.0.1",
                       master_port=free_port(), external=False)
-
-
-def _main() -> None:
-    """Entry of a locally started worker: its spec arrives pickled on stdin."""
-    config, info, parent_pid = pickle.load(sys.stdin.buffer)
-    _die_with_parent()
-    if os.getppid() != parent_pid:
-        sys.exit(1)  # the parent died before the death signal was set
-    sys.exit(worker_main(config, info))
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,0 +1,105 @@
+"""The command-line arguments every entry point shares: engine and sampling flags, and
+the parser that reports usage errors on one line. `agent_infer/cli.py`, `server/cli.py`
+and `bench/cli.py` import these; this module imports none of them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:
+        print(f"agent-infer: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--kv-cache-gib", type=float, default=None, help="explicit KV cache budget in GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: float8 e4m3 K/V, scale 1, saturating at +-448 "
+                        "(half the bytes per cached token)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--preemption", default="none", choices=["none", "recompute"])
+    g.add_argument("--mixed-batches", action="store_true",
+                   help="steps that prefill also carry every running decode (default: prefill-only steps)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (pure eager mode)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up requests that compile kernels before the first real one (GPU)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "symm_mem", "symm_mem_fused"],
+                   help="TP all-reduce: auto = symmetric memory, each row-parallel all-reduce fused with the "
+                        "residual add + RMSNorm after it, where both work (else NCCL); or force one")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from agent_infer.config import EngineConfig
+    from agent_infer.loader.default_model import ensure_default_model
+
+    return EngineConfig(
+        model=args.model or ensure_default_model(),
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs or 256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption,
+        mixed_batches=args.mixed_batches,
+        enforce_eager=args.enforce_eager,
+        warmup=not args.no_warmup,
+        attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tp,
+        all_reduce=args.all_reduce,
+        seed=args.seed,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, dest="sample_seed", help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from agent_infer.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sample_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )

@@ -1,0 +1,23 @@
+"""Dense paged attention in plain PyTorch (any device): the reference the Triton backend
+is tested against, and the CPU path. Reads the cache layout of `kvcache.DenseKVLayout`."""
+
+from __future__ import annotations
+
+import torch
+
+from agent_infer.attention.backend import AttentionBackend
+from agent_infer.attention.metadata import AttentionMetadata
+from agent_infer.kernels import reference
+from agent_infer.kvcache.layouts import DenseKVCache
+
+
+class DenseTorchBackend(AttentionBackend):
+    name = "torch"
+
+    def attend(self, q: torch.Tensor, cache: DenseKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] over the cache, which already holds this step's K/V."""
+        if meta.is_prefill:
+            return reference.prefill_attention(
+                q, cache.k, cache.v, meta.block_tables, meta.query_lens_host, meta.context_lens_host, scale
+            )
+        return reference.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale)

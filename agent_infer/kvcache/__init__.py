@@ -1,0 +1,1 @@
+"""The paged KV cache: per-layer cache layouts and the pool that allocates them."""
