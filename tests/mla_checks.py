@@ -223,3 +223,91 @@ def check_mla_rope_store(
     # The cache rows are what kv_a now holds, bit for bit (one value, two stores).
     assert same(flat[slots[slots >= 0]], kv_buf[:, :width][slots >= 0]), f"{label}: cache rows differ from kv_a"
     assert_close(flat[written], ref_flat[written], f"{label}: cache rows")
+
+
+def check_mla_decode_step(
+    device, dtype: torch.dtype, block_size: int, batch: int, splits: int | None, merged: bool,
+    heads: int = 16, rank: int = 512, rope_dim: int = 64, max_context: int = 4100, capture: bool = True,
+) -> None:
+    """A decode step's attention on static buffers, as a CUDA graph runs it: the rope +
+    cache write (ops.mla_rope_store on kv_a and the query's last R columns) then the
+    decode, captured once (`capture`; else run eagerly each time, for the interpreter)
+    and replayed with contexts longer and shorter than at capture time, padding rows of
+    context 0 (slot -1), new block tables, new inputs. Each replay must match the
+    references on the same data and leave the counters zero."""
+    from agent_infer.kernels import ops
+    from agent_infer.kernels.triton.mla_decode import mla_decode, mla_decode_counters
+
+    width = rank + rope_dim
+    max_blocks = max_context // block_size + 2
+    num_blocks = batch * max_blocks + 5
+    cache = randn(num_blocks, block_size, width, dtype=dtype, device=device, seed=21)
+    table = rope_table(rope_dim, 2 * max_context, device)
+    weight = (1.0 + 0.3 * randn(rank, dtype=torch.float32, device=device, seed=22)).to(dtype)
+    kv_a = torch.empty(batch, width, dtype=dtype, device=device)
+    q = torch.empty(batch, heads, width, dtype=dtype, device=device)
+    positions = torch.empty(batch, dtype=torch.long, device=device)
+    slots = torch.empty(batch, dtype=torch.long, device=device)
+    tables = torch.empty(batch, max_blocks, dtype=torch.int32, device=device)
+    contexts = torch.empty(batch, dtype=torch.int32, device=device)
+    counters = mla_decode_counters(batch, heads, device) if merged else None
+    out = torch.empty(batch, heads, rank, dtype=dtype, device=device)
+    scale = 1.5 * width**-0.5
+
+    def lens_for(seed: int) -> list[int]:
+        lens = torch.randint(1, max_context, (batch,), generator=_gen(100 + seed)).tolist()
+        lens[0], lens[-1] = max_context, 0  # the longest, and a padding row
+        if batch > 2:
+            lens[1] = 1
+        return lens
+
+    def fill(lens: list[int], seed: int) -> None:
+        gen = _gen(seed)
+        perm = torch.randperm(num_blocks, generator=gen)
+        t = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        s = torch.full((batch,), -1, dtype=torch.long)
+        for i, ctx in enumerate(lens):
+            t[i] = perm[i * max_blocks : (i + 1) * max_blocks]
+            if ctx > 0:
+                s[i] = int(t[i, (ctx - 1) // block_size]) * block_size + (ctx - 1) % block_size
+        tables.copy_(t)
+        slots.copy_(s)
+        contexts.copy_(torch.tensor(lens, dtype=torch.int32))
+        positions.copy_((torch.tensor(lens) - 1).clamp(min=0))
+        kv_a.copy_(torch.randn(kv_a.shape, generator=gen).to(dtype))
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+
+    def forward() -> None:
+        ops.mla_rope_store(kv_a, q[:, :, rank:], positions, weight, 1e-6, table, cache, slots)
+        mla_decode(q, cache, tables, contexts, scale, rank, out=out, counters=counters, num_splits=splits)
+
+    fill(lens_for(0), seed=0)
+    if capture:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+    for seed in (1, 2, 3):
+        lens = lens_for(seed)
+        fill(lens, seed)
+        ref_cache, ref_kv, ref_q = cache.clone(), kv_a.clone(), q.clone()
+        reference.mla_rope_store(ref_kv, ref_q[:, :, rank:], positions, weight, 1e-6, table, ref_cache, slots)
+        real = torch.tensor([i for i, c in enumerate(lens) if c > 0], device=device)
+        ref = reference.mla_decode(ref_q[real], ref_cache, tables[real], contexts[real], scale, rank)
+        if capture:
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            with poisoned_empty():
+                forward()
+        what = f"replay {seed} (batch {batch}, {splits} splits, merged {merged}, longest {max(lens)})"
+        assert_close(cache.float(), ref_cache.float(), f"{what}: latent cache", dtype)
+        assert_close(out[real], ref, what)
+        pad = [i for i, c in enumerate(lens) if c == 0]
+        assert torch.equal(out[pad], torch.zeros_like(out[pad])), f"{what}: padding rows must be zeros"
+        if merged:
+            assert not counters.any(), f"{what}: counters not reset"

@@ -383,3 +383,10 @@ else:
 
     def test_mla_rope_store_pool_layout():
         mc.check_mla_rope_store(DEV, torch.float32, 6, 3, 40, 16, 16, pool_layout=True)
+
+    @pytest.mark.parametrize("batch,splits,merged", [(4, None, False), (4, 3, True), (70, None, True)])
+    def test_mla_decode_step_on_static_buffers(batch, splits, merged):
+        """The rope + cache write and the decode on the static buffers a CUDA graph holds,
+        run again with new lengths, tables and inputs (tests/gpu captures the same step)."""
+        mc.check_mla_decode_step(DEV, torch.float32, 16, batch, splits, merged, heads=3, rank=48, rope_dim=16,
+                                 max_context=150, capture=False)

@@ -256,6 +256,62 @@ def mla_decode_num_splits(batch: int, num_heads: int, device: torch.device, bloc
     return max(1, min(MAX_SPLITS, triton.cdiv(RESIDENT_PER_SM * num_sms(device), units)))
 
 
+@dataclass(frozen=True)
+class MlaLaunchPlan:
+    """The host's choices for one decode call. Triton specialises the split count (1, a
+    multiple of 16, or other), so `variant` tells apart the calls that need different
+    compiled kernels (the merge kernel's tile included)."""
+
+    splits: int
+    direct: bool  # one split: the programs write the output
+    merge: bool  # the splits are merged in the same launch
+    merge_s: int  # splits per step of the in-launch merge (1 without it)
+    combine_s: int  # the merge kernel's splits per load (0: no merge kernel)
+    combine_c: int  # and its columns per program
+
+    @property
+    def variant(self) -> tuple:
+        split_class = 1 if self.splits == 1 else 16 if self.splits % 16 == 0 else 0
+        return (self.direct, self.merge, self.merge_s, self.combine_s, self.combine_c, split_class)
+
+
+def mla_launch_plan(
+    batch: int, num_heads: int, kv_lora_rank: int, counters: bool, device: torch.device,
+    num_splits: int | None = None, block_h: int = MIN_BLOCK_H, merge_in_launch: bool | None = None,
+) -> MlaLaunchPlan:
+    """What `mla_decode` launches for `batch` sequences (`counters`: whether the caller
+    passes them; the other arguments override the shape-derived choices)."""
+    splits = num_splits or mla_decode_num_splits(batch, num_heads, device, block_h)
+    assert splits >= 1
+    direct = splits == 1
+    if merge_in_launch is None:
+        merge_in_launch = counters and splits <= MERGE_MAX_SPLITS
+    merge = merge_in_launch and not direct
+    assert not merge or counters, "merging in the launch needs the counters workspace"
+    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
+    combine_s = combine_c = 0
+    if not direct and not merge:
+        # All splits of one column chunk in one load: no round trip per split.
+        combine_s = triton.next_power_of_2(splits)
+        combine_c = max(16, min(_COMBINE_COLS, block_l, _COMBINE_TILE // combine_s))
+    return MlaLaunchPlan(splits, direct, merge, merge_s if merge else 1, combine_s, combine_c)
+
+
+def mla_variant_batches(
+    max_batch: int, num_heads: int, kv_lora_rank: int, counters: bool, device: torch.device,
+    block_h: int = MIN_BLOCK_H,
+) -> list[int]:
+    """The smallest batch of each distinct compiled variant that calls of 1..max_batch
+    sequences need: running these once compiles every variant such calls meet (what a
+    start-up warm-up of eager decode steps runs)."""
+    first: dict[tuple, int] = {}
+    for batch in range(1, max_batch + 1):
+        plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters, device, block_h=block_h)
+        first.setdefault(plan.variant, batch)
+    return sorted(first.values())
+
+
 def mla_decode_counters(max_batch: int, num_heads: int, device: torch.device | str) -> torch.Tensor:
     """The zeroed int32 workspace that lets `mla_decode` merge its splits in one launch:
     one counter per (sequence, head block) for batches up to `max_batch` (sized for the
@@ -320,23 +376,17 @@ def mla_decode(
     cfg = config or default_config(q.dtype)
     assert cfg.block_h >= MIN_BLOCK_H and cfg.block_h & (cfg.block_h - 1) == 0
     head_blocks = num_head_blocks(num_heads, cfg.block_h)
-    splits = num_splits or mla_decode_num_splits(batch, num_heads, q.device, cfg.block_h)
-    assert 1 <= splits
-    direct = splits == 1
-    if merge_in_launch is None:
-        merge_in_launch = counters is not None and splits <= MERGE_MAX_SPLITS
-    merge = merge_in_launch and not direct
-    if merge:
-        assert counters is not None, "merging in the launch needs the counters workspace"
+    plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters is not None, q.device, num_splits, cfg.block_h,
+                           merge_in_launch)
+    splits = plan.splits
+    if plan.merge:
         assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.device == q.device
         assert counters.numel() >= batch * head_blocks, (
             f"MLA decode counters hold {counters.numel()} < batch {batch} x head blocks {head_blocks}"
         )
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
-    block_r = max(16, triton.next_power_of_2(rope_dim))
     merge_c = min(_MERGE_COLS, block_l)
-    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (cfg.block_h * merge_c)))
-    if direct:
+    if plan.direct:
         part_o = part_lse = out  # unused
     else:
         part_o = torch.empty((batch, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
@@ -344,21 +394,17 @@ def mla_decode(
     opts = launch_opts(q.device)
     _mla_decode_kernel[(head_blocks, batch, splits)](
         q, out, kv_cache, block_tables, context_lens, part_o, part_lse,
-        counters if merge else context_lens,  # unused without MERGE
+        counters if plan.merge else context_lens,  # unused without MERGE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_b, kv_s, block_tables.stride(0),
         num_heads, head_blocks, splits, scale * _LOG2E,
         KV_LORA=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=kv_cache.shape[1],
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=block_r,
-        DIRECT=direct, MERGE=merge,
-        MERGE_S=merge_s if merge else 1, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
-    if not direct and not merge:
-        # All splits of one column chunk in one load: no round trip per split.
-        comb_s = triton.next_power_of_2(splits)
-        comb_c = max(16, min(_COMBINE_COLS, block_l, _COMBINE_TILE // comb_s))
-        _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, comb_c))](
+    if plan.combine_s:
+        _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            KV_LORA=kv_lora_rank, MERGE_S=comb_s, MERGE_C=comb_c, num_warps=4, **opts,
+            KV_LORA=kv_lora_rank, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, num_warps=4, **opts,
         )
     return out
