@@ -312,3 +312,79 @@ else:
         got, _ = _run(path, mixed=True, async_scheduling=True)
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"
+
+    # ---- DeepSeek MLA kernels (tests/mla_checks.py) -----------------------------------
+    # Odd tiny shapes on purpose: latent widths and rope dims that are not powers of two
+    # (masked tiles), 3 or 20 heads (padded head blocks), block sizes 16 and 32; one case
+    # at the real widths (L 512, R 64).
+
+    from agent_infer.kernels.triton.mla_decode import MlaDecodeConfig
+    from agent_infer.kernels.triton.mla_prefill import MlaPrefillConfig
+    from tests import mla_checks as mc
+
+    MLA_DECODE_CASES = [
+        # context lens, heads, L, R, block size, forced split counts, config (None: default)
+        ([1, 17, 100], 3, 48, 16, 16, (2, 5), None),
+        ([33, 64, 65, 7], 20, 40, 8, 32, (3,), None),  # two head blocks, the second 4 of 16
+        ([90, 31], 3, 48, 16, 16, (4,), MlaDecodeConfig(32, 16, 4, 2)),  # 32 heads a block
+        ([70], 16, 512, 64, 16, (3,), None),  # V2-Lite's widths
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "case", MLA_DECODE_CASES, ids=lambda c: f"c{c[0]}-h{c[1]}-L{c[2]}-R{c[3]}-bs{c[4]}-s{c[5]}-{c[6]}"
+    )
+    def test_mla_decode(dtype, case):
+        contexts, heads, rank, rope, block_size, splits, config = case
+        mc.check_mla_decode(DEV, dtype, contexts, heads, rank, rope, block_size, splits, padding_rows=1, config=config)
+
+    def test_mla_decode_pool_layout():
+        """The KV pool's per-layer view [blocks, block_size, 1, L + R] reads as the 3-d cache."""
+        mc.check_mla_decode(DEV, torch.float32, [40, 9], 3, 48, 16, 16, (2,), padding_rows=0, pool_layout=True)
+
+    def test_mla_decode_splits_from_shapes():
+        """The split count fills two programs per SM (132 SMs off a GPU) from batch and
+        heads alone, and the in-launch merge is taken only up to MERGE_MAX_SPLITS."""
+        from agent_infer.kernels.triton.mla_decode import MAX_SPLITS, mla_decode_num_splits
+
+        dev = torch.device("cpu")
+        assert mla_decode_num_splits(1, 16, dev) == MAX_SPLITS
+        for heads in (4, 8, 16, 128):
+            blocks = -(-heads // 16)
+            for batch in range(1, 300):
+                splits = mla_decode_num_splits(batch, heads, dev)
+                programs = batch * blocks * splits
+                assert programs >= min(2 * 132, batch * blocks * MAX_SPLITS), (heads, batch, splits)
+                assert splits == 1 or batch * blocks * (splits - 1) < 2 * 132, (heads, batch, splits)
+
+    MLA_PREFILL_CASES = [
+        # query lens, cached prefix lens, heads, Dn, R, Dv, config
+        ([5, 17, 33], [0, 16, 23], 3, 24, 8, 20, None),  # no power of two anywhere
+        ([20, 1, 0, 9], [13, 40, 5, 0], 2, 32, 16, 16, None),  # a one-token chunk, an empty sequence
+        ([70, 3], [5, 60], 2, 24, 8, 20, MlaPrefillConfig(32, 16, 4, 1)),  # several query tiles
+        ([40], [10], 2, 128, 64, 128, None),  # the real widths
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "case", MLA_PREFILL_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-h{c[2]}-d{c[3]}/{c[4]}/{c[5]}-{c[6]}"
+    )
+    def test_mla_prefill(dtype, case):
+        mc.check_mla_prefill(DEV, dtype, *case)
+
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize("is_neox", [False, True])
+    @pytest.mark.parametrize("tokens,heads,rank,rope,block_size", [(7, 3, 40, 16, 16), (5, 20, 48, 8, 32),
+                                                                   (2, 16, 512, 64, 16)])
+    def test_mla_rope_store(dtype, is_neox, tokens, heads, rank, rope, block_size):
+        mc.check_mla_rope_store(DEV, dtype, tokens, heads, rank, rope, block_size, is_neox)
+
+    def test_mla_rope_store_pool_layout():
+        mc.check_mla_rope_store(DEV, torch.float32, 6, 3, 40, 16, 16, pool_layout=True)
+
+    @pytest.mark.parametrize("batch,splits,merged", [(4, None, False), (4, 3, True), (70, None, True)])
+    def test_mla_decode_step_on_static_buffers(batch, splits, merged):
+        """The rope + cache write and the decode on the static buffers a CUDA graph holds,
+        run again with new lengths, tables and inputs (tests/gpu captures the same step)."""
+        mc.check_mla_decode_step(DEV, torch.float32, 16, batch, splits, merged, heads=3, rank=48, rope_dim=16,
+                                 max_context=150, capture=False)

@@ -150,3 +150,62 @@ def gumbel_sample(
 
         return sampling.gumbel_sample(logits, temperature, seeds, steps)
     return reference.gumbel_sample(logits, temperature, seeds, steps)
+
+
+# ---- DeepSeek MLA (multi-head latent attention) ------------------------------------------
+
+
+def mla_rope_store(
+    kv_a: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, is_neox: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_a [T, L + R] <- [rms_norm(latent) | rope(k_pe)] in place and into the latent cache
+    at slot_mapping (-1 = skip); q_pe [T, H, R] rotated in place (interleaved pairs unless
+    is_neox). Returns the views (latent [T, L], k_pe [T, R]); one kernel on the GPU."""
+    if _use_triton(kv_a):
+        from agent_infer.kernels.triton.mla_rope_store import mla_rope_store as triton_mla_rope_store
+
+        return triton_mla_rope_store(kv_a, q_pe, positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
+                                     is_neox)
+    return reference.mla_rope_store(kv_a, q_pe, positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
+                                    is_neox)
+
+
+def mla_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    scale: float, kv_lora_rank: int, out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode: q [N, H, L + R] over the latent cache -> [N, H, L] (into `out`
+    when given). `counters` (from triton.mla_decode.mla_decode_counters, allocated once by
+    the GPU path) lets the Triton kernel merge its splits in one launch; the reference
+    ignores it."""
+    if _use_triton(q):
+        from agent_infer.kernels.triton.mla_decode import mla_decode as triton_mla_decode
+
+        return triton_mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank, out=out,
+                                 counters=counters)
+    res = reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def mla_prefill_attention(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_query_len: int, scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ragged causal MLA prefill over materialised K/V (q_nope . k_nope + q_pe . k_pe, k_pe
+    shared by the heads) -> [T, H, Dv]; sequence s's queries are the last of its keys."""
+    if _use_triton(q_nope):
+        from agent_infer.kernels.triton.mla_prefill import mla_prefill_attention as triton_mla_prefill
+
+        return triton_mla_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale,
+                                  out=out)
+    res = reference.mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len,
+                                          scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out

@@ -161,3 +161,105 @@ def gumbel_sample(
     noise = -torch.log(-torch.log(uniform_noise(seeds, steps, x.shape[-1])))
     score = torch.where(greedy[:, None], x, x * inv_t[:, None] + noise)
     return score.argmax(dim=-1)
+
+
+# ---- DeepSeek MLA (multi-head latent attention) ------------------------------------------
+#
+# The latent cache holds one row of L + R values per token and layer: the RMS-normalised
+# latent c_kv (L = kv_lora_rank columns), then the rotated rope key k_pe shared by all
+# heads (R = qk_rope_head_dim columns). Layout [num_blocks, block_size, L + R] (the pool's
+# [num_blocks, block_size, 1, L + R] works too), paged by block tables.
+
+
+def _mla_rope(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """DeepSeek's rope on x [T, heads, R] as transformers' DeepseekV2 computes it: in fp32
+    with fp32 cos/sin, rounded once to x's dtype. GPT-J (interleaved) pairs (2i, 2i + 1)
+    rotated by frequency i keep their places in the output (V2's view_as_complex; V3's
+    `apply_rotary_pos_emb_interleave` writes the same values de-interleaved, a permutation
+    shared by q and k that leaves every score unchanged)."""
+    return apply_rotary(positions, x.float(), cos_sin_cache.float(), is_neox).to(x.dtype)
+
+
+def mla_rope_store(
+    kv_a: torch.Tensor,
+    q_pe: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new tokens into the latent cache. kv_a [T, L + R] (kv_a_proj_with_mqa's
+    output: raw latent, then the un-rotated rope key) is rewritten in place as
+    [rms_norm(latent) | rope(k_pe)], and those rows go into kv_cache at slot_mapping
+    (-1 = padding, not stored); q_pe [T, H, R] is rotated in place. Returns the views
+    (latent [T, L], k_pe [T, R]) of kv_a."""
+    rank = norm_weight.shape[0]
+    latent = rms_norm(kv_a[:, :rank], norm_weight, eps)
+    k_pe = _mla_rope(positions, kv_a[:, None, rank:], cos_sin_cache, is_neox)[:, 0]
+    q_pe.copy_(_mla_rope(positions, q_pe, cos_sin_cache, is_neox))
+    kv_a[:, :rank] = latent
+    kv_a[:, rank:] = k_pe
+    keep = slot_mapping >= 0
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = kv_a[keep]
+    return kv_a[:, :rank], kv_a[:, rank:]
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Absorbed MLA decode: q [N, H, L + R] (q_nope @ W_UK, then the rotated q_pe) scores
+    every cached row over all L + R columns and averages the rows' latent parts:
+    out [N, H, L] = softmax(scale * q . row) @ row[:L]. A context of 0 gives zeros.
+    No host reads of device values (capturable in a CUDA graph)."""
+    batch = q.shape[0]
+    rows = kv_cache.reshape(*kv_cache.shape[:2], kv_cache.shape[-1])
+    keys = rows[block_tables[:batch]].flatten(1, 2).float()  # [N, max_blocks * block_size, L + R]
+    scores = torch.einsum("bhd,btd->bht", q.float(), keys) * scale
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:batch, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).nan_to_num(0.0)  # context 0: every score -inf
+    return torch.einsum("bht,btl->bhl", probs, keys[..., :kv_lora_rank]).to(q.dtype)
+
+
+def mla_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal MLA prefill over materialised keys and values: q_nope [T, H, Dn], q_pe
+    [T, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R] (one rope key for all heads), v [Tk, H, Dv]
+    -> out [T, H, Dv]. Sequence s owns query rows cu_q[s]:cu_q[s+1] (nq of them) and key
+    rows cu_k[s]:cu_k[s+1] (nk >= nq: its cached prefix, then its new tokens); query i sits
+    at position nk - nq + i and sees keys 0 .. nk - nq + i. Computed in fp32.
+    `max_query_len` is the kernel's grid bound, unused here."""
+    del max_query_len
+    heads = q_nope.shape[1]
+    out = torch.zeros(q_nope.shape[0], heads, v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0:
+            continue
+        q = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1).float().transpose(0, 1)  # [H, nq, Dn + R]
+        k_rope = k_pe[k0:k1, None, :].expand(-1, heads, -1)
+        k = torch.cat((k_nope[k0:k1], k_rope), dim=-1).float().transpose(0, 1)  # [H, nk, Dn + R]
+        scores = q @ k.transpose(1, 2) * scale
+        visible = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[q0:q1] = (probs @ v[k0:k1].float().transpose(0, 1)).transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,410 @@
+"""DeepSeek MLA decode attention over the paged latent cache, split-K, CUDA-graph safe.
+
+With W_UK absorbed into the query, MLA decode is multi-query attention over one shared
+"head": each cache row holds L = kv_lora_rank normalised latent values, then R rotated
+rope-key values. Query head h of sequence b scores row t as scale * (q[b, h] . row[t])
+over all L + R columns, and its output is the softmax-weighted sum of rows[:, :L] (the
+model applies W_UV afterwards).
+
+Grid (head blocks, sequences, splits). A program takes BLOCK_H query heads of one
+sequence as the M rows of its dots, so every latent tile it reads serves all of them
+(one 576-value row per key is the whole cache traffic; at H = 16 one program covers
+every head). It handles the s-th share of its sequence's context, computed in the
+kernel from context_lens and rounded to key tiles; shares past the end are empty. The
+split count comes from the shapes only (batch, heads, SM count), never from the lengths,
+so one captured graph replays for any lengths and block tables.
+
+With one split the kernel writes the output directly. Otherwise each program writes a
+partial (normalised [BLOCK_H, L] output + log2-sum-exp) to fp32 scratch, merged either
+
+- in the same launch (counters given and few splits): the last program of a (sequence,
+  head block), found with an atomic counter, merges the splits that hold keys. Unlike
+  the dense kernel's group of 4 x 128 values a partial here is 16 x 512, so one program
+  merging many splits reads a lot (64 splits: 2 MB) through one SM; past
+  MERGE_MAX_SPLITS the second kernel is taken even with counters.
+- by a second kernel, one program per (sequence, head, column chunk): parallel.
+
+Scratch comes from shapes alone (graph-safe). A context of 0 (a padding row of a graph
+batch) gives zeros, not NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.paged import kv_block_ids
+from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+# The in-launch merge reads splits x BLOCK_H x L fp32 through one program; past this many
+# splits the second, parallel kernel merges instead (see the module docstring).
+MERGE_MAX_SPLITS = 4
+# The in-launch merge loads [BLOCK_H, splits, 64 columns] of partials per step (32 fp32
+# per thread at 4 warps): a 128-column step compiled the whole kernel to 255 registers
+# for sm_90 against 200 (tests/test_mla_compile.py). The combine kernel, which holds
+# nothing else, loads all splits of up to 128 columns at once (64 per thread).
+_MERGE_COLS, _MERGE_TILE = 64, 4096
+_COMBINE_COLS, _COMBINE_TILE = 128, 8192
+# tl.dot needs at least 16 rows: fewer heads per rank (V2-Lite at TP 2/4) are padded.
+MIN_BLOCK_H = 16
+
+
+@triton.jit
+def _merge_splits(
+    part_o_ptr, part_lse_ptr, out_ptr, seq, heads, h_mask, sob, soh, num_heads, num_splits, used, col0,
+    KV_LORA: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """out[seq, heads, col0 : col0 + CHUNKS * MERGE_C] = the log-sum-exp weighted mean of
+    the first `used` splits' partials. Splits without keys (lse = -inf) weigh nothing;
+    when no split has keys the output is zeros."""
+    sp = tl.arange(0, MERGE_S)
+    rows0 = (seq * num_heads + heads) * num_splits  # part_o [B, H, S, L], part_lse [B, H, S]
+    # The weights first (a few values per head), so the partial outputs are then streamed
+    # without rescaling. .cg: other SMs' stores do not update this SM's L1.
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        r_mask = h_mask[:, None] & ((s0 + sp) < used)[None, :]
+        lse = tl.load(part_lse_ptr + rows0[:, None] + (s0 + sp)[None, :], mask=r_mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(lse, axis=1))
+    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all (or a padded head row)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        r_mask = h_mask[:, None] & ((s0 + sp) < used)[None, :]
+        lse = tl.load(part_lse_ptr + rows0[:, None] + (s0 + sp)[None, :], mask=r_mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        total += tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    for c in tl.static_range(CHUNKS):
+        cols = col0 + c * MERGE_C + tl.arange(0, MERGE_C)
+        c_mask = cols < KV_LORA
+        acc = tl.zeros([BLOCK_H, MERGE_C], dtype=tl.float32)
+        for s0 in range(0, used, MERGE_S):
+            s_mask = (s0 + sp) < used
+            r_mask = h_mask[:, None] & s_mask[None, :]
+            rows = rows0[:, None] + (s0 + sp)[None, :]  # [H, S]
+            lse = tl.load(part_lse_ptr + rows, mask=r_mask, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(lse - m[:, None]) * inv[:, None]
+            o = tl.load(part_o_ptr + rows[:, :, None] * KV_LORA + cols[None, None, :],
+                        mask=r_mask[:, :, None] & c_mask[None, None, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * o, axis=1)
+        out_ptrs = out_ptr + seq * sob + heads[:, None] * soh + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
+               KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The latent [BLOCK_N, BLOCK_L] and rope-key [BLOCK_N, BLOCK_R] parts of the cache rows
+    of key positions `kpos` where `kmask`; zeros elsewhere (also in padded columns)."""
+    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
+    rows = block * kv_b + (kpos % BLOCK_SIZE).to(tl.int64) * kv_s
+    lat_mask = kmask[:, None]
+    if BLOCK_L != KV_LORA:
+        lat_mask = lat_mask & (cl < KV_LORA)[None, :]
+    pe_mask = kmask[:, None]
+    if BLOCK_R != ROPE_DIM:
+        pe_mask = pe_mask & (cr < ROPE_DIM)[None, :]
+    lat = tl.load(kv_ptr + rows[:, None] + cl[None, :], mask=lat_mask, other=0.0)
+    pe = tl.load(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], mask=pe_mask, other=0.0)
+    return lat, pe
+
+
+# The block-table width varies between eager steps and the graphs' static buffers;
+# specialising on it would compile a variant mid-serving.
+@triton.jit(do_not_specialize=["s_table"])
+def _mla_decode_kernel(
+    q_ptr, out_ptr, kv_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    sqb, sqh, sob, soh, kv_b, kv_s, s_table,
+    num_heads, num_head_blocks, num_splits, qk_scale,
+    KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    # Head blocks on the fastest grid axis: at H = 128 the programs of one sequence run
+    # side by side, so each latent tile comes from HBM once and from L2 for the others.
+    hb = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    # Lengths and block tables are this forward's inputs (written before its first
+    # kernel), so they are read before the PDL wait; q and the newest cache row are what
+    # the predecessor (the rope + cache write) produces.
+    ctx = tl.load(ctx_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, ctx)
+    table_row_ptr = table_ptr + seq * s_table
+    pdl_begin(PDL)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    cl = tl.arange(0, BLOCK_L)
+    cr = tl.arange(0, BLOCK_R)
+    q_rows = q_ptr + seq * sqb + heads.to(tl.int64)[:, None] * sqh
+    q_lat = tl.load(q_rows + cl[None, :], mask=h_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
+    q_pe = tl.load(q_rows + KV_LORA + cr[None, :], mask=h_mask[:, None] & (cr < ROPE_DIM)[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        lat, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
+                             KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_L, BLOCK_R)
+        # The rope part first: its dot is the small one, and the latent's then accumulates
+        # onto it.
+        s = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
+        s = tl.dot(q_lat, tl.trans(lat), acc=s, input_precision=PRECISION)
+        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    out_mask = h_mask[:, None] & (cl < KV_LORA)[None, :]
+    out_ptrs = out_ptr + seq * sob + heads.to(tl.int64)[:, None] * soh + cl[None, :]
+    row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, L], part_lse [B, H, S]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    if DIRECT:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif MERGE:
+        # Splits holding keys; split 0 stands for an empty context (o = 0). Programs past
+        # them skip the counter, so it counts to `used`.
+        used = tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)
+        if split < used:
+            if used == 1:
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
+                tl.store(part_lse_ptr + row, lse, mask=h_mask)
+                # A scalar atomic runs in one thread, so its release covers that thread's
+                # stores only: the barrier first makes every thread's partial visible to
+                # it (CTA scope), and release is cumulative (as in decode_attention.py).
+                tl.debug_barrier()
+                counter = counter_ptr + seq * num_head_blocks + hb
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == used - 1:
+                    # The acquire is that one thread's too: the barrier orders the other
+                    # threads' partial loads after it.
+                    tl.debug_barrier()
+                    _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, h_mask, sob, soh, num_heads,
+                                  num_splits, used, 0, KV_LORA, BLOCK_H, MERGE_S, MERGE_C,
+                                  (KV_LORA + MERGE_C - 1) // MERGE_C)
+                    # Every other program of this (sequence, head block) has counted, so a
+                    # plain store re-arms the counter for the next launch.
+                    tl.store(counter, 0)
+    else:
+        tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + row, lse, mask=h_mask)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, sob, soh, num_heads, num_splits,
+    KV_LORA: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per (sequence, head, column chunk): all splits' partials of that chunk."""
+    pdl_begin(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)
+    _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, heads < num_heads, sob, soh, num_heads, num_splits,
+                  num_splits, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    block_h: int  # query heads per program (the M rows of the dots; at least 16)
+    block_n: int  # keys per inner step (split shares are rounded to it)
+    num_warps: int
+    num_stages: int
+
+
+def default_config(dtype: torch.dtype) -> MlaDecodeConfig:
+    """A bf16/fp16 tile of 32 keys is 32 x 576 x 2 B = 36 KB per pipeline stage; fp32 takes
+    16 keys for the same bytes. benchmarks/mla_kernels.py sweeps alternatives."""
+    if dtype == torch.float32:
+        return MlaDecodeConfig(16, 16, 4, 2)
+    return MlaDecodeConfig(16, 32, 4, 2)
+
+
+def num_head_blocks(num_heads: int, block_h: int = MIN_BLOCK_H) -> int:
+    return triton.cdiv(num_heads, block_h)
+
+
+# Programs of the bf16 kernel resident per SM (tests/test_mla_compile.py checks the
+# register count and shared memory for sm_90 that allow it).
+RESIDENT_PER_SM = 2
+
+
+def mla_decode_num_splits(batch: int, num_heads: int, device: torch.device, block_h: int = MIN_BLOCK_H) -> int:
+    """Splits per (sequence, head block), from static shapes only: enough programs to fill
+    every SM's resident slots, rounded up, at most MAX_SPLITS."""
+    units = max(1, batch * num_head_blocks(num_heads, block_h))
+    return max(1, min(MAX_SPLITS, triton.cdiv(RESIDENT_PER_SM * num_sms(device), units)))
+
+
+@dataclass(frozen=True)
+class MlaLaunchPlan:
+    """The host's choices for one decode call. Triton specialises the split count (1, a
+    multiple of 16, or other), so `variant` tells apart the calls that need different
+    compiled kernels (the merge kernel's tile included)."""
+
+    splits: int
+    direct: bool  # one split: the programs write the output
+    merge: bool  # the splits are merged in the same launch
+    merge_s: int  # splits per step of the in-launch merge (1 without it)
+    combine_s: int  # the merge kernel's splits per load (0: no merge kernel)
+    combine_c: int  # and its columns per program
+
+    @property
+    def variant(self) -> tuple:
+        split_class = 1 if self.splits == 1 else 16 if self.splits % 16 == 0 else 0
+        return (self.direct, self.merge, self.merge_s, self.combine_s, self.combine_c, split_class)
+
+
+def mla_launch_plan(
+    batch: int, num_heads: int, kv_lora_rank: int, counters: bool, device: torch.device,
+    num_splits: int | None = None, block_h: int = MIN_BLOCK_H, merge_in_launch: bool | None = None,
+) -> MlaLaunchPlan:
+    """What `mla_decode` launches for `batch` sequences (`counters`: whether the caller
+    passes them; the other arguments override the shape-derived choices)."""
+    splits = num_splits or mla_decode_num_splits(batch, num_heads, device, block_h)
+    assert splits >= 1
+    direct = splits == 1
+    if merge_in_launch is None:
+        merge_in_launch = counters and splits <= MERGE_MAX_SPLITS
+    merge = merge_in_launch and not direct
+    assert not merge or counters, "merging in the launch needs the counters workspace"
+    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
+    combine_s = combine_c = 0
+    if not direct and not merge:
+        # All splits of one column chunk in one load: no round trip per split.
+        combine_s = triton.next_power_of_2(splits)
+        combine_c = max(16, min(_COMBINE_COLS, block_l, _COMBINE_TILE // combine_s))
+    return MlaLaunchPlan(splits, direct, merge, merge_s if merge else 1, combine_s, combine_c)
+
+
+def mla_variant_batches(
+    max_batch: int, num_heads: int, kv_lora_rank: int, counters: bool, device: torch.device,
+    block_h: int = MIN_BLOCK_H,
+) -> list[int]:
+    """The smallest batch of each distinct compiled variant that calls of 1..max_batch
+    sequences need: running these once compiles every variant such calls meet (what a
+    start-up warm-up of eager decode steps runs)."""
+    first: dict[tuple, int] = {}
+    for batch in range(1, max_batch + 1):
+        plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters, device, block_h=block_h)
+        first.setdefault(plan.variant, batch)
+    return sorted(first.values())
+
+
+def mla_decode_counters(max_batch: int, num_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 workspace that lets `mla_decode` merge its splits in one launch:
+    one counter per (sequence, head block) for batches up to `max_batch` (sized for the
+    smallest head block, so any config fits). Allocate once (a fixed address for CUDA
+    graphs) and pass it to every call; each call leaves it zero. Calls sharing it must
+    not run concurrently. `num_heads` is the per-rank count under tensor parallelism."""
+    return torch.zeros(max_batch * num_head_blocks(num_heads), dtype=torch.int32, device=device)
+
+
+def _cache_rows(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block stride, row stride, row width) of a latent cache [blocks, bs, L + R] or the
+    pool's [blocks, bs, 1, L + R]."""
+    if kv_cache.dim() == 4:
+        assert kv_cache.shape[2] == 1, f"an MLA cache has one latent 'head', not {kv_cache.shape[2]}"
+    else:
+        assert kv_cache.dim() == 3, f"MLA cache of shape {tuple(kv_cache.shape)}"
+    assert kv_cache.stride(-1) == 1
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[-1]
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MlaDecodeConfig | None = None,
+    merge_in_launch: bool | None = None,
+) -> torch.Tensor:
+    """q [N, H, L + R] (absorbed latent query, then the rotated rope query; strided rows
+    allowed) over the latent cache [blocks, block_size, L + R] (or [.., 1, L + R]) ->
+    out [N, H, L] = softmax(scale * q . row) @ row[:L].
+
+    Sequence b reads its context_lens[b] rows under block_tables[b] (extra table / length
+    rows are ignored). Reads no device value on the host. `counters` (from
+    `mla_decode_counters`, zero on entry, left zero) lets the splits merge in the same
+    launch when there are at most MERGE_MAX_SPLITS of them; `merge_in_launch` overrides
+    that choice (True needs counters). `num_splits` overrides the shape-derived count,
+    `config` the tiles. `out` (strided rows allowed) receives the result.
+
+    Under PDL the kernel reads lengths and block tables before waiting for the kernel
+    launched just before it, which may write q and the newest cache rows only."""
+    batch, num_heads, width = q.shape
+    kv_b, kv_s, cache_width = _cache_rows(kv_cache)
+    rope_dim = width - kv_lora_rank
+    assert 0 < kv_lora_rank < width and cache_width == width, (
+        f"q width {width}, cache width {cache_width}, kv_lora_rank {kv_lora_rank}"
+    )
+    assert kv_cache.dtype == q.dtype, f"a {kv_cache.dtype} latent cache for {q.dtype} queries"
+    assert q.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
+    if out is None:
+        out = torch.empty((batch, num_heads, kv_lora_rank), dtype=q.dtype, device=q.device)
+    assert out.shape == (batch, num_heads, kv_lora_rank) and out.dtype == q.dtype and out.stride(-1) == 1
+    if batch == 0:
+        return out
+    cfg = config or default_config(q.dtype)
+    assert cfg.block_h >= MIN_BLOCK_H and cfg.block_h & (cfg.block_h - 1) == 0
+    head_blocks = num_head_blocks(num_heads, cfg.block_h)
+    plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters is not None, q.device, num_splits, cfg.block_h,
+                           merge_in_launch)
+    splits = plan.splits
+    if plan.merge:
+        assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.device == q.device
+        assert counters.numel() >= batch * head_blocks, (
+            f"MLA decode counters hold {counters.numel()} < batch {batch} x head blocks {head_blocks}"
+        )
+    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    merge_c = min(_MERGE_COLS, block_l)
+    if plan.direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((batch, num_heads, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    opts = launch_opts(q.device)
+    _mla_decode_kernel[(head_blocks, batch, splits)](
+        q, out, kv_cache, block_tables, context_lens, part_o, part_lse,
+        counters if plan.merge else context_lens,  # unused without MERGE
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_b, kv_s, block_tables.stride(0),
+        num_heads, head_blocks, splits, scale * _LOG2E,
+        KV_LORA=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=kv_cache.shape[1],
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
+    if plan.combine_s:
+        _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
+            KV_LORA=kv_lora_rank, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, num_warps=4, **opts,
+        )
+    return out

@@ -1,0 +1,134 @@
+"""One kernel for DeepSeek MLA's new tokens between the projections and attention:
+kv_a_layernorm (RMSNorm of the latent), RoPE on the shared rope key and on every head's
+q_pe, and the latent-cache write.
+
+kv_a [T, L + R] is kv_a_proj_with_mqa's output (raw latent, then the un-rotated rope
+key); it is rewritten in place as [normed latent | rotated k_pe], which is also the cache
+row written at the token's slot. q_pe [T, H, R] (a strided view into the q projection,
+or into the absorbed decode query's last R columns) is rotated in place.
+
+Grid (tokens, 1 + query-head blocks): program 0 of a token does the latent row and its
+cache write, the others BLOCK_HQ heads of q_pe each; at batch 1 the two kinds run side
+by side instead of one after the other.
+
+Arithmetic as transformers' DeepseekV2 (see reference.mla_rope_store): the norm in fp32,
+rounded to the activation dtype before the weight multiply; the rotation in fp32 with
+the fp32 cos/sin table, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.rope_store import rope_pair_index
+from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+
+# Query heads per program: 16 x 32 rotation pairs at R = 64.
+MAX_HEADS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _rotate(x_ptr, idx1, idx2, mask, cos, sin):
+    """x[idx1], x[idx2] <- the pairs rotated by (cos, sin), in fp32, rounded once."""
+    x1 = tl.load(x_ptr + idx1, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = tl.load(x_ptr + idx2, mask=mask, other=0.0).to(tl.float32)
+    y1 = (a * cos - b * sin).to(x1.dtype)
+    y2 = (b * cos + a * sin).to(x1.dtype)
+    tl.store(x_ptr + idx1, y1, mask=mask)
+    tl.store(x_ptr + idx2, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _mla_rope_store_kernel(
+    kv_a_ptr, q_pe_ptr, pos_ptr, w_ptr, cs_ptr, cache_ptr, slot_ptr,
+    skv, sqt, sqh, scs, kc_b, kc_s, num_heads, eps,
+    KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    half: tl.constexpr = ROPE_DIM // 2
+    r = tl.arange(0, BLOCK_HALF)
+    r_mask = r < half
+    idx1, idx2 = rope_pair_index(r, half, IS_NEOX)
+    # Before the PDL wait, overlapping the projection that produces kv_a and q_pe:
+    # positions and slots are this forward's inputs, the table and weight constants.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * scs + r, mask=r_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * scs + half + r, mask=r_mask, other=0.0).to(tl.float32)
+    if part == 0:
+        cl = tl.arange(0, BLOCK_L)
+        cl_mask = cl < KV_LORA
+        w = tl.load(w_ptr + cl, mask=cl_mask, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        pdl_begin(PDL)
+        row = kv_a_ptr + t * skv
+        x = tl.load(row + cl, mask=cl_mask, other=0.0)
+        h = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / KV_LORA + eps)
+        latent = ((h * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+        tl.store(row + cl, latent, mask=cl_mask)
+        y1, y2 = _rotate(row + KV_LORA, idx1, idx2, r_mask, cos, sin)
+        if slot >= 0:
+            dst = cache_ptr + (slot // BLOCK_SIZE) * kc_b + (slot % BLOCK_SIZE) * kc_s
+            tl.store(dst + cl, latent, mask=cl_mask)
+            tl.store(dst + KV_LORA + idx1, y1, mask=r_mask)
+            tl.store(dst + KV_LORA + idx2, y2, mask=r_mask)
+    else:
+        pdl_begin(PDL)
+        heads = (part - 1) * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        rows = q_pe_ptr + t * sqt + heads.to(tl.int64)[:, None] * sqh
+        _rotate(rows, idx1[None, :], idx2[None, :], (heads < num_heads)[:, None] & r_mask[None, :],
+                cos[None, :], sin[None, :])
+
+
+def mla_rope_store(
+    kv_a: torch.Tensor,
+    q_pe: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_a [T, L + R] <- [rms_norm(latent) * norm_weight | rope(k_pe)] in place, and those
+    rows into kv_cache [blocks, block_size, L + R] (or [.., 1, L + R]) at slot_mapping [T]
+    (int64, -1 = padding, not stored); q_pe [T, H, R] <- rope(q_pe) in place. L is
+    norm_weight's length; cos_sin_cache [max_pos, R] holds the R/2 frequencies' cos, then
+    their sin (layers/rotary.py); DeepSeek's interleaved pairs (2i, 2i + 1) unless
+    `is_neox`. Row strides are free (last dims contiguous). Returns the views
+    (latent [T, L], k_pe [T, R]) of kv_a.
+
+    Under PDL the kernel reads positions, slots, cos/sin and the weight before waiting
+    for the kernel launched just before it, which may write kv_a and q_pe only."""
+    tokens, width = kv_a.shape
+    rank = norm_weight.shape[0]
+    rope_dim = width - rank
+    assert 0 < rank < width and rope_dim % 2 == 0, f"kv_a width {width}, kv_lora_rank {rank}"
+    assert q_pe.dim() == 3 and q_pe.shape[0] == tokens and q_pe.shape[2] == rope_dim
+    assert cos_sin_cache.shape[-1] == rope_dim and cos_sin_cache.stride(-1) == 1
+    assert positions.shape[0] == tokens and slot_mapping.shape[0] == tokens
+    assert kv_cache.shape[-1] == width and kv_cache.dim() in (3, 4) and kv_cache.stride(-1) == 1
+    assert kv_cache.dim() == 3 or kv_cache.shape[2] == 1
+    assert kv_cache.dtype == kv_a.dtype == q_pe.dtype, "bf16/fp16/fp32 activations and cache of one dtype"
+    assert kv_a.stride(-1) == 1 and q_pe.stride(-1) == 1 and norm_weight.is_contiguous()
+    latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
+    if tokens == 0:
+        return latent, k_pe
+    num_heads = q_pe.shape[1]
+    block_hq = min(MAX_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    _mla_rope_store_kernel[(tokens, 1 + triton.cdiv(num_heads, block_hq))](
+        kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
+        kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), cos_sin_cache.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), num_heads, eps,
+        KV_LORA=rank, ROPE_DIM=rope_dim, IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[1],
+        BLOCK_L=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
+        BLOCK_HQ=block_hq, num_warps=2, **launch_opts(kv_a.device),
+    )
+    return latent, k_pe

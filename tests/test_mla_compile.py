@@ -1,0 +1,149 @@
+"""The DeepSeek MLA kernels compiled on CPU for an H100/H200 (sm_90) with the ptxas that
+ships with Triton, at V2-Lite's widths (L 512, R 64, Dn 128, Dv 128) and the tiles the
+launchers pick: compile errors show here instead of on the GPU machine, and the register
+count and shared memory show how many programs an SM holds (what
+`mla_decode.RESIDENT_PER_SM`, and so the split count, assumes), with no spills.
+
+Measured with Triton 3.9 (registers per thread / shared bytes):
+  decode bf16, 16 heads x 32 keys, 4 warps, 2 stages: 200 direct, 197 writing partials,
+      200 merging in the launch / 56 KB -> 2 programs per SM (a 128-column merge step
+      made it 255: the merge loads 64 columns at a time)
+  decode fp32, 16 x 16 keys: 166 direct (3 per SM), 224 merging (2) / 73 KB
+  combine: 79 / 2 KB
+  prefill bf16, 64 queries x 64 keys, 4 warps, 2 stages: 236 / 104 KB, wgmma -> 2 per SM
+  prefill fp32, 32 x 32, 8 warps, 1 stage: 200 / 64 KB (64 x 32 at 4 warps spilled 7 KB)
+  rope + store, 2 warps: 40 / 1 KB
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None,
+    reason="needs triton's compiler (not the interpreter)",
+)
+
+SMEM_PER_SM = 227 * 1024
+REGS_PER_SM = 65536
+
+
+def _compile(fn, names: list[str], types: list[str], constexprs: dict, aligned: list[str], num_warps: int,
+             num_stages: int):
+    """Compile for sm_90 as a launch specialises it: the named arguments 16-byte aligned
+    (pointers from the caching allocator, strides of 576- or 192-wide rows)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constexprs}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no CUDA toolchain to compile with: {e}")
+        raise
+
+
+def _resident(kernel, num_warps: int) -> int:
+    """Programs per SM the kernel's registers and shared memory allow; asserts no spills."""
+    from tests.test_kernel_compile import _registers_per_thread
+
+    regs, stack = _registers_per_thread(kernel)
+    assert stack == 0, f"{stack} bytes of stack per thread (register spills), {regs} registers"
+    by_regs = REGS_PER_SM // (regs * 32 * num_warps)
+    by_smem = SMEM_PER_SM // max(1, kernel.metadata.shared)
+    return min(by_regs, by_smem)
+
+
+DECODE_NAMES = ["q_ptr", "out_ptr", "kv_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr", "counter_ptr",
+                "sqb", "sqh", "sob", "soh", "kv_b", "kv_s", "s_table",
+                "num_heads", "num_head_blocks", "num_splits", "qk_scale"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("variant", ["direct", "partials", "merge"])
+def test_mla_decode_residency_on_sm90(dtype, variant):
+    """Every variant of the default tiles holds RESIDENT_PER_SM programs per SM, without
+    spills; the 16-bit one runs its dots on the tensor cores (mma: 16 heads are too few
+    rows for Hopper's wgmma, whose M is 64)."""
+    import torch
+
+    from agent_infer.kernels.triton.mla_decode import (
+        _MERGE_COLS, _MERGE_TILE, MERGE_MAX_SPLITS, RESIDENT_PER_SM, _mla_decode_kernel, default_config,
+    )
+
+    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16)
+    types = [f"*{dtype}"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"]
+    merge = variant == "merge"
+    constexprs = {
+        "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
+        "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": variant == "direct", "MERGE": merge,
+        "MERGE_S": min(MERGE_MAX_SPLITS, _MERGE_TILE // (cfg.block_h * _MERGE_COLS)) if merge else 1,
+        "MERGE_C": _MERGE_COLS, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "PDL": True,
+    }
+    aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
+    kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    assert _resident(kernel, cfg.num_warps) >= RESIDENT_PER_SM
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx  # PDL: waits for the rope + cache write
+    if dtype == "bf16":
+        assert "mma.sync" in ptx, "the decode dots are not on the tensor cores"
+    if merge:
+        assert "atom.global.gpu.acq_rel.add" in ptx
+        assert "ld.global.cg" in ptx  # the merging program reads the others' partials past L1
+
+
+def test_mla_combine_compiles_for_sm90():
+    from agent_infer.kernels.triton.mla_decode import _mla_combine_kernel
+
+    names = ["part_o_ptr", "part_lse_ptr", "out_ptr", "sob", "soh", "num_heads", "num_splits"]
+    types = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 4
+    constexprs = {"KV_LORA": 512, "MERGE_S": 64, "MERGE_C": 128, "PDL": True}
+    kernel = _compile(_mla_combine_kernel, names, types, constexprs, names[:5], 4, 1)
+    assert _resident(kernel, 4) >= 4
+
+
+PREFILL_NAMES = ["qn_ptr", "qp_ptr", "kn_ptr", "kp_ptr", "v_ptr", "out_ptr", "cuq_ptr", "cuk_ptr",
+                 "sqn_t", "sqn_h", "sqp_t", "sqp_h", "skn_t", "skn_h", "skp_t", "sv_t", "sv_h", "so_t", "so_h",
+                 "qk_scale"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_mla_prefill_residency_on_sm90(dtype):
+    """The default prefill tiles at Dn 128 / R 64 / Dv 128: no spills, two programs per SM
+    in 16 bits, on Hopper's wgmma."""
+    import torch
+
+    from agent_infer.kernels.triton.mla_prefill import _mla_prefill_kernel, default_config
+
+    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16)
+    types = [f"*{dtype}"] * 6 + ["*i32"] * 2 + ["i32"] * 11 + ["fp32"]
+    constexprs = {"NOPE": 128, "ROPE": 64, "VDIM": 128, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_DN": 128, "BLOCK_R": 64, "BLOCK_DV": 128, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    aligned = [n for n in PREFILL_NAMES if n.endswith("_ptr") or n.startswith("s")]
+    kernel = _compile(_mla_prefill_kernel, PREFILL_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    resident = _resident(kernel, cfg.num_warps)
+    if dtype == "bf16":
+        assert resident >= 2
+        assert "wgmma" in kernel.asm["ptx"], "the prefill dots are not on Hopper's wgmma"
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_rope_store_compiles_for_sm90(heads):
+    from agent_infer.kernels.triton.mla_rope_store import MAX_HEADS_PER_PROGRAM, _mla_rope_store_kernel
+
+    names = ["kv_a_ptr", "q_pe_ptr", "pos_ptr", "w_ptr", "cs_ptr", "cache_ptr", "slot_ptr",
+             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "num_heads", "eps"]
+    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*bf16", "*i64"] + ["i32"] * 7 + ["fp32"]
+    constexprs = {"KV_LORA": 512, "ROPE_DIM": 64, "IS_NEOX": False, "BLOCK_SIZE": 16, "BLOCK_L": 512,
+                  "BLOCK_HALF": 32, "BLOCK_HQ": min(heads, MAX_HEADS_PER_PROGRAM), "PDL": True}
+    kernel = _compile(_mla_rope_store_kernel, names, types, constexprs, names[:12], 2, 1)
+    assert _resident(kernel, 2) >= 8
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]
