@@ -174,13 +174,14 @@ def fused_moe(
     silu(x @ gate_e^T) * (x @ up_e^T) @ w2[e]^T, with w13 [E_local, 2I, D] = [gate | up]
     rows and w2 [E_local, D, I]. Under EP, expert_map [E_global] gives the local index
     or -1 (that slot contributes 0). One expert at a time, in x's dtype like the dense
-    MLP; the weighted sum over k in fp32."""
+    MLP; the weighted sum over k in fp32 (or x's dtype when wider)."""
     local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in range(w13.shape[0]):
         tok, j = torch.nonzero(local == e, as_tuple=True)
         if tok.numel() == 0:
             continue
         y = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
-        out.index_add_(0, tok, y.float() * topk_weights[tok, j].float()[:, None])
+        out.index_add_(0, tok, y.to(acc) * topk_weights[tok, j].to(acc)[:, None])
     return out.to(x.dtype)
