@@ -102,3 +102,17 @@ def test_config_lookup_and_heuristic():
     assert seen == {16, 32, 64, 128}
     small, large = cfgs.default_config(1, 8, 256), cfgs.default_config(8192, 8, 256)
     assert small.block_m < large.block_m
+
+
+def test_tuner_candidates_cover_every_bucket():
+    """benchmarks/tune_fused_moe.py has launchable candidates for every family and bucket
+    (its GPU run is too costly to find an empty or invalid candidate set)."""
+    pytest.importorskip("triton")
+    from benchmarks import tune_fused_moe as tune
+
+    for fam in tune.FAMILIES.values():
+        for t in cfgs.BUCKETS:
+            block_ms = tune.block_m_candidates(t, fam)
+            assert block_ms, (fam, t)
+            for bm in block_ms:
+                assert all(_valid(cfgs.MoeConfig(bm, tile, tile)) for tile in tune.CANDIDATES[bm]), (fam, bm)

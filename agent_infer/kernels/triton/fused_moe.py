@@ -257,6 +257,10 @@ def moe_align(
 
 # ---- the grouped GEMMs -----------------------------------------------------------------
 
+# Arguments that change with the step's token count: Triton would otherwise specialise
+# them (divisible by 16 or not) and compile each GEMM twice over the decode sizes.
+_STEP_SIZES = ["num_slots", "num_tiles_n"]
+
 
 @triton.jit
 def _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_tiles_n, BLOCK_M: tl.constexpr):
@@ -269,7 +273,7 @@ def _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_tiles_n, BLOCK_M: tl.conste
     return pos, tl.load(slots_ptr + pos), e, pid % num_tiles_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr,
     N, K, top_k, num_slots, num_tiles_n, sxm, swe, swn, shm,
@@ -331,7 +335,7 @@ def _moe_gate_up_kernel(
     tl.store(h_ptr + pos.to(tl.int64)[:, None] * shm + n[None, :], h.to(out_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_down_kernel(
     h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, topw_ptr,
     N, K, num_slots, num_tiles_n, shm, swe, swn, sym,
