@@ -263,14 +263,64 @@ _STEP_SIZES = ["num_slots", "num_tiles_n"]
 
 
 @triton.jit
-def _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_tiles_n, BLOCK_M: tl.constexpr):
-    """This program's block of sorted positions, their slots, its expert (-1: nothing to
-    do, the block lies past the padded total) and its N tile index."""
+def _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """This program's block of sorted positions, their slots and which are real (not the
+    sentinel), its expert (-1: nothing to do, the block lies past the padded total) and
+    its BLOCK_N output columns."""
     pid = tl.program_id(0)
     blk = pid // num_tiles_n
     pos = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + pos)
     e = tl.where(blk * BLOCK_M < tl.load(npad_ptr), tl.load(blocks_ptr + blk), -1)
-    return pos, tl.load(slots_ptr + pos), e, pid % num_tiles_n
+    return pos, slot, slot < num_slots, e, (pid % num_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _load_k(ptrs, k_in, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_in, other=0.0)
+
+
+@triton.jit
+def _grouped_tiles(
+    a_rows, a_valid, b_rows, pair_offset, K,
+    PAIR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The K loop of one program: rows a_rows [BLOCK_M] (pointers, masked by a_valid) times
+    weight rows b_rows [BLOCK_N] (K contiguous), fp32 [BLOCK_M, BLOCK_N]; with PAIR, also
+    times the weight rows pair_offset further on (GEMM 1's up rows), on the same A loads.
+    BLOCK_M == 1: FMA rows, [BLOCK_N, BLOCK_K] partial products reduced once at the end.
+    Without PAIR the second result is zeros."""
+    kk = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_in = (k0 + kk) < K
+        a = tl.load(a_rows[:, None] + k0 + kk[None, :], mask=a_valid[:, None] & k_in[None, :], other=0.0)
+        if BLOCK_M == 1:
+            b_ptrs = b_rows[:, None] + k0 + kk[None, :]  # [BLOCK_N, BLOCK_K]
+            af = a.to(tl.float32)  # [1, BLOCK_K]
+            acc += _load_k(b_ptrs, k_in[None, :], EVEN_K).to(tl.float32) * af
+            if PAIR:
+                acc2 += _load_k(b_ptrs + pair_offset, k_in[None, :], EVEN_K).to(tl.float32) * af
+        else:
+            b_ptrs = b_rows[None, :] + k0 + kk[:, None]  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, _load_k(b_ptrs, k_in[:, None], EVEN_K), acc, input_precision=PRECISION)
+            if PAIR:
+                acc2 = tl.dot(a, _load_k(b_ptrs + pair_offset, k_in[:, None], EVEN_K), acc2,
+                              input_precision=PRECISION)
+    if BLOCK_M == 1:
+        out, out2 = tl.sum(acc, axis=1)[None, :], tl.sum(acc2, axis=1)[None, :]
+    else:
+        out, out2 = acc, acc2
+    return out, out2
 
 
 @triton.jit(do_not_specialize=_STEP_SIZES)
@@ -284,49 +334,15 @@ def _moe_gate_up_kernel(
     expert's sorted slots (tok = slot // top_k) and BLOCK_N of the N = I columns; gate
     and up are rounded to h's dtype first, as the unfused reference does."""
     pdl_begin(PDL)
-    pos, slot, e, tile = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_tiles_n, BLOCK_M)
+    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    valid = slot < num_slots
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     # Tail columns wrap onto real rows, so weight loads need no mask; their results are
     # dropped at the store.
     w_gate = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn
-    w_up = w_gate + N * swn  # I * D < 2**31 for every DeepSeek shape
     x_rows = x_ptr + (slot // top_k).to(tl.int64) * sxm
-    kk = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
-        # FMA rows: [BLOCK_N, BLOCK_K] partial products, reduced once after the loop.
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_in = (k0 + kk) < K
-            xk = tl.load(x_rows[:, None] + k0 + kk[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)
-            if EVEN_K:
-                wg = tl.load(w_gate[:, None] + k0 + kk[None, :])
-                wu = tl.load(w_up[:, None] + k0 + kk[None, :])
-            else:
-                wg = tl.load(w_gate[:, None] + k0 + kk[None, :], mask=k_in[None, :], other=0.0)
-                wu = tl.load(w_up[:, None] + k0 + kk[None, :], mask=k_in[None, :], other=0.0)
-            xf = xk.to(tl.float32)  # [1, BLOCK_K]
-            acc_g += wg.to(tl.float32) * xf
-            acc_u += wu.to(tl.float32) * xf
-        gate = tl.sum(acc_g, axis=1)[None, :]
-        up = tl.sum(acc_u, axis=1)[None, :]
-    else:
-        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_in = (k0 + kk) < K
-            a = tl.load(x_rows[:, None] + k0 + kk[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)
-            if EVEN_K:
-                bg = tl.load(w_gate[None, :] + k0 + kk[:, None])
-                bu = tl.load(w_up[None, :] + k0 + kk[:, None])
-            else:
-                bg = tl.load(w_gate[None, :] + k0 + kk[:, None], mask=k_in[:, None], other=0.0)
-                bu = tl.load(w_up[None, :] + k0 + kk[:, None], mask=k_in[:, None], other=0.0)
-            gate = tl.dot(a, bg, gate, input_precision=PRECISION)
-            up = tl.dot(a, bu, up, input_precision=PRECISION)
+    # The up rows are N rows on: I * D < 2**31 for every DeepSeek shape.
+    gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     out_ty = h_ptr.dtype.element_ty
     g = gate.to(out_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
@@ -346,38 +362,15 @@ def _moe_down_kernel(
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
     to slot order."""
     pdl_begin(PDL)
-    pos, slot, e, tile = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_tiles_n, BLOCK_M)
+    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    valid = slot < num_slots
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
-    h_rows = h_ptr + pos.to(tl.int64) * shm
-    kk = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_in = (k0 + kk) < K
-            hk = tl.load(h_rows[:, None] + k0 + kk[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)
-            if EVEN_K:
-                w = tl.load(w_rows[:, None] + k0 + kk[None, :])
-            else:
-                w = tl.load(w_rows[:, None] + k0 + kk[None, :], mask=k_in[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * hk.to(tl.float32)
-        acc = tl.sum(acc2, axis=1)[None, :]
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_in = (k0 + kk) < K
-            a = tl.load(h_rows[:, None] + k0 + kk[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)
-            if EVEN_K:
-                b = tl.load(w_rows[None, :] + k0 + kk[:, None])
-            else:
-                b = tl.load(w_rows[None, :] + k0 + kk[:, None], mask=k_in[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
+                            BLOCK_K, PRECISION)
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
-    y = acc * weight[:, None]
     mask = valid[:, None] & (n < N)[None, :]
+    y = acc * weight[:, None]
     tl.store(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
