@@ -205,22 +205,26 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     return cfg, line
 
 
+def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary: list[str]) -> dict[int, MoeConfig]:
+    fam = FAMILIES[name]
+    ws = make_layers(fam, layers)
+    emap = expert_map(fam)
+    configs = {}
+    for t in tokens:
+        start = time.time()
+        print(f"{name} T={t}", flush=True)
+        configs[t], line = tune_bucket(fam, t, ws, emap, quick)
+        summary.append(f"{name:12s} {line}")
+        print(f"  {line}  ({time.time() - start:.0f} s)", flush=True)
+    return configs
+
+
 def tune(families: list[str], tokens: list[int], layers: int, quick: bool) -> None:
     table, notes, summary = {}, {}, []
     for name in families:
         fam = FAMILIES[name]
-        ws = make_layers(fam, layers)
-        emap = expert_map(fam)
-        table[fam.key], notes[fam.key] = {}, fam.note
-        for t in tokens:
-            start = time.time()
-            print(f"{name} T={t}", flush=True)
-            cfg, line = tune_bucket(fam, t, ws, emap, quick)
-            table[fam.key][t] = cfg
-            summary.append(f"{name:12s} {line}")
-            print(f"  {line}  ({time.time() - start:.0f} s)", flush=True)
-        del ws
-        torch.cuda.empty_cache()
+        table[fam.key], notes[fam.key] = tune_family(name, tokens, layers, quick, summary), fam.note
+        torch.cuda.empty_cache()  # the family's weights are gone with tune_family's frame
     print("\n".join(["", "summary (per layer):"] + summary))
     print("\n# ---- paste over the TUNED block of agent_infer/kernels/triton/fused_moe_configs.py ----")
     print(f"# measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -251,31 +255,34 @@ def compare(families: list[str], tokens: list[int], layers: int) -> None:
     """The table in fused_moe_configs.py against the reference loop (eager: it syncs on
     every expert's token list) and per-expert torch matmuls (in a graph)."""
     for name in families:
-        fam = FAMILIES[name]
-        ws = make_layers(fam, layers)
-        emap = expert_map(fam)
-        print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
-        for t in tokens:
-            step = make_step(fam, t, layers, emap, seed=1000 + t)
-            cfg = get_config(fam.num_local, fam.inter, fam.hidden, t, fam.top_k, fam.experts)
-            t_fused = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
-                                                           emap, config=cfg), layers)
-            runs = [touched_matmuls(step, ws, emap, i) for i in range(layers)]
-            t_mm = per_layer_us(lambda i: runs[i](), layers)
-            reference.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap)  # warm
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(layers):
-                reference.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap)
-            end.record()
-            end.synchronize()
-            t_ref = start.elapsed_time(end) * 1000 / layers
-            print(f"  T={t:5d} touched {step.touched:5.1f} | {t_fused:8.1f} us {rates(fam, step, t_fused)} | "
-                  f"{t_mm:8.1f} us {rates(fam, step, t_mm)} | {t_ref:9.1f} us | fused x{t_mm / t_fused:4.2f} "
-                  f"vs matmul, x{t_ref / t_fused:5.1f} vs reference", flush=True)
-        del ws
+        compare_family(name, tokens, layers)
         torch.cuda.empty_cache()
+
+
+def compare_family(name: str, tokens: list[int], layers: int) -> None:
+    fam = FAMILIES[name]
+    ws = make_layers(fam, layers)
+    emap = expert_map(fam)
+    print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
+    for t in tokens:
+        step = make_step(fam, t, layers, emap, seed=1000 + t)
+        cfg = get_config(fam.num_local, fam.inter, fam.hidden, t, fam.top_k, fam.experts)
+        t_fused = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
+                                                       emap, config=cfg), layers)
+        runs = [touched_matmuls(step, ws, emap, i) for i in range(layers)]
+        t_mm = per_layer_us(lambda i: runs[i](), layers)
+        reference.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap)  # warm
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(layers):
+            reference.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap)
+        end.record()
+        end.synchronize()
+        t_ref = start.elapsed_time(end) * 1000 / layers
+        print(f"  T={t:5d} touched {step.touched:5.1f} | {t_fused:8.1f} us {rates(fam, step, t_fused)} | "
+              f"{t_mm:8.1f} us {rates(fam, step, t_mm)} | {t_ref:9.1f} us | fused x{t_mm / t_fused:4.2f} "
+              f"vs matmul, x{t_ref / t_fused:5.1f} vs reference", flush=True)
 
 
 def main() -> None:

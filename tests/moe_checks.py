@@ -89,7 +89,8 @@ def check_moe_align(
         slots, blocks, npad = moe_align(ids, num_local, block_m, emap, one_program=one_program)
     p = num_positions(tokens * top_k, num_local, block_m)
     want_slots, want_blocks, total = expected_alignment(ids, emap, num_local, block_m, p)
-    what = f"moe_align T={tokens} E={num_local}/{num_experts or num_local} k={top_k} block_m={block_m} one={one_program}"
+    what = (f"moe_align T={tokens} E={num_local}/{num_experts or num_local} k={top_k} block_m={block_m} "
+            f"one={one_program}")
     assert slots.dtype == blocks.dtype == npad.dtype == torch.int32, what
     assert slots.shape == (p,) and blocks.shape == (p // block_m,) and npad.shape == (1,), what
     assert int(npad.item()) == total, f"{what}: num_padded {int(npad.item())} != {total}"

@@ -52,8 +52,10 @@ ONE_PROGRAM_CHUNKS = 4
 
 @triton.jit
 def _local_experts(ids_ptr, map_ptr, s, limit, num_experts, HAS_MAP: tl.constexpr):
-    """Local expert of slots s (int32), -1 for slots at or past `limit`, experts on other
-    ranks, and ids outside [0, num_experts) (which therefore contribute nothing)."""
+    """Local expert of slots s (int32); -1 for slots at or past `limit`, for experts on
+    other ranks, and for local indices outside [0, num_experts) (so a bad id without a
+    map reads no weights and contributes nothing; with a map the ids index it, so they
+    must be global ids in [0, E_global), as a router gives them)."""
     inside = s < limit
     e = tl.load(ids_ptr + s, mask=inside, other=-1).to(tl.int32)
     if HAS_MAP:
@@ -213,8 +215,10 @@ def moe_align(
     the sentinel T * k, groups in expert order, then the sentinel up to P
     (`num_positions`); block b holds positions [b * block_m, (b + 1) * block_m) of expert
     block_experts[b], -1 for blocks at or past num_padded (the padded total). Slots whose
-    expert is not local (expert_map -1) or out of range are left out. Sizes depend on
-    shapes only (graph-safe). `one_program` forces a path (default: by size)."""
+    expert is not local (expert_map -1) are left out; topk_ids must be global ids in
+    [0, E_global) (without a map, ids outside [0, num_local_experts) are left out too).
+    Sizes depend on shapes only (graph-safe). `one_program` forces a path (default: by
+    size)."""
     assert topk_ids.dim() == 2 and block_m >= 1
     device = topk_ids.device
     num_slots = topk_ids.numel()
