@@ -388,3 +388,71 @@ else:
         run again with new lengths, tables and inputs (tests/gpu captures the same step)."""
         mc.check_mla_decode_step(DEV, torch.float32, 16, batch, splits, merged, heads=3, rank=48, rope_dim=16,
                                  max_context=150, capture=False)
+
+    # ---- fused MoE (routed experts): tests/moe_checks.py -------------------------------
+
+    from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile
+    from tests import moe_checks as moe
+
+    # D = 48, I = 40 (odd on purpose): K tails (48 % 32, 40 % 16), N tails that wrap
+    # (I = 40 over 16- and 32-wide tiles, D = 48 over 32), FMA rows and tl.dot tiles.
+    MOE_CONFIGS = {
+        "default": None,  # the heuristic: block_m 16, K = 48 and 40 inside one 128-wide tile
+        "rows": MoeConfig(1, Tile(16, 32), Tile(16, 16)),
+        "rows-even": MoeConfig(1, Tile(8, 16, 2, 2), Tile(16, 8, 2, 2)),
+        "dot16": MoeConfig(16, Tile(16, 32), Tile(32, 16)),
+        "dot32": MoeConfig(32, Tile(32, 16, 4, 2), Tile(16, 32, 4, 2)),
+    }
+
+    MOE_CASES = [  # tokens, experts, top_k, configs (the FMA rows run one program per slot: slow here)
+        (1, 7, 2, list(MOE_CONFIGS)),
+        (37, 7, 3, ["default", "dot16", "dot32"]),
+        (37, 5, 2, list(MOE_CONFIGS)),
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "tokens,experts,top_k,config", [(t, e, k, c) for t, e, k, cs in MOE_CASES for c in cs], ids=str
+    )
+    def test_fused_moe(dtype, tokens, experts, top_k, config):
+        moe.check_fused_moe(DEV, dtype, tokens, experts, top_k, 48, 40, config=MOE_CONFIGS[config], repeat=True)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("config", ["default", "rows", "dot16"])
+    @pytest.mark.parametrize("tokens,first,count", [(1, 2, 3), (37, 2, 3), (37, 0, 4), (37, 6, 1)])
+    def test_fused_moe_expert_map(dtype, config, tokens, first, count):
+        """A rank holding experts [first, first + count) of 7, int64 ids (torch.topk's):
+        slots of other ranks' experts contribute 0, tokens with none come out 0."""
+        moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 48, 40, local=(first, count), config=MOE_CONFIGS[config],
+                           id_dtype=torch.int64)
+
+    @pytest.mark.parametrize("dtype", ALL)
+    def test_fused_moe_rows_all_dtypes(dtype):
+        """The FMA rows path has no tl.dot, so bf16 runs in the interpreter too."""
+        moe.check_fused_moe(DEV, dtype, 13, 7, 3, 48, 40, config=MOE_CONFIGS["rows"], repeat=True)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    def test_fused_moe_even_k_dot_tiles(dtype):
+        """I = 32: both GEMMs take the unmasked K loads (EVEN_K) of the tl.dot path."""
+        moe.check_fused_moe(DEV, dtype, 37, 5, 3, 48, 32, config=MoeConfig(16, Tile(16, 16), Tile(16, 32)))
+
+    @pytest.mark.parametrize("one_program", [True, False])
+    def test_fused_moe_align_paths(one_program):
+        """600 slots over 33 experts (BLOCK_E 64, 128-slot chunks): five chunks through
+        either align path, an expert map, end to end."""
+        moe.check_fused_moe(DEV, torch.float32, 300, 40, 2, 48, 40, local=(5, 33), one_program=one_program,
+                           config=MoeConfig(16, Tile(32, 64), Tile(64, 64)))
+
+    @pytest.mark.parametrize("one_program", [True, False, None])
+    @pytest.mark.parametrize("block_m", [1, 16, 64])
+    @pytest.mark.parametrize(
+        "tokens,local,top_k,experts,first",
+        [(1, 7, 2, None, 0), (37, 5, 3, None, 0), (37, 3, 3, 7, 2), (300, 33, 2, 40, 5), (400, 5, 3, None, 0),
+         (50, 64, 6, None, 0), (3, 2, 2, 8, 6)],
+    )
+    def test_moe_align(one_program, block_m, tokens, local, top_k, experts, first):
+        """Exact outputs of moe_align (order, padding, block experts, total) on both
+        paths, several chunks (300 x 2 slots in 128-slot chunks; 1200 in 1024-slot
+        ones), experts with no slots, a rank whose experts are at the end of the range."""
+        moe.check_moe_align(DEV, tokens, local, top_k, block_m, num_experts=experts, first=first,
+                           one_program=one_program, id_dtype=torch.int64 if tokens % 2 else torch.int32)

@@ -208,4 +208,25 @@ def mla_prefill_attention(
     if out is None:
         return res
     out.copy_(res)
+
+
+# ---- fused MoE (routed experts) ---------------------------------------------------------
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) -> [T, D]: w13 [E_local,
+    2I, D] (gate rows, then up rows), w2 [E_local, D, I], topk_weights [T, k] fp32,
+    topk_ids [T, k]; expert_map [E_global] int32 (local index or -1) under EP. The
+    Triton path is graph-safe (no host sync); the reference loops over experts."""
+    if _use_triton(x):
+        from agent_infer.kernels.triton import fused_moe as moe
+
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out=out)
+    y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)
+    if out is None:
+        return y
+    out.copy_(y)
     return out

@@ -1,0 +1,155 @@
+"""Launch configurations of the fused-MoE kernels (`fused_moe.py` beside this file), per
+shape family (E_local, I_local, D) and bucket of tokens per step.
+
+    *** The TUNED entries below are DEFAULTS PENDING MEASUREMENT: best guesses, written
+    *** before any run on an H200. Replace the whole `TUNED = {...}` block with the one
+    *** `python benchmarks/tune_fused_moe.py` prints (same format, see `format_table`).
+
+Why these knobs. At decode sizes the kernels stream the touched experts' weights from
+HBM and the arithmetic is nearly free, so a configuration is good when many programs
+are in flight, each with long contiguous weight loads: BLOCK_M stays at the tl.dot
+minimum of 16 (or 1: the FMA rows path, one slot per block, no padding) and BLOCK_N
+small, so that even 6 experts give hundreds of programs. With hundreds of tokens per
+expert (prefill) the kernels are compute-bound and want large tensor-core tiles. The two
+GEMMs have their own tiles (GEMM 1 is [T*k, D] x [D, 2I], GEMM 2 [T*k, I] x [I, D]);
+BLOCK_M is shared because both walk the same expert-sorted, padded slot list.
+
+Pure data and Python: importable without triton (the tuning script and CPU tests read it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One grouped GEMM's tile over (N, K) and its launch shape."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """block_m: slots per block (1 = FMA rows, else >= 16 for tl.dot); up: GEMM 1 (gate
+    and up rows + SiLU-and-mul); down: GEMM 2 (down rows x routed weight)."""
+
+    block_m: int
+    up: Tile
+    down: Tile
+
+
+# Tokens-per-step buckets; a step of T tokens takes the first bucket >= T (the last one
+# beyond it).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+# (E_local, I_local, D) -> {bucket: config}. DEFAULTS PENDING MEASUREMENT (see above):
+# DeepSeek-V2-Lite's routed experts whole (EP = 1, TP = 1), half of them (EP = 2), and
+# split in two along I (TP = 2 experts).
+TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
+    (64, 1408, 2048): {  # V2-Lite, EP = 1
+        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        16: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        32: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        64: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        256: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
+        1024: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+        4096: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+    },
+    (32, 1408, 2048): {  # V2-Lite, EP = 2
+        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        16: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        32: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        64: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        256: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
+        1024: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+        4096: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+    },
+    (64, 704, 2048): {  # V2-Lite, TP = 2 experts
+        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
+        16: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        32: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        64: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        256: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
+        512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
+        1024: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+        4096: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+    },
+}
+
+
+def bucket(tokens: int) -> int:
+    """The bucket a step of `tokens` tokens takes its configuration from."""
+    for b in BUCKETS:
+        if tokens <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def default_config(tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The heuristic for shapes without a TUNED entry, from the expected slots per expert
+    under uniform routing (`num_experts` is the global count: under EP a rank sees the
+    same density over its share). A best guess pending measurement, like TUNED."""
+    per_expert = tokens * top_k / max(1, num_experts)
+    if per_expert < 1:  # decode: few tokens on most experts, weight streaming
+        return MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4))
+    if per_expert < 8:
+        return MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))
+    if per_expert < 24:
+        return MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3))
+    if per_expert < 64:
+        return MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3))
+    return MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4))
+
+
+def get_config(
+    num_local_experts: int, inter: int, hidden: int, tokens: int, top_k: int, num_experts: int | None = None
+) -> MoeConfig:
+    """The configuration for a step of `tokens` tokens over experts of shape family
+    (num_local_experts, inter, hidden); `num_experts` is the global expert count (the
+    local one when None)."""
+    family = TUNED.get((num_local_experts, inter, hidden))
+    if family is not None:
+        b = bucket(tokens)
+        if b in family:
+            return family[b]
+    return default_config(tokens, top_k, num_experts or num_local_experts)
+
+
+def _tile(t: Tile) -> str:
+    return f"Tile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
+
+
+def format_config(c: MoeConfig) -> str:
+    return f"MoeConfig({c.block_m}, {_tile(c.up)}, {_tile(c.down)})"
+
+
+def format_table(table: dict[tuple[int, int, int], dict[int, MoeConfig]], notes: dict | None = None) -> str:
+    """`table` as the `TUNED = {...}` block of this file (what the tuning script prints;
+    `notes` maps a family to the comment after its key)."""
+    lines = ["TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {"]
+    for family, configs in table.items():
+        note = (notes or {}).get(family)
+        lines.append(f"    {family}: {{" + (f"  # {note}" if note else ""))
+        for b, c in sorted(configs.items()):
+            lines.append(f"        {b}: {format_config(c)},")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)

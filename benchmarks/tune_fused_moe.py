@@ -1,0 +1,306 @@
+"""Tune the fused-MoE launch configurations (agent_infer/kernels/triton/fused_moe_configs.py)
+on the GPU, and compare the result with the plain loops.
+
+    python benchmarks/tune_fused_moe.py              # all V2-Lite families, every bucket (~5 min)
+    python benchmarks/tune_fused_moe.py --quick      # fewer candidates (~2 min)
+    python benchmarks/tune_fused_moe.py --family v2-lite --tokens 1 8 64
+    python benchmarks/tune_fused_moe.py --compare    # the table in the file vs the reference loop
+                                                     # and per-expert torch.matmul (~1 min)
+
+Families (k = 6 of 64 experts, D = 2048): V2-Lite whole (E_local 64, I 1408), under EP = 2
+(rank 0: 32 local experts, an expert map) and with TP = 2 experts (I 704).
+
+How it measures. Routing is uniform (k distinct experts per token), drawn anew for each
+of LAYERS layers, each with its own weights (1.1 GB per V2-Lite layer), so the touched
+experts' weights come from HBM as in a real step, not from L2. Every timing is a CUDA
+graph over the LAYERS layers (benchmarks/gemv_chain.py's timer), per layer. GEMM 1 (+
+SiLU) and GEMM 2 are tuned separately for each block_m candidate (their times add; they
+share only block_m and the alignment), then the whole layer (align + both GEMMs + sum) is
+timed at the winner and checked against the reference. Bandwidth counts the distinct
+experts the step touches (3 * I * D weights each); TFLOP/s the local slots' 6 * I * D.
+The last lines are the TUNED block to paste into fused_moe_configs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent_infer.kernels import reference  # noqa: E402
+from agent_infer.kernels.triton import fused_moe as moe  # noqa: E402
+from agent_infer.kernels.triton.fused_moe_configs import (  # noqa: E402
+    BUCKETS, MoeConfig, Tile, format_config, format_table, get_config,
+)
+from benchmarks.gemv_chain import graph_time_us  # noqa: E402
+
+DEV = "cuda"
+DTYPE = torch.bfloat16
+LAYERS = 4
+
+
+@dataclass(frozen=True)
+class Family:
+    num_local: int
+    inter: int
+    hidden: int
+    experts: int = 64  # global
+    top_k: int = 6
+    note: str = ""
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.num_local, self.inter, self.hidden)
+
+
+FAMILIES = {
+    "v2-lite": Family(64, 1408, 2048, note="V2-Lite, EP = 1"),
+    "v2-lite-ep2": Family(32, 1408, 2048, note="V2-Lite, EP = 2"),
+    "v2-lite-tp2": Family(64, 704, 2048, note="V2-Lite, TP = 2 experts"),
+}
+
+# Candidate tiles per block_m, pruned to what can win: FMA rows (block_m 1) and narrow
+# tl.dot tiles for streaming weights at decode, wide tensor-core tiles for prefill. The
+# same tiles serve GEMM 1 and GEMM 2 (timed separately). "quick" keeps the first few.
+CANDIDATES: dict[int, list[Tile]] = {
+    1: [Tile(8, 256, 4, 2), Tile(4, 512, 4, 2), Tile(16, 256, 4, 2), Tile(8, 512, 4, 2), Tile(16, 128, 4, 3)],
+    16: [Tile(32, 128, 4, 4), Tile(64, 128, 4, 4), Tile(16, 256, 4, 3), Tile(32, 256, 4, 3), Tile(64, 64, 4, 4),
+         Tile(32, 128, 4, 6)],
+    32: [Tile(64, 128, 4, 3), Tile(32, 128, 4, 4), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3)],
+    64: [Tile(64, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3), Tile(128, 64, 8, 3), Tile(64, 64, 4, 4)],
+    128: [Tile(64, 64, 8, 4), Tile(128, 64, 8, 3), Tile(128, 64, 8, 4), Tile(64, 128, 8, 3)],
+}
+QUICK = 3
+
+
+def block_m_candidates(tokens: int, fam: Family) -> list[int]:
+    """block_m worth trying from the expected slots per expert under uniform routing."""
+    m = tokens * fam.top_k / fam.experts
+    out = []
+    if tokens <= 16:
+        out.append(1)
+    if m <= 16:
+        out.append(16)
+    if 3 <= m <= 64:
+        out.append(32)
+    if m >= 16:
+        out.append(64)
+    if m >= 64:
+        out.append(128)
+    return out
+
+
+@dataclass
+class Layer:
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def make_layers(fam: Family, layers: int) -> list[Layer]:
+    out = []
+    for _ in range(layers):
+        w13 = (torch.randn(fam.num_local, 2 * fam.inter, fam.hidden, device=DEV) * fam.hidden**-0.5).to(DTYPE)
+        w2 = (torch.randn(fam.num_local, fam.hidden, fam.inter, device=DEV) * fam.inter**-0.5).to(DTYPE)
+        out.append(Layer(w13, w2))
+    return out
+
+
+def expert_map(fam: Family) -> torch.Tensor | None:
+    """Rank 0's map when the family holds part of the experts (EP)."""
+    if fam.num_local == fam.experts:
+        return None
+    m = torch.full((fam.experts,), -1, dtype=torch.int32)
+    m[: fam.num_local] = torch.arange(fam.num_local, dtype=torch.int32)
+    return m.to(DEV)
+
+
+@dataclass
+class Step:
+    """One step's inputs for every layer, and what it touches."""
+
+    x: torch.Tensor
+    weights: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    touched: float  # distinct local experts per layer (mean)
+    local_slots: float  # slots routed to a local expert per layer (mean)
+
+
+def make_step(fam: Family, tokens: int, layers: int, emap: torch.Tensor | None, seed: int) -> Step:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(tokens, fam.hidden, device=DEV, generator=gen).to(DTYPE)
+    weights, ids, touched, slots = [], [], 0, 0
+    for _ in range(layers):
+        i = torch.rand(tokens, fam.experts, device=DEV, generator=gen).topk(fam.top_k, dim=1).indices.to(torch.int32)
+        w = torch.rand(tokens, fam.top_k, device=DEV, generator=gen) + 0.05
+        weights.append(w / w.sum(dim=1, keepdim=True))
+        ids.append(i)
+        local = i.long() if emap is None else emap.long()[i.long()]
+        local = local[local >= 0]
+        touched += local.unique().numel()
+        slots += local.numel()
+    return Step(x, weights, ids, touched / layers, slots / layers)
+
+
+def per_layer_us(fn, layers: int) -> float:
+    return graph_time_us(lambda: [fn(layer) for layer in range(layers)]) / layers
+
+
+def rates(fam: Family, step: Step, us: float) -> str:
+    weight_bytes = step.touched * 3 * fam.inter * fam.hidden * DTYPE.itemsize
+    flops = step.local_slots * 6 * fam.inter * fam.hidden
+    return f"{weight_bytes / us / 1e6:5.2f} TB/s {flops / us / 1e6:6.1f} TFLOP/s"
+
+
+def try_time(fn, layers: int) -> float | None:
+    """µs per layer, or None when the configuration does not build or launch."""
+    try:
+        return per_layer_us(fn, layers)
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+        print(f"      skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) -> tuple[MoeConfig, str]:
+    layers = len(ws)
+    step = make_step(fam, tokens, layers, emap, seed=tokens)
+    best: tuple[float, MoeConfig] | None = None
+    for bm in block_m_candidates(tokens, fam):
+        aligned = [moe.moe_align(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
+        tiles = CANDIDATES[bm][:QUICK] if quick else CANDIDATES[bm]
+        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, *aligned[i], fam.top_k, bm, t), layers))
+               for t in tiles]
+        hs = [moe.gate_up_silu(step.x, ws[i].w13, *aligned[i], fam.top_k, bm, tiles[0]) for i in range(layers)]
+        downs = [(t, try_time(lambda i, t=t: moe.down_weighted(hs[i], ws[i].w2, step.weights[i], *aligned[i], bm, t),
+                              layers)) for t in tiles]
+        ups = [(us, t) for t, us in ups if us is not None]
+        downs = [(us, t) for t, us in downs if us is not None]
+        if not ups or not downs:
+            continue
+        (t_up, up), (t_down, down) = min(ups, key=lambda e: e[0]), min(downs, key=lambda e: e[0])
+        print(f"    block_m {bm:3d}: gate/up {t_up:8.1f} us {up}   down {t_down:8.1f} us {down}", flush=True)
+        if best is None or t_up + t_down < best[0]:
+            best = (t_up + t_down, MoeConfig(bm, up, down))
+    assert best is not None, f"no configuration ran for T = {tokens}"
+    cfg = best[1]
+    t_full = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap,
+                                                  config=cfg), layers)
+    align = {one: per_layer_us(lambda i, one=one: moe.moe_align(step.ids[i], fam.num_local, cfg.block_m, emap,
+                                                                 one_program=one), layers) for one in (True, False)}
+    out = moe.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap, config=cfg).float()
+    ref = reference.fused_moe(step.x.float(), ws[0].w13.float(), ws[0].w2.float(), step.weights[0], step.ids[0], emap)
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # 0 / 0: no local slot at all
+    line = (f"T={tokens:5d} touched {step.touched:5.1f} | layer {t_full:8.1f} us {rates(fam, step, t_full)} | "
+            f"align one-program {align[True]:5.1f} / three-kernel {align[False]:5.1f} us | err {err:.1e} | "
+            f"{format_config(cfg)}")
+    if err > 2e-2:
+        line += "   <-- WRONG RESULT, not trusted"
+    return cfg, line
+
+
+def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary: list[str]) -> dict[int, MoeConfig]:
+    fam = FAMILIES[name]
+    ws = make_layers(fam, layers)
+    emap = expert_map(fam)
+    configs = {}
+    for t in tokens:
+        start = time.time()
+        print(f"{name} T={t}", flush=True)
+        configs[t], line = tune_bucket(fam, t, ws, emap, quick)
+        summary.append(f"{name:12s} {line}")
+        print(f"  {line}  ({time.time() - start:.0f} s)", flush=True)
+    return configs
+
+
+def tune(families: list[str], tokens: list[int], layers: int, quick: bool) -> None:
+    table, notes, summary = {}, {}, []
+    for name in families:
+        fam = FAMILIES[name]
+        table[fam.key], notes[fam.key] = tune_family(name, tokens, layers, quick, summary), fam.note
+        torch.cuda.empty_cache()  # the family's weights are gone with tune_family's frame
+    print("\n".join(["", "summary (per layer):"] + summary))
+    print("\n# ---- paste over the TUNED block of agent_infer/kernels/triton/fused_moe_configs.py ----")
+    print(f"# measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    if sorted(tokens) != list(BUCKETS):
+        print(f"# PARTIAL run (T = {tokens}, buckets are {list(BUCKETS)}): merge these entries by hand")
+    print(format_table(table, notes))
+
+
+def touched_matmuls(step: Step, ws: list[Layer], emap, layer: int):
+    """A step's experts as plain torch matmuls over pre-gathered rows (routing known on the
+    host, no gather or scatter): the per-expert cuBLAS cost of the same work."""
+    ids = step.ids[layer].long()
+    local = ids if emap is None else emap.long()[ids]
+    inter = ws[layer].w2.shape[2]
+    work = []
+    for e in local[local >= 0].unique().tolist():
+        tok = torch.nonzero(local == e, as_tuple=True)[0]
+        work.append((e, step.x[tok].contiguous()))
+
+    def run():
+        for e, xe in work:
+            g = F.linear(xe, ws[layer].w13[e])
+            F.linear(F.silu(g[:, :inter]) * g[:, inter:], ws[layer].w2[e])
+    return run
+
+
+def compare(families: list[str], tokens: list[int], layers: int) -> None:
+    """The table in fused_moe_configs.py against the reference loop (eager: it syncs on
+    every expert's token list) and per-expert torch matmuls (in a graph)."""
+    for name in families:
+        compare_family(name, tokens, layers)
+        torch.cuda.empty_cache()
+
+
+def compare_family(name: str, tokens: list[int], layers: int) -> None:
+    fam = FAMILIES[name]
+    ws = make_layers(fam, layers)
+    emap = expert_map(fam)
+    print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
+    for t in tokens:
+        step = make_step(fam, t, layers, emap, seed=1000 + t)
+        cfg = get_config(fam.num_local, fam.inter, fam.hidden, t, fam.top_k, fam.experts)
+        t_fused = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
+                                                       emap, config=cfg), layers)
+        runs = [touched_matmuls(step, ws, emap, i) for i in range(layers)]
+        t_mm = per_layer_us(lambda i: runs[i](), layers)
+        reference.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap)  # warm
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(layers):
+            reference.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap)
+        end.record()
+        end.synchronize()
+        t_ref = start.elapsed_time(end) * 1000 / layers
+        print(f"  T={t:5d} touched {step.touched:5.1f} | {t_fused:8.1f} us {rates(fam, step, t_fused)} | "
+              f"{t_mm:8.1f} us {rates(fam, step, t_mm)} | {t_ref:9.1f} us | fused x{t_mm / t_fused:4.2f} "
+              f"vs matmul, x{t_ref / t_fused:5.1f} vs reference", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(BUCKETS))
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--quick", action="store_true", help=f"the first {QUICK} tiles per block_m only")
+    ap.add_argument("--compare", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    start = time.time()
+    if args.compare:
+        compare(args.family, args.tokens, args.layers)
+    else:
+        tune(args.family, args.tokens, args.layers, args.quick)
+    print(f"# {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The fused-MoE pieces that need no kernel: the reference against the formula written
+per token, the CPU dispatch in ops, and the configuration table (its format is what the
+tuning script prints, its lookup and heuristic give launchable configurations). The
+kernels themselves: tests/test_triton_interpreter.py (moe section), tests/gpu/test_fused_moe.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent_infer.kernels import ops, reference
+from agent_infer.kernels.triton import fused_moe_configs as cfgs
+from tests.moe_checks import make_expert_map, make_routing, moe_weights
+
+
+def _per_token(x, w13, w2, topk_weights, topk_ids, expert_map):
+    """The layer as the model card writes it, one token and one slot at a time."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e])
+                if e < 0:
+                    continue
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("local", [None, (2, 3), (6, 1)])
+def test_reference_matches_per_token_formula(local):
+    experts, top_k, hidden, inter, tokens = 7, 3, 48, 40, 23
+    e_local = experts if local is None else local[1]
+    w13, w2 = moe_weights(e_local, inter, hidden, torch.float64, "cpu", seed=1)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    topw, ids = make_routing(tokens, experts, top_k, "cpu", seed=3, repeat=True)
+    emap = make_expert_map(experts, *local, "cpu") if local else None
+    got = reference.fused_moe(x, w13, w2, topw, ids, emap)
+    want = _per_token(x, w13, w2, topw.double(), ids, emap)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert want.abs().max() > 0.1  # not trivially zero
+
+
+def test_ops_dispatch_on_cpu_uses_the_reference():
+    w13, w2 = moe_weights(5, 40, 48, torch.float32, "cpu", seed=4)
+    x = torch.randn(9, 48, generator=torch.Generator().manual_seed(5))
+    topw, ids = make_routing(9, 5, 2, "cpu", seed=6, id_dtype=torch.int64)
+    want = reference.fused_moe(x, w13, w2, topw, ids)
+    assert torch.equal(ops.fused_moe(x, w13, w2, topw, ids), want)
+    given = torch.full_like(x, float("nan"))
+    assert ops.fused_moe(x, w13, w2, topw, ids, out=given) is given
+    assert torch.equal(given, want)
+
+
+def _valid(c: cfgs.MoeConfig) -> bool:
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    tiles_ok = all(pow2(t.block_n) and pow2(t.block_k) and t.num_warps in (1, 2, 4, 8, 16) and t.num_stages >= 1
+                   for t in (c.up, c.down))
+    # tl.dot needs every tile dimension >= 16; block_m = 1 is the FMA rows path.
+    dot_ok = c.block_m == 1 or (c.block_m >= 16 and min(c.up.block_n, c.up.block_k, c.down.block_n,
+                                                        c.down.block_k) >= 16)
+    return pow2(c.block_m) and tiles_ok and dot_ok
+
+
+def test_config_table_is_printed_format_and_valid():
+    """The TUNED block in fused_moe_configs.py is exactly what format_table prints (the
+    tuning script's output pastes in as is), each family has every bucket, and every
+    configuration is launchable."""
+    source = Path(cfgs.__file__).read_text()
+    block = re.search(r"^TUNED: .*?^}$", source, flags=re.S | re.M).group(0)
+    strip = lambda text: "\n".join(re.sub(r"\s+#.*$", "", line) for line in text.splitlines())  # noqa: E731
+    assert strip(block) == strip(cfgs.format_table(cfgs.TUNED))
+    namespace = {"MoeConfig": cfgs.MoeConfig, "Tile": cfgs.Tile}
+    exec(cfgs.format_table(cfgs.TUNED, {k: "note" for k in cfgs.TUNED}), namespace)
+    assert namespace["TUNED"] == cfgs.TUNED
+    for family, table in cfgs.TUNED.items():
+        assert tuple(sorted(table)) == cfgs.BUCKETS, family
+        assert all(_valid(c) for c in table.values()), family
+
+
+def test_config_lookup_and_heuristic():
+    assert [cfgs.bucket(t) for t in (1, 2, 3, 5, 16, 17, 1000, 1025, 4096, 8192)] == [
+        1, 2, 4, 8, 16, 32, 1024, 4096, 4096, 4096]
+    family = cfgs.TUNED[(64, 1408, 2048)]
+    assert cfgs.get_config(64, 1408, 2048, 3, 6) is family[4]
+    assert cfgs.get_config(64, 1408, 2048, 9000, 6) is family[4096]
+    # unknown shape family: the heuristic, by expected slots per (global) expert
+    seen = set()
+    for t in range(1, 9000, 37):
+        for k, e_local, e_global in ((6, 64, 64), (8, 32, 256), (2, 7, 7)):
+            c = cfgs.get_config(e_local, 123, 456, t, k, e_global)
+            assert _valid(c) and c == cfgs.default_config(t, k, e_global)
+            seen.add(c.block_m)
+    assert seen == {16, 32, 64, 128}
+    small, large = cfgs.default_config(1, 8, 256), cfgs.default_config(8192, 8, 256)
+    assert small.block_m < large.block_m
+
+
+def test_tuner_candidates_cover_every_bucket():
+    """benchmarks/tune_fused_moe.py has launchable candidates for every family and bucket
+    (its GPU run is too costly to find an empty or invalid candidate set)."""
+    pytest.importorskip("triton")
+    from benchmarks import tune_fused_moe as tune
+
+    for fam in tune.FAMILIES.values():
+        for t in cfgs.BUCKETS:
+            block_ms = tune.block_m_candidates(t, fam)
+            assert block_ms, (fam, t)
+            for bm in block_ms:
+                assert all(_valid(cfgs.MoeConfig(bm, tile, tile)) for tile in tune.CANDIDATES[bm]), (fam, bm)
