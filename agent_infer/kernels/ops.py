@@ -208,6 +208,7 @@ def mla_prefill_attention(
     if out is None:
         return res
     out.copy_(res)
+    return out
 
 
 # ---- fused MoE (routed experts) ---------------------------------------------------------
