@@ -37,13 +37,19 @@ from tests.kernel_variants import VariantRecorder, dispatch_to_triton
 pytest.importorskip("triton")
 
 # Steps come from a tiny model (the scheduler's choices do not depend on the weights); they
-# are replayed on one layer of Qwen3-8B's real dimensions, since launch choices depend on
-# them (row blocks by hidden size, head groups by head counts), in bfloat16 as on a GPU.
+# are replayed on one layer of a served model's dimensions, since launch choices depend on
+# them (row blocks by hidden size, head groups by head counts), in bfloat16 as on a GPU:
+# Qwen3-8B's, and the tiny Qwen3 the GPU test serves (small rows packed many per program).
 # The vocabulary is small: it fixes the sampling kernels' shape once per model.
 TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16)
-REAL = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=1, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128)
+REAL = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=1, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+    # tests/tiny_models.py's qwen3, which tests/gpu/test_no_compile_after_startup.py serves.
+    "tiny-qwen3": dict(hidden_size=96, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=64),
+}
 COMMON = dict(vocab_size=503, max_position_embeddings=2304, tie_word_embeddings=False)
 
 
@@ -59,8 +65,8 @@ def _write(path: str, dims: dict, dtype: torch.dtype) -> str:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("variants")
-    return {"tiny": _write(str(root / "tiny"), TINY, torch.float32),
-            "real": _write(str(root / "real"), REAL, torch.bfloat16)}
+    dirs = {name: _write(str(root / name), dims, torch.bfloat16) for name, dims in REAL.items()}
+    return {"tiny": _write(str(root / "tiny"), TINY, torch.float32), **dirs}
 
 
 class StepLog:
@@ -133,15 +139,16 @@ def _no_matmuls():
 MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixed_batches=True)}
 
 
+@pytest.mark.parametrize("shape", list(REAL))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, monkeypatch):
+def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, shape, monkeypatch):
     from agent_infer.attention.dense_triton import DenseTritonBackend
     from agent_infer.engine import model_runner
 
     options = MODES[mode]
     # The GPU-side runner the steps are replayed on: real dimensions, the Triton backend,
     # decode graphs unless eager (built, not captured: only their input staging runs).
-    config = EngineConfig(model=model_dirs["real"], device="cpu", dtype="bfloat16", warmup=False, **options)
+    config = EngineConfig(model=model_dirs[shape], device="cpu", dtype="bfloat16", warmup=False, **options)
     real = ModelConfig.from_hf(config.model)
     with monkeypatch.context() as mp:
         mp.setattr(model_runner, "backend_class", lambda layout, device, name: DenseTritonBackend)

@@ -69,9 +69,12 @@ def _fused_add_rms_norm_kernel(
     tl.store(x_ptr + x_offs, (h * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+def _launch_shape(n_cols: int) -> tuple[int, int, int]:
+    """Row block from the row width alone: a block sized to the row count too would be a
+    constexpr that changes with the batch, and each new value a compilation mid-serving
+    (a few masked rows in the last program cost nothing)."""
     block_n = triton.next_power_of_2(n_cols)
-    block_m = min(max(1, _TILE_ELEMS // block_n), triton.next_power_of_2(max(n_rows, 1)))
+    block_m = max(1, _TILE_ELEMS // block_n)
     num_warps = 4 if block_m * block_n <= 2048 else 8
     return block_m, block_n, num_warps
 
@@ -89,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xv = as_rows(x.contiguous())
     ov = as_rows(out)
     n_rows = xv.shape[0] * xv.shape[1]
-    block_m, block_n, num_warps = _launch_shape(n_rows, n_cols)
+    block_m, block_n, num_warps = _launch_shape(n_cols)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
         xv, weight, ov,
         n_rows, xv.shape[1], n_cols,
@@ -121,7 +124,7 @@ def fused_add_rms_norm(
             residual.copy_(rc)
         return x, residual
     n_rows = xv.shape[0] * xv.shape[1]
-    block_m, block_n, num_warps = _launch_shape(n_rows, n_cols)
+    block_m, block_n, num_warps = _launch_shape(n_cols)
     _fused_add_rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
         xv, rv, weight,
         n_rows, xv.shape[1], n_cols,
