@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "symm_mem", "symm_mem_fused"],
                    help="TP all-reduce: auto = symmetric memory, each row-parallel all-reduce fused with the "
                         "residual add + RMSNorm after it, where both work (else NCCL); or force one")
+    g.add_argument("--moe-parallel", default="ep", choices=["ep", "tp"],
+                   help="mixture-of-experts models with --tp: ep = whole routed experts per rank (each rank loads only "
+                        "its own), tp = every expert's intermediate dimension split")
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
 
 
@@ -72,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tp,
         all_reduce=args.all_reduce,
+        moe_parallel=args.moe_parallel,
         seed=args.seed,
     )
 

@@ -247,6 +247,10 @@ class EngineConfig:
     # auto (symmetric memory with the fused all-reduce + add + RMSNorm where each works,
     # else NCCL) | nccl | symm_mem (unfused) | symm_mem_fused (fails if the fusion does not work)
     all_reduce: str = "auto"
+    # Mixture-of-experts models under tensor parallelism: "ep" splits the routed experts
+    # over the ranks (each builds and loads only its own), "tp" splits every expert's
+    # intermediate dimension.
+    moe_parallel: str = "ep"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -268,6 +272,8 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.all_reduce not in ALL_REDUCE_MODES:
             raise ConfigError(f"all_reduce must be one of {', '.join(ALL_REDUCE_MODES)}, got {self.all_reduce!r}")
+        if self.moe_parallel not in ("ep", "tp"):
+            raise ConfigError(f"moe_parallel must be ep or tp, got {self.moe_parallel!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -18,9 +18,20 @@ class HFResult:
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The checkpoint in transformers, with SDPA attention and, for mixtures of experts,
+    the plain loop over experts (its grouped-GEMM path needs 16-byte-aligned strides,
+    which tiny odd shapes do not have)."""
+    import json
+    import os
+
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    kwargs = {}
+    with open(os.path.join(path, "config.json")) as f:
+        if "n_routed_experts" in json.load(f):
+            kwargs["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    return model.to(device).eval()
 
 
 @torch.inference_mode()

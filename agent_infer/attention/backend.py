@@ -54,6 +54,8 @@ class AttentionBackend:
 _REGISTRY: dict[tuple[str, str], str] = {
     ("dense", "torch"): "agent_infer.attention.dense_torch:DenseTorchBackend",
     ("dense", "triton"): "agent_infer.attention.dense_triton:DenseTritonBackend",
+    ("mla", "torch"): "agent_infer.attention.mla:LatentTorchBackend",
+    ("mla", "triton"): "agent_infer.attention.mla:LatentTritonBackend",
 }
 # Which backend `auto` picks on each device type.
 _DEFAULT = {"cuda": "triton", "cpu": "torch"}

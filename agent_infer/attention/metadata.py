@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -43,6 +43,11 @@ class AttentionMetadata:
     # Decode only, optional: [batch] int32, the rows by context length, longest first
     # (`longest_first`); a decode kernel may take its sequences in this order.
     decode_order: torch.Tensor | None = None
+    # Eager steps: the block tables on the host (graph steps: None).
+    block_tables_host: np.ndarray | None = None
+    # What the backend's `prepare` adds for its own kernels (e.g. where a prefill's
+    # context rows sit in the cache); None when it adds nothing.
+    backend_data: Any = None
 
     @property
     def batch_size(self) -> int:

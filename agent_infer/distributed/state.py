@@ -26,6 +26,9 @@ class ParallelState:
     # residual, weight, eps)`); None, or a call it does not accept: the all-reduce above,
     # then the add + norm (`layers.linear.all_reduce_add_rms_norm`).
     all_reduce_norm_impl: Any = None
+    # How a mixture of experts splits its routed experts over the group: "ep" (whole
+    # experts per rank) or "tp" (every expert, intermediate dimension split).
+    moe_parallel: str = "ep"
 
     @property
     def is_first(self) -> bool:

@@ -83,7 +83,7 @@ class LLMEngine:
             tp_size = launch.world_size
             config = replace(config, tensor_parallel_size=tp_size)
             self.config = config
-        resolve_model_class(self.model_config.architecture).check_parallel(self.model_config, tp_size)
+        resolve_model_class(self.model_config.architecture).check_parallel(self.model_config, tp_size, config.moe_parallel)
         self.device = rank_device(config, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

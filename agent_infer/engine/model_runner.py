@@ -173,6 +173,7 @@ class ModelRunner:
             max_query_len=num_tokens,
             query_lens_host=[num_tokens],
             context_lens_host=[num_tokens],
+            block_tables_host=np.arange(blocks, dtype=np.int32)[None, :],
         )
         meta = self.backend.prepare(meta)
         ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
@@ -212,6 +213,7 @@ class ModelRunner:
             context_lens_host=step.context_lens.tolist(),
             num_decode=step.num_decode,
             decode_order=None if step.is_prefill else to_dev(longest_first(step.context_lens)),
+            block_tables_host=step.block_tables,
         )
         meta = self.backend.prepare(meta)
         input_ids = to_dev(step.input_ids)

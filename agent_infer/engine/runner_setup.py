@@ -5,7 +5,7 @@ agree on the pool size (the smallest any rank can afford) and on the context len
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ def setup_runner(
     config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: ParallelState
 ) -> tuple[ModelRunner, RunnerPlan]:
     max_model_len = resolve_max_model_len(config, model_config)
-    tp = choose_all_reduce(tp, device, dtype, config.all_reduce)
+    tp = replace(choose_all_reduce(tp, device, dtype, config.all_reduce), moe_parallel=config.moe_parallel)
     runner = ModelRunner(model_config, config, device, dtype, max_model_len, tp)
     peak = runner.profile_peak_memory(min(config.max_num_batched_tokens, max_model_len), config.max_num_seqs)
     budget = KVMemoryPool.estimate_num_blocks(

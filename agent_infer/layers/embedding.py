@@ -37,18 +37,18 @@ class VocabParallelEmbedding(nn.Module):
         copy_into(param.data[:rows], part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(self._partial(input_ids), self.tp)
+        return all_reduce_sum(self.partial(input_ids), self.tp)
 
     def forward_norm(self, input_ids: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(e), e) for e = self(input_ids) and an RMSNorm `norm`: the first layer's
         input and the residual stream. Sharded, the all-reduce joins the norm
         (`all_reduce_rms_norm`): one kernel instead of two at batch 1."""
         if self.tp.world_size == 1:
-            e = self._partial(input_ids)
+            e = self.partial(input_ids)
             return norm(e), e
-        return all_reduce_rms_norm(self._partial(input_ids), norm.weight, norm.eps, self.tp)
+        return all_reduce_rms_norm(self.partial(input_ids), norm.weight, norm.eps, self.tp)
 
-    def _partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of this rank's vocabulary range; zeros for the other tokens."""
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)

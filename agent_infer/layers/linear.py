@@ -24,6 +24,27 @@ def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
     return narrow(loaded, dim, start, size)
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every rank (DeepSeek's q_a and kv_a projections: small,
+    and every rank needs their full output)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
+        copy_into(param, materialize(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over ranks; each rank returns its slice of y."""
 
@@ -141,10 +162,10 @@ class RowParallelLinear(nn.Module):
         copy_into(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(self._partial(x), self.tp)
+        return all_reduce_sum(self.partial(x), self.tp)
 
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of y (the bias on rank 0 only)."""
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of y, not yet reduced (the bias on rank 0 only)."""
         return ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +176,7 @@ class RowParallelLinear(nn.Module):
         (`all_reduce_add_rms_norm`)."""
         if self.tp.world_size == 1:
             return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter)
-        return all_reduce_add_rms_norm(self._partial(x), residual, norm.weight, norm.eps, self.tp)
+        return all_reduce_add_rms_norm(self.partial(x), residual, norm.weight, norm.eps, self.tp)
 
 
 def all_reduce_add_rms_norm(

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -31,6 +31,7 @@ class CheckpointError(ConfigError):
 @dataclass
 class ReadCounter:
     bytes_read: int = 0
+    by_tensor: dict[str, int] = field(default_factory=dict)  # checkpoint name -> bytes read of it
 
 
 class LazyWeight:
@@ -58,7 +59,9 @@ class LazyWeight:
 
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         if self._counter is not None:
-            self._counter.bytes_read += t.numel() * t.element_size()
+            n = t.numel() * t.element_size()
+            self._counter.bytes_read += n
+            self._counter.by_tensor[self.name] = self._counter.by_tensor.get(self.name, 0) + n
         return t
 
 

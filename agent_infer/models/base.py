@@ -48,8 +48,9 @@ class CausalLM(nn.Module):
         load_model(self, weights, self.weight_map())
 
     @classmethod
-    def check_parallel(cls, cfg: ModelConfig, tp: int) -> None:
-        """A ConfigError, naming sizes that work, when the model cannot be split `tp` ways;
+    def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:
+        """A ConfigError, naming sizes that work, when the model cannot be split `tp` ways
+        (`moe_parallel`: how routed experts would be split, for families that have them);
         checked before any process starts."""
 
     @classmethod

@@ -15,10 +15,10 @@ from torch import nn
 
 from agent_infer.config import ConfigError, ModelConfig, refuse_unread_fields
 from agent_infer.distributed.state import ParallelState
-from agent_infer.layers.activation import SiluAndMul, get_act_and_mul
 from agent_infer.layers.attention import PagedAttention
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from agent_infer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from agent_infer.layers.linear import QKVParallelLinear, RowParallelLinear
+from agent_infer.layers.mlp import GatedMLP
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
 from agent_infer.loader.load import WeightMap, WeightRule
@@ -88,26 +88,12 @@ class LlamaAttention(nn.Module):
         return o.reshape(tokens, self.num_heads * self.head_dim)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, tp: ParallelState):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
-        self.act = get_act_and_mul(hidden_act)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up, the input of down_proj."""
-        if isinstance(self.act, SiluAndMul):
-            return self.gate_up_proj.forward_silu_mul(x)
-        return self.act(self.gate_up_proj(x))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: ParallelState):
         super().__init__()
         f: LlamaFamilyConfig = cfg.family
         self.self_attn = LlamaAttention(cfg, rotary, tp)
-        self.mlp = LlamaMLP(cfg.hidden_size, f.intermediate_size, f.hidden_act, f.mlp_bias, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, f.intermediate_size, f.hidden_act, f.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -181,7 +167,7 @@ class LlamaForCausalLM(CausalLM):
         return WeightMap(rules=_RULES, skip=skip, renames=_RENAMES)
 
     @classmethod
-    def check_parallel(cls, cfg: ModelConfig, tp: int) -> None:
+    def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:
         """Query heads split evenly; KV heads split evenly too, or each replicated over
         `tp / kv` ranks when there are fewer than ranks."""
         if tp == 1:

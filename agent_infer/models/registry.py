@@ -16,6 +16,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # Text-only use of the VL checkpoints: for text tokens M-RoPE reduces to plain RoPE.
     "Qwen2VLForConditionalGeneration": _LLAMA,
     "Qwen2_5_VLForConditionalGeneration": _LLAMA,
+    "DeepseekV2ForCausalLM": ("agent_infer.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("agent_infer.models.deepseek", "DeepseekForCausalLM"),
 }
 
 

@@ -1,0 +1,85 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache.
+
+Per token the cache keeps one row: the RMS-normalised latent c (kv_lora_rank values),
+which doubles as V before the up-projection, and the rotated RoPE key shared by every
+head. kv_b_proj's weight holds, per head, W_UK [nope dim, latent] and W_UV [v dim, latent].
+
+- Decode absorbs W_UK into the query (q_nope @ W_UK: a query over the latent), so
+  attention is multi-query over the cached rows and every head shares each row it loads;
+  the output, an average of latents, goes through W_UV to each head's values.
+- Prefill materialises K and V from the latent of every context token (the cached prefix,
+  read back through its blocks, and this step's tokens) and runs causal attention with
+  the query's nope and RoPE parts. A mixed step's decode rows take the decode path.
+
+The layer declares its cache layout (`LatentLayout`, not split by tensor parallelism:
+every rank attends over all of it); the engine binds each layer's view and the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from agent_infer.attention.metadata import get_attention_metadata
+from agent_infer.kernels import ops
+from agent_infer.kvcache.layouts import LatentCache, LatentLayout
+from agent_infer.layers.norm import RMSNorm
+from agent_infer.layers.rotary import RotaryEmbedding
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, scale: float):
+        """`num_heads`: the heads on this rank."""
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
+        self.scale = scale
+        self.cache_layout = LatentLayout(kv_lora_rank, rope_dim)
+        self.cache: LatentCache | None = None
+        self.backend = None
+
+    def bind(self, cache: LatentCache | None, backend) -> None:
+        self.cache, self.backend = cache, backend
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, kv_norm: RMSNorm,
+        rotary: RotaryEmbedding, kv_b_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, H, nope + rope] (q_proj's output), kv_a [T, latent + rope]
+        (kv_a_proj_with_mqa's, consumed), kv_b_weight [H x (nope + v), latent] ->
+        [T, H x v], the input of o_proj."""
+        if self.cache is None:
+            raise RuntimeError("attention has no KV cache bound; run the model through the engine")
+        meta = get_attention_metadata()
+        h, dn, dv, lat = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        q_pe = q[..., dn:]
+        ops.mla_rope_store(kv_a, q_pe, positions, kv_norm.weight, kv_norm.eps, rotary.cos_sin_cache,
+                           self.cache.kv, meta.slot_mapping, rotary.is_neox)
+        w = kv_b_weight.view(h, dn + dv, lat)
+        tokens = q.shape[0]
+        decode_rows = meta.num_decode if meta.is_prefill else tokens
+        if decode_rows == tokens:
+            return self._decode(q, w).reshape(tokens, h * dv)
+        out = q.new_empty(tokens, h, dv)
+        if decode_rows:
+            out[:decode_rows] = self._decode(q[:decode_rows], w)
+        out[decode_rows:] = self._prefill(q[decode_rows:], kv_b_weight, meta)
+        return out.view(tokens, h * dv)
+
+    def _decode(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[N, H, v]: the query absorbed into the latent, attention over the cached rows,
+        W_UV applied to the averaged latent."""
+        dn = self.nope_dim
+        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w[:, :dn]).transpose(0, 1)  # [N, H, latent]
+        o_lat = self.backend.decode(torch.cat((q_lat, q[..., dn:]), dim=-1), self.cache, get_attention_metadata(),
+                                    self.scale)
+        return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
+
+    def _prefill(self, q: torch.Tensor, kv_b_weight: torch.Tensor, meta) -> torch.Tensor:
+        """[T', H, v] for the prefill sequences' rows: K/V up-projected from the latent of
+        their whole context (prefix and new tokens), read back from the cache."""
+        h, dn, dv, lat = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        rows, cu_q, cu_k, max_q = self.backend.prefill_context(self.cache, meta)
+        kv = ops.linear(rows[:, :lat], kv_b_weight).view(-1, h, dn + dv)
+        return self.backend.prefill(q[..., :dn], q[..., dn:], kv[..., :dn], rows[:, lat:], kv[..., dn:],
+                                    cu_q, cu_k, max_q, self.scale)

@@ -1,0 +1,147 @@
+"""Mixture of experts: the router, and the routed experts of one layer on this rank.
+
+Routing follows DeepSeek's two schemes as transformers computes them, in fp32:
+- softmax (V2): top-k of the expert probabilities, either over all experts (`greedy`) or
+  within the `topk_group` groups holding the best single expert (`group_limited_greedy`);
+- sigmoid with a load-balancing bias (V3, `noaux_tc`): experts are chosen by score + bias
+  within the `topk_group` groups whose two best experts score highest, and weighted by
+  their unbiased scores, renormalised when `norm_topk_prob`.
+Either way the weights are multiplied by `routed_scaling_factor`.
+
+The routed experts are split over the tensor-parallel group in one of two ways:
+- `ep` (expert parallelism): each rank holds a contiguous range of whole experts and
+  builds and loads only those; a token's slots for other ranks' experts add nothing here;
+- `tp`: every rank holds every expert with its intermediate dimension split, like a
+  tensor-parallel MLP.
+Both return this rank's partial sum; the caller adds the shared experts' partial sum and
+all-reduces once for the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent_infer.distributed.state import ParallelState
+from agent_infer.kernels import ops
+from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
+
+MOE_PLACEMENTS = ("ep", "tp")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    method: str  # greedy | group_limited_greedy | noaux_tc
+    num_groups: int = 1
+    topk_groups: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's `topk_groups` best groups."""
+    groups = group_scores.shape[-1]
+    chosen = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0)
+    return mask.unsqueeze(-1).expand(-1, groups, num_experts // groups).reshape(-1, num_experts).bool()
+
+
+def route(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (fp32) -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+    e, k = cfg.num_experts, cfg.top_k
+    if cfg.method == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, cfg.num_groups, e // cfg.num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, cfg.topk_groups, e), float("-inf"))
+        ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if cfg.method == "group_limited_greedy":
+            group_scores = scores.view(-1, cfg.num_groups, e // cfg.num_groups).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_groups, e), 0.0)
+        weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate: fp32 weights (and V3's score-correction bias), replicated on every rank."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        if cfg.method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        return route(logits, self.cfg, self.e_score_correction_bias)
+
+
+class RoutedExperts(nn.Module):
+    """w13 [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
+    [E_local, H, I_local]; `forward` gives this rank's partial sum over the routed slots."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str):
+        super().__init__()
+        if placement not in MOE_PLACEMENTS:
+            raise ValueError(f"MoE placement must be one of {', '.join(MOE_PLACEMENTS)}, got {placement!r}")
+        self.tp, self.placement, self.num_experts = tp, placement, num_experts
+        world, rank = tp.world_size, tp.rank
+        if placement == "ep":
+            self.num_local = num_experts // world
+            self.first = rank * self.num_local
+            self.inter = intermediate_size
+        else:
+            self.num_local, self.first = num_experts, 0
+            self.inter = intermediate_size // world
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
+        local = range(self.first, self.first + self.num_local)
+        self.w13.expected_pieces = {(s, e) for s in (0, 1) for e in local}
+        self.w2.expected_pieces = {(None, e) for e in local}
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+        # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
+        if placement == "ep" and world > 1:
+            expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+            expert_map[self.first : self.first + self.num_local] = torch.arange(self.num_local, dtype=torch.int32)
+            self.register_buffer("expert_map", expert_map, persistent=False)
+        else:
+            self.expert_map = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
+        """One expert's gate (shard 0) or up (shard 1) projection [I, H] into w13, or its
+        down projection [H, I] into w2. Another rank's expert is skipped unread."""
+        local = expert_id - self.first
+        if not 0 <= local < self.num_local:
+            return
+        start = self.tp.rank * self.inter if self.placement == "tp" else 0
+        if param is self.w13:
+            part = _slice(loaded, 0, start, self.inter)
+            copy_into(param.data[local].narrow(0, shard_id * self.inter, self.inter), part)
+        else:
+            copy_into(param.data[local], _slice(loaded, 1, start, self.inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
+
+
+def _slice(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
+    """This rank's `size` rows or columns of an expert's tensor; one that already has that
+    extent is the shard itself (TP = 1, EP, or pre-sliced: blueprint FM-001)."""
+    if shape_of(loaded)[dim] == size:
+        return materialize(loaded)
+    return narrow(loaded, dim, start, size)
