@@ -64,7 +64,11 @@ def test_cli_presets_are_the_writers_presets():
     assert set(CLI_PRESETS) == set(rw.PRESETS)
 
 
-@pytest.mark.parametrize("name", sorted(rw.PRESETS))
+DENSE_PRESETS = sorted(n for n, p in rw.PRESETS.items() if isinstance(p, rw.RandomPreset))
+HUB_PRESETS = sorted(n for n, p in rw.PRESETS.items() if isinstance(p, rw.HubPreset))
+
+
+@pytest.mark.parametrize("name", DENSE_PRESETS)
 def test_preset_config_loads_everywhere_and_names_match_transformers(tmp_path, name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -90,6 +94,35 @@ def test_preset_config_loads_everywhere_and_names_match_transformers(tmp_path, n
     theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if "rotary_emb" not in k}
     if preset.tie_word_embeddings:
         theirs.pop("lm_head.weight")
+    assert theirs == dict(rw.tensor_shapes(preset))
+
+
+@pytest.mark.parametrize("name", HUB_PRESETS)
+def test_deepseek_presets_load_everywhere_and_hold_transformers_tensors(tmp_path, name):
+    """The hub-spelled config parses here and in transformers, and the checkpoint holds
+    exactly the tensors transformers' own model has (its experts stacked, ours one by one)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = rw.PRESETS[name]
+    rw.write_config(preset, str(tmp_path))
+    ours = ModelConfig.from_hf(str(tmp_path))
+    assert ours.architecture == preset.architecture and ours.num_layers == preset.num_layers
+    assert ours.family.kv_lora_rank + ours.family.qk_rope_head_dim == 576
+    hf = AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    theirs = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            e, two_i, h = v.shape
+            for i in range(e):
+                pre = k.removesuffix("gate_up_proj") + f"{i}."
+                theirs[pre + "gate_proj.weight"] = theirs[pre + "up_proj.weight"] = (two_i // 2, h)
+        elif k.endswith("mlp.experts.down_proj"):
+            for i in range(v.shape[0]):
+                theirs[k.removesuffix("down_proj") + f"{i}.down_proj.weight"] = tuple(v.shape[1:])
+        elif "rotary_emb" not in k:
+            theirs[k] = tuple(v.shape)
     assert theirs == dict(rw.tensor_shapes(preset))
 
 

@@ -313,6 +313,44 @@ else:
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"
 
+    def test_deepseek_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):
+        """A tiny DeepSeek-V3 checkpoint (fp32) with every kernel routed to Triton (the MLA
+        rope + latent store, absorbed decode, prefill over the latent read back, the fused
+        MoE) gives the torch path's greedy tokens, a prefix-cache hit included."""
+        from agent_infer.attention.mla import LatentTritonBackend
+        from agent_infer.config import EngineConfig
+        from agent_infer.engine import model_runner
+        from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.kernels import ops
+        from agent_infer.sampling_params import SamplingParams
+        from tests.deepseek_models import write_deepseek_model
+
+        path = write_deepseek_model("v3", str(tmp_path / "v3"))
+        shared = [(7 * i + 3) % 300 + 3 for i in range(37)]
+        batches = [[shared], [shared + [11, 12, 13], [5, 6, 7]]]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+        def run() -> list[list[int]]:
+            eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16))
+            return [o.token_ids for batch in batches for o in eng.generate(batch, params)]
+
+        calls: list[bool] = []
+
+        class CountingBackend(LatentTritonBackend):
+            def decode(self, q_lat, cache, meta, scale):
+                calls.append(False)
+                return super().decode(q_lat, cache, meta, scale)
+
+            def prefill(self, *args):
+                calls.append(True)
+                return super().prefill(*args)
+
+        expected = run()
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
+        assert run() == expected
+        assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
+
     # ---- DeepSeek MLA kernels (tests/mla_checks.py) -----------------------------------
     # Odd tiny shapes on purpose: latent widths and rope dims that are not powers of two
     # (masked tiles), 3 or 20 heads (padded head blocks), block sizes 16 and 32; one case

@@ -64,7 +64,51 @@ class RandomPreset:
     rope_scaling: dict | None = field(default=None, hash=False)
 
 
-PRESETS: dict[str, RandomPreset] = {
+@dataclass(frozen=True)
+class HubPreset:
+    """A checkpoint shape given as the hub's config.json (a family with more to say than
+    the dense fields above: DeepSeek's latent attention and experts)."""
+
+    architecture: str
+    config: dict = field(hash=False)
+
+    def __getattr__(self, name: str):
+        key = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}.get(name, name)
+        if key in self.__dict__.get("config", {}):
+            return self.config[key]
+        raise AttributeError(name)
+
+
+_DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite's config.json (its code's 4.x spelling)
+    "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 102400, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "rms_norm_eps": 1e-6, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax", "norm_topk_prob": False, "aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 100000, "eos_token_id": 100001,
+}
+# DeepSeek-V3's layout (q low-rank, sigmoid routing with a bias over grouped experts, a
+# scaled and renormalised top-8, dense first layers) at a size one GPU loads in seconds.
+_DEEPSEEK_V3_SMALL = {
+    "model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 2816, "moe_intermediate_size": 256,
+    "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "kv_lora_rank": 512, "q_lora_rank": 384, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 49152, "max_position_embeddings": 16384, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-6, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "hidden_act": "silu", "attention_bias": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+PRESETS: dict[str, RandomPreset | HubPreset] = {
     "qwen3-8b": RandomPreset(
         "Qwen3ForCausalLM", "qwen3", hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
         num_kv_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
@@ -94,6 +138,8 @@ PRESETS: dict[str, RandomPreset] = {
         num_kv_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=4096, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
+    "deepseek-v2-lite": HubPreset("DeepseekV2ForCausalLM", _DEEPSEEK_V2_LITE),
+    "deepseek-v3-small": HubPreset("DeepseekV3ForCausalLM", _DEEPSEEK_V3_SMALL),
 }
 
 
@@ -141,6 +187,8 @@ def plan_shards(
 def hf_config(p: RandomPreset) -> dict:
     """config.json in the layout both transformers 4.x (rope_theta + rope_scaling) and 5.x
     (which converts those into rope_parameters) read."""
+    if isinstance(p, HubPreset):
+        return {"architectures": [p.architecture], **p.config}
     cfg = {
         "architectures": [p.architecture],
         "model_type": p.model_type,

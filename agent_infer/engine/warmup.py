@@ -65,10 +65,13 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    for salt, n in enumerate(PROMPT_LENGTHS):
+    budget = engine.config.max_num_batched_tokens
+    lengths = list(PROMPT_LENGTHS)
+    lengths += sorted({min(n, budget) for n in engine.runner.model.warmup_prompt_lengths()} - set(lengths))
+    for salt, n in enumerate(lengths):
         add(n, sampled if salt % 2 else greedy, salt)
         drain()
-    base = len(PROMPT_LENGTHS)
+    base = len(lengths)
     for i in range(WAVE - 1):
         add(16, nucleus, base + i)
     engine.step()

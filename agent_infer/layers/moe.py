@@ -94,8 +94,12 @@ class RoutedExperts(nn.Module):
     """w13 [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
     [E_local, H, I_local]; `forward` gives this rank's partial sum over the routed slots."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str):
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str,
+    ):
+        """`top_k`: the experts each token is routed to (what a step reads depends on it)."""
         super().__init__()
+        self.top_k = top_k
         if placement not in MOE_PLACEMENTS:
             raise ValueError(f"MoE placement must be one of {', '.join(MOE_PLACEMENTS)}, got {placement!r}")
         self.tp, self.placement, self.num_experts = tp, placement, num_experts

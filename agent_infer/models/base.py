@@ -53,6 +53,12 @@ class CausalLM(nn.Module):
         (`moe_parallel`: how routed experts would be split, for families that have them);
         checked before any process starts."""
 
+    def warmup_prompt_lengths(self) -> tuple[int, ...]:
+        """Prompt lengths the start-up warm-up should also prefill alone, so that a kernel
+        whose launch configuration depends on the step's token count (beyond the engine's
+        own warm-up steps) compiles before serving."""
+        return ()
+
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor a checkpoint of this shape holds, by its hub name, in file order

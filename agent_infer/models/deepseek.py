@@ -171,7 +171,8 @@ class DeepseekMoE(nn.Module):
         f: DeepseekFamilyConfig = cfg.family
         self.tp = tp
         self.gate = Router(cfg.hidden_size, f.router)
-        self.experts = RoutedExperts(f.n_routed_experts, cfg.hidden_size, f.moe_intermediate_size, tp, tp.moe_parallel)
+        self.experts = RoutedExperts(f.n_routed_experts, f.router.top_k, cfg.hidden_size, f.moe_intermediate_size, tp,
+                                     tp.moe_parallel)
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, f.moe_intermediate_size * f.n_shared_experts, "silu", False, tp)
             if f.n_shared_experts else None
@@ -275,6 +276,13 @@ class DeepseekForCausalLM(CausalLM):
             log.info("skipping %d multi-token-prediction layer(s) (model.layers.%d...) at load",
                      f.num_nextn_predict_layers, first)
         return WeightMap(rules=_RULES, skip=tuple(skip))
+
+    def warmup_prompt_lengths(self) -> tuple[int, ...]:
+        """One step per token-count bucket of the fused-MoE tile table: each bucket's tiles
+        are their own compiled kernels."""
+        from agent_infer.kernels.triton.fused_moe_configs import BUCKETS
+
+        return tuple(BUCKETS)
 
     @classmethod
     def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:

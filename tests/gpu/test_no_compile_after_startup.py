@@ -23,9 +23,9 @@ def qwen3_dir(tmp_path_factory) -> str:
     return write_tiny_model("qwen3", str(tmp_path_factory.mktemp("nocompile") / "qwen3"))
 
 
-def _workload(n: int, seed: int):
+def _workload(n: int, seed: int, vocab: int = VOCAB):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 400))] for _ in range(n)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 400))] for _ in range(n)]
     params = []
     for i in range(n):
         kw = {"temperature": 0.0} if i % 3 == 0 else {"temperature": 0.6, "top_p": 0.9 if i % 5 == 0 else 1.0}
