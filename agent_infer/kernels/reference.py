@@ -161,3 +161,15 @@ def gumbel_sample(
     noise = -torch.log(-torch.log(uniform_noise(seeds, steps, x.shape[-1])))
     score = torch.where(greedy[:, None], x, x * inv_t[:, None] + noise)
     return score.argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[r], t] = -inf where bit t of mask[r] (int32 words, LSB first) is 0;
+    tokens beyond 32 * words are banned too. In place."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
+    bits = ((mask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
+    sub = logits[rows]
+    logits[rows] = sub.masked_fill(~bits, float("-inf"))
