@@ -299,6 +299,11 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.model_path: str = engine.config.model
+        self.model_type: str = engine.model_config.model_type
+        # Grammars are compiled by the front end (a bad schema is a 400 before anything is
+        # queued) into the engine's cache; GrammarCompiler is thread-safe.
+        self.grammar = engine.grammar
+        self.eos_token_ids: frozenset[int] = frozenset(engine.eos_token_ids)
         self.num_kv_blocks: int = engine.block_manager.num_blocks
         self.block_size: int = engine.block_manager.block_size
         # The front end gets its own tokenizer: the engine thread decodes with the
