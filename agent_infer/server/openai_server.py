@@ -609,8 +609,7 @@ class _ToolSetup:
             if named not in by_name:
                 raise ApiError(400, f"tool_choice names {named!r}, which is not among the tools "
                                     f"({', '.join(by_name)})", param="tool_choice", code="invalid_value")
-            setup.constraint = StructuredOutputsParams(json=_parameters_schema(by_name[named]),
-                                                       strict=bool(by_name[named].strict))
+            setup.constraint = StructuredOutputsParams(json=_parameters_schema(by_name[named]))
         elif choice == "required":
             setup.constraint = StructuredOutputsParams(json=_required_calls_schema(tools, req.parallel_tool_calls))
         return setup
@@ -626,13 +625,15 @@ class _ToolSetup:
 
 
 def _parameters_schema(function: P.FunctionDefinition) -> dict:
-    """A function's parameters schema; a parameterless function takes exactly {}."""
+    """A function's parameters schema for the grammar of a forced call: its objects closed
+    (no argument the function does not declare, whether or not it said strict), and a
+    parameterless function takes exactly {}."""
     params = function.parameters
     if not params:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     schema = dict(params)
     schema.setdefault("type", "object")
-    return close_objects(schema) if function.strict else schema
+    return close_objects(schema)
 
 
 def _required_calls_schema(tools: list[P.ChatTool], parallel: bool) -> dict:

@@ -25,10 +25,10 @@ from agent_infer.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
-# Whitespace allowed between JSON tokens: flexible (models pretty-print) but bounded, so
-# that a model cannot loop on whitespace until max_tokens (a failure vLLM users met with
-# unbounded whitespace).
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): the form
+# tool-call training data uses, the fewest tokens, and no way for a model to loop on
+# whitespace until max_tokens (what vLLM users met with free whitespace).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 512
 
 
@@ -128,7 +128,6 @@ class GrammarCompiler:
         import llguidance
 
         M = llguidance.LLMatcher
-        options = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
         kind = spec.kind
         if kind == "json" or kind == "json_object":
             schema = {"type": "object"} if kind == "json_object" else spec.json
@@ -142,7 +141,7 @@ class GrammarCompiler:
             if spec.strict:
                 schema = close_objects(schema)
             try:
-                return M.grammar_from_json_schema(schema, defaults=options)
+                return M.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except ValueError as e:
                 raise GrammarError(f"invalid JSON schema: {e}") from None
         if kind == "regex":
