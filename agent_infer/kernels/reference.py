@@ -160,6 +160,9 @@ def gumbel_sample(
     inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature)
     noise = -torch.log(-torch.log(uniform_noise(seeds, steps, x.shape[-1])))
     score = torch.where(greedy[:, None], x, x * inv_t[:, None] + noise)
+    # A banned token (-inf) whose noise rounds to +inf scores NaN; argmax would take it,
+    # the Triton kernel never does (NaN > best is false): match the kernel.
+    score = score.masked_fill(score.isnan(), float("-inf"))
     return score.argmax(dim=-1)
 
 

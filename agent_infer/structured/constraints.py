@@ -16,6 +16,7 @@ Only rank 0 samples under tensor parallelism, so this is all rank 0's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -238,6 +239,13 @@ class Constraints:
         elif grammar:
             self.executor.unsafe_compute_mask_ptr(grammar, arr.ctypes.data, arr.shape[1] * 4, arr.shape[0])
         for k, (i, row) in enumerate(zip(mask_rows, mask_of)):
+            if row.matcher is not None and row.phase != THINKING and row.matcher.is_error():
+                # A grammar that hit a limit (or broke) allows nothing; end the sequence
+                # cleanly with EOS rather than sample from a row of -inf.
+                log.warning("request %s: its grammar failed (%s); ending it", seqs[i].request_id,
+                            row.matcher.get_error().splitlines()[0] if row.matcher.get_error() else "")
+                arr[k] = self._eos_mask
+                continue
             if row.matcher is not None and row.phase == MAYBE:
                 set_bit(arr[k], row.think[0])  # the model may open a reasoning block instead
             if row.allowed is not None:
@@ -245,6 +253,10 @@ class Constraints:
             if row.early_stop_ids is not None and seqs[i].num_output_tokens - 1 < row.min_tokens:
                 clear_bits(arr[k], row.early_stop_ids)
         return host
+
+    @functools.cached_property
+    def _eos_mask(self) -> np.ndarray:
+        return pack_token_ids(self.eos_token_ids[:1] or [0], self.words)
 
     @property
     def executor(self):
