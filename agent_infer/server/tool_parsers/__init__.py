@@ -68,6 +68,18 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _inside_json_string(text: str) -> bool:
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
@@ -192,7 +204,7 @@ class _TaggedParser(ToolParser):
                 self._buf = self._buf[i + len(self.open_tag):]
                 self._call = self._new_call()
                 continue
-            i = self._buf.find(self.close_tag)
+            i = self._close_at(self._call.text, self._buf)
             if i < 0:
                 keep = _partial_suffix(self._buf, self.close_tag)
                 events += self._call.feed(self._buf[: len(self._buf) - keep])
@@ -202,6 +214,16 @@ class _TaggedParser(ToolParser):
             self._buf = self._buf[i + len(self.close_tag):]
             events += self._end_call()
         return events
+
+    def _close_at(self, seen: str, buf: str) -> int:
+        """Where the close tag is in `buf` (after the call's text `seen`), skipping any
+        inside a JSON string: arguments may well contain the tag's text."""
+        start = 0
+        while True:
+            i = buf.find(self.close_tag, start)
+            if i < 0 or not _inside_json_string(seen + buf[:i]):
+                return i
+            start = i + 1
 
     def _end_call(self) -> list:
         call, self._call = self._call, None
