@@ -382,6 +382,7 @@ class LLMEngine:
             logprobs=logprobs,
             stop_reason=stop_reason,
             arrival_time=seq.arrival_time,
+            scheduled_time=seq.scheduled_time,
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
         )
