@@ -250,6 +250,8 @@ class Constraints:
                             row.matcher.get_error().splitlines()[0] if row.matcher.get_error() else "")
                 arr[k] = self._eos_mask
                 continue
+            if row.matcher is not None and len(self.eos_token_ids) > 1:
+                self._widen_eos(arr[k])
             if row.matcher is not None and row.phase == MAYBE:
                 set_bit(arr[k], row.think[0])  # the model may open a reasoning block instead
             if row.allowed is not None:
@@ -257,6 +259,13 @@ class Constraints:
             if row.early_stop_ids is not None and seqs[i].num_output_tokens - 1 < row.min_tokens:
                 clear_bits(arr[k], row.early_stop_ids)
         return host
+
+    def _widen_eos(self, row: np.ndarray) -> None:
+        """Where the grammar allows the EOS llguidance knows, allow every EOS of the engine."""
+        eos = self.compiler.grammar_eos
+        if eos is not None and (int(row.view(np.uint32)[eos // 32]) >> (eos % 32)) & 1:
+            for t in self.eos_token_ids:
+                set_bit(row, t)
 
     @functools.cached_property
     def _eos_mask(self) -> np.ndarray:

@@ -73,6 +73,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None
+        self.grammar_eos: int | None = None  # the EOS id llguidance knows (set with the tokenizer)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.hits = 0
@@ -86,8 +87,12 @@ class GrammarCompiler:
                     import llguidance.hf
 
                     hf = self._load_tokenizer()
-                    self._tokenizer = llguidance.hf.from_tokenizer(
-                        hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                    # One EOS for llguidance (older releases take a single id); Constraints
+                    # allows every EOS of the engine wherever the grammar allows this one.
+                    eos = hf.eos_token_id if hf.eos_token_id in self.eos_token_ids else (
+                        self.eos_token_ids[0] if self.eos_token_ids else None)
+                    self.grammar_eos = eos
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
     def token_id(self, text: str) -> int | None:
