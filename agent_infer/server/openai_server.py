@@ -776,6 +776,7 @@ class _CompletionView:
         offsets = [0] * total
         usage = self._tracker()
         continuous = self.req.continuous_usage
+        sent_prompt_lp: set[int] = set()  # choices whose prompt logprobs went out (with their first chunk)
         tail: list[str] = []  # sent in the stream's last write
         try:
             async with group:
@@ -800,8 +801,8 @@ class _CompletionView:
                             events.append(self._chunk(P.CompletionChoice(
                                 index=k, text=prompt_text, logprobs=self._echo_logprobs(k, out))))
                         if self.req.prompt_logprobs is not None and out.prompt_logprobs is not None and \
-                                k not in self._sent_prompt_lp:
-                            self._sent_prompt_lp.add(k)
+                                k not in sent_prompt_lp:
+                            sent_prompt_lp.add(k)
                             extra["prompt_logprobs"] = self._prompt_logprobs(out)
                         logprobs = None
                         if self.req.logprobs is not None and out.logprobs is not None:
@@ -831,11 +832,6 @@ class _CompletionView:
             tail.append(_sse_error(e))
         tail.append("data: [DONE]\n\n")
         yield "".join(tail)
-
-    @functools.cached_property
-    def _sent_prompt_lp(self) -> set[int]:
-        return set()
-
 
 class _ChatView:
     """Builds /v1/chat/completions responses and stream chunks for one request."""

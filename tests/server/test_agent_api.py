@@ -250,6 +250,10 @@ def test_prompt_logprobs_and_token_ids_as_logprob_tokens(oai, idle_server):
         assert str(ids[pos]) in entry and all(v["logprob"] <= 0 for v in entry.values())
         assert len(entry) >= 2
     assert all(re.fullmatch(r"token_id:\d+", t) for t in c.logprobs.tokens)
+    chunks = list(oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, stream=True,
+                                         extra_body={"prompt_logprobs": 2}))
+    streamed = [ch.choices[0].model_extra.get("prompt_logprobs") for ch in chunks if ch.choices]
+    assert [p for p in streamed if p] == [plps]  # once, with the first chunk
     chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        temperature=0, logprobs=True, extra_body={"prompt_logprobs": 0,
                                                                                  "return_tokens_as_token_ids": True})
