@@ -1,8 +1,8 @@
 """agent-infer: a lean, fast LLM inference engine."""
 
-from agent_infer.sampling_params import SamplingParams
+from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 __version__ = "0.1.0"
 
 

@@ -620,3 +620,50 @@ def check_fill_placeholders(device, n: int) -> None:
     want = torch.where(prev_index >= 0, prev_tokens[prev_index.clamp(min=0)], ids)
     got = fill_placeholders(ids.to(device), prev_index.to(device), prev_tokens.to(device))
     assert torch.equal(got.cpu(), want)
+
+
+def check_apply_token_bitmask(device, dtype: torch.dtype, rows: int, vocab: int, words: int) -> None:
+    """The structured-output mask kernel bans exactly the tokens whose bit is 0, in the
+    listed rows only, and every token beyond the mask's 32 * words; it matches the
+    PyTorch reference bit for bit."""
+    from agent_infer.kernels.triton.tokens import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(rows * 31 + vocab)
+    logits = torch.randn(rows + 2, vocab, generator=gen).to(dtype)
+    mask = torch.randint(-(2**31), 2**31, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    mask[0] = -1  # all allowed (within the mask)
+    mask[-1] = 0
+    mask[-1, 0] = 1 << 5  # only token 5
+    picked = torch.randperm(rows + 2, generator=gen)[:rows]
+    want = logits.clone()
+    reference.apply_token_bitmask(want, mask, picked)
+    got = logits.to(device)
+    apply_token_bitmask(got, mask.to(device), picked.to(device))
+    assert torch.equal(got.cpu(), want)
+    untouched = torch.ones(rows + 2, dtype=torch.bool)
+    untouched[picked] = False
+    assert torch.equal(got.cpu()[untouched], logits[untouched])
+    last = picked[-1].item()
+    assert torch.isfinite(want[last]).nonzero().flatten().tolist() == [5]
+    if 32 * words < vocab:
+        assert torch.isinf(want[picked][:, 32 * words:]).all()
+
+
+def check_gumbel_never_samples_banned_tokens(device, vocab: int = 4096) -> None:
+    """With every token but a few banned (-inf), sampled rows pick only allowed tokens,
+    on both paths, over many seeds and steps (a banned token whose noise rounds to +inf
+    scores NaN, which must never win)."""
+    from agent_infer.kernels.triton.sampling import gumbel_sample
+
+    rows = 64
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.full((rows, vocab), float("-inf"))
+    allowed = torch.randint(0, vocab, (rows, 3), generator=gen)
+    logits.scatter_(1, allowed, torch.randn(rows, 3, generator=gen))
+    temperature = torch.ones(rows)
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
+    for step in range(0, 4000, 400):
+        steps = torch.full((rows,), step)
+        for got in (reference.gumbel_sample(logits, temperature, seeds, steps),
+                    gumbel_sample(logits.to(device), temperature.to(device), seeds.to(device), steps.to(device)).cpu()):
+            assert (allowed == got[:, None]).any(dim=1).all()

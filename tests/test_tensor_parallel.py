@@ -6,6 +6,7 @@ makes the engine fail fast and leaves no process behind; torchrun launches work 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.distributed.control import ControlClient, ControlServer, WorkerError
 from agent_infer.engine.llm_engine import LLMEngine
-from agent_infer.sampling_params import SamplingParams
+from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 12, 13], list(range(20, 61))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=20)
@@ -97,12 +98,18 @@ def test_single_process_never_creates_a_group(tiny_model_dirs):
 
 
 def test_default_model_tp3_same_text_and_tp2_is_refused(default_model_dir):
+    """Also with a grammar-constrained request in the batch: only rank 0 samples, so
+    only rank 0 builds masks, and the workers follow its tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=20)
-    prompts = ["The capital of France is", "Water boils at"]
-    one = run(default_model_dir, 1, prompts, params)
-    three = run(default_model_dir, 3, prompts, params)
+    regex = SamplingParams(temperature=0.0, max_tokens=16,
+                           structured_outputs=StructuredOutputsParams(regex=r"\d{3}-\d{4}"))
+    prompts = ["The capital of France is", "Water boils at", "Call me at"]
+    one = run(default_model_dir, 1, prompts, [params, params, regex])
+    three = run(default_model_dir, 3, prompts, [params, params, regex])
     assert [o.text for o in three] == [o.text for o in one]
-    assert_same(three, one)
+    assert re.fullmatch(r"\d{3}-\d{4}", three[2].text) and three[2].finish_reason == "stop"
+    assert three[2].token_ids == one[2].token_ids
+    assert_same(three[:2], one[:2])
     with pytest.raises(ConfigError, match=r"9 attention heads, 3 KV heads.*\[1, 3, 9\]"):
         LLMEngine(EngineConfig(model=default_model_dir, device="cpu", tensor_parallel_size=2))
 
@@ -128,6 +135,21 @@ def mixed_params(stop_token: int | None = None) -> list[SamplingParams]:
         SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=1.2, min_p=0.05, seed=10, max_tokens=1, ignore_eos=True),  # prefill only
     ]
+
+
+def test_async_tp2_with_constrained_rows_equals_sync_tp1(tiny_model_dirs):
+    """allowed_token_ids, logit_bias and min_tokens (masks built on rank 0 between the
+    forward pass and sampling) next to unconstrained rows, async TP = 2 against sync TP = 1."""
+    path = tiny_model_dirs["qwen3"]
+    params = mixed_params()[:3] + [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=9, allowed_token_ids=[5, 17, 300, 301]),
+        SamplingParams(temperature=0.0, max_tokens=6, logit_bias={42: 100.0}),
+    ]
+    params[0] = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=3)
+    one, two = run(path, 1, MIXED_PROMPTS, params), run(path, 2, MIXED_PROMPTS, params)
+    assert_same_outputs(two, one)
+    assert set(two[3].token_ids) <= {5, 17, 300, 301} and two[4].token_ids == [42] * 6
+    assert len(two[0].token_ids) == 12
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -309,7 +331,7 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
     code = textwrap.dedent(f"""
         from agent_infer.config import EngineConfig
         from agent_infer.engine.llm_engine import LLMEngine
-        from agent_infer.sampling_params import SamplingParams
+        from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
         e = LLMEngine(EngineConfig(model={tiny_model_dirs['llama']!r}, device="cpu", num_kv_blocks=64, tensor_parallel_size=2))
         print("OK", e.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].token_ids)
         e.shutdown()

@@ -228,6 +228,14 @@ else:
     def test_fill_placeholders(n):
         kc.check_fill_placeholders(DEV, n)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("rows,vocab,words", [(1, 100, 4), (3, 5000, 157), (4, 9000, 200)])
+    def test_apply_token_bitmask(dtype, rows, vocab, words):
+        kc.check_apply_token_bitmask(DEV, dtype, rows, vocab, words)
+
+    def test_gumbel_never_samples_banned_tokens():
+        kc.check_gumbel_never_samples_banned_tokens(DEV, 1024)
+
     def test_gemv_bf16_fma_path():
         kc.check_gemv(DEV, torch.bfloat16, 1, 100, 256, True, GemvConfig(16, 64, split_k=2))
 

@@ -109,6 +109,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     max_decode_batch: int = 0
+    num_preemptions: int = 0  # requests sent back to the queue (recompute preemption)
     adds_processed: int = 0  # add commands the engine thread has taken off the queue
     num_live: int = 0  # requests the engine thread is tracking
 
@@ -119,6 +120,7 @@ class StepInfo:
     num_seqs: int  # prefill: prompts finished in this step; decode: the batch size
     num_tokens: int  # tokens computed (prefill: prompt tokens; decode: one per sequence)
     seconds: float
+    batch_tokens: int = 0  # every token the step computed (a mixed step's decode rows too)
 
 
 class EngineObserver:
@@ -147,6 +149,11 @@ class EngineObserver:
     def on_request_finished(
         self, reason: str, seconds: float, num_prompt_tokens: int, num_output_tokens: int
     ) -> None:  # reason: stop | length | abort | rejected | error
+        pass
+
+    def on_request_phases(self, queue_s: float, prefill_s: float, decode_s: float, inference_s: float) -> None:
+        """A request that ran to its end: arrival -> first admitted (queue), -> first
+        token (prefill), -> finish (decode); inference = prefill + decode."""
         pass
 
 
@@ -299,6 +306,11 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.model_path: str = engine.config.model
+        self.model_type: str = engine.model_config.model_type
+        # Grammars are compiled by the front end (a bad schema is a 400 before anything is
+        # queued) into the engine's cache; GrammarCompiler is thread-safe.
+        self.grammar = engine.grammar
+        self.eos_token_ids: frozenset[int] = frozenset(engine.eos_token_ids)
         self.num_kv_blocks: int = engine.block_manager.num_blocks
         self.block_size: int = engine.block_manager.block_size
         # The front end gets its own tokenizer: the engine thread decodes with the
@@ -521,7 +533,8 @@ class AsyncEngine:
             num_seqs = stats.generation_tokens - gen0
             if is_prefill:
                 num_seqs -= stats.last_batch_decode_rows  # count the prompts that finished only
-            info = StepInfo(is_prefill, num_seqs, stats.prompt_tokens - prompt0 if is_prefill else num_seqs, seconds)
+            info = StepInfo(is_prefill, num_seqs, stats.prompt_tokens - prompt0 if is_prefill else num_seqs, seconds,
+                            stats.last_batch_tokens)
             for obs in self._observers:
                 self._safe(obs.on_step, info)
         self._outbox.extend(self._route(outputs))
@@ -550,6 +563,11 @@ class AsyncEngine:
                 del self._live[out.request_id]
                 reason = "rejected" if out.rejected else (out.finish_reason or "stop")
                 self._notify_finished(reason, now - live.submit_time, live.num_prompt_tokens, len(out.token_ids))
+                if out.scheduled_time is not None and out.first_token_time is not None and out.finish_time is not None:
+                    phases = (out.scheduled_time - out.arrival_time, out.first_token_time - out.scheduled_time,
+                              out.finish_time - out.first_token_time, out.finish_time - out.scheduled_time)
+                    for obs in self._observers:
+                        self._safe(obs.on_request_phases, *phases)
             items.append((live.group, live.index, out))
         if first_token or inter_token:
             for obs in self._observers:  # once per step, not once per token
@@ -637,6 +655,7 @@ class AsyncEngine:
             generation_tokens=e.stats.generation_tokens,
             steps=e.stats.steps,
             max_decode_batch=e.stats.max_decode_batch,
+            num_preemptions=e.scheduler.num_preemptions,
             adds_processed=self._adds_processed,
             num_live=num_live,
         )

@@ -3,6 +3,7 @@ schedule -> run -> postprocess one step at a time."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -29,6 +30,7 @@ from agent_infer.engine.warmup import warm_up
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.models.registry import resolve_model_class
 from agent_infer.sampling_params import SamplingParams
+from agent_infer.structured import Constraints, GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,11 @@ class LLMEngine:
         tok_path = config.tokenizer or config.model
         self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        # Structured outputs: grammars compiled (and cached) for the whole process; the
+        # server validates requests with it too. Its tokenizer side is built on first use.
+        self.grammar = (GrammarCompiler(lambda: load_tokenizer(tok_path), self.model_config.vocab_size,
+                                        sorted(self.eos_token_ids))
+                        if self.tokenizer is not None else None)
 
         self.workers: WorkerGroup | None = None
         tp = SINGLE
@@ -116,6 +123,10 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
         self._inflight: tuple[ScheduledBatch, object] | None = None  # launched, not read back
         self._penalty_requests: set[str] = set()
+        # Masks and biases of constrained requests (agent_infer/structured), rank 0 only.
+        self.constraints = Constraints(self.grammar, self.model_config.vocab_size, self.eos_token_ids, self.device,
+                                       config.max_num_seqs)
+        self._early_outputs: list[RequestOutput] = []  # read back inside a constrained launch
         # Overlap keeps the sampled tokens on the device (TP workers get them by a device
         # broadcast, see workers.py). Recompute preemption would re-prefill tokens the
         # host does not know yet, so it runs synchronously.
@@ -191,7 +202,13 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
             )
+        if params.constrained:
+            try:
+                self.constraints.add(seq)
+            except (GrammarError, ValueError) as e:
+                raise RequestError(str(e)) from None
         if not self.scheduler.add(seq):
+            self.constraints.remove(request_id)
             self._pending.append(self._output(_Request(seq, detok)))
             return seq
         self._requests[request_id] = _Request(seq, detok)
@@ -240,6 +257,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler produced no work while requests are running")
             return outputs
         launched = self._launch(batch)
+        if self._early_outputs:
+            outputs += self._early_outputs
+            self._early_outputs = []
         if self._inflight is not None:
             outputs += self._resolve()
         self._inflight = launched
@@ -250,18 +270,33 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
+        # A batch without a constrained row takes the plain path; otherwise the masks are
+        # built between the forward pass and sampling (see _constrain).
+        process = functools.partial(self._constrain, batch, sampling) if self.constraints.any_in(sampling) else None
         if self.workers is None:
-            handle = self.runner.launch(step, sampling)
+            handle = self.runner.launch(step, sampling, process)
         else:
             try:
                 self.workers.send_step(step)
-                handle = self.runner.launch(step, sampling)
+                handle = self.runner.launch(step, sampling, process)
             except Exception as e:
                 self._worker_failed(e)
-        self.scheduler.on_launch(batch)
+        if process is None:
+            self.scheduler.on_launch(batch)
         if self.on_launched is not None:
             self.on_launched()
         return batch, handle
+
+    def _constrain(self, batch: ScheduledBatch, sampling: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Runs inside runner.launch once the forward pass is queued: the step's
+        bookkeeping, then (if a grammar row's mask needs it) the previous step read back
+        while the device computes this one, then the masks and biases on the logits."""
+        self.scheduler.on_launch(batch)
+        if self._inflight is not None and self.constraints.needs_previous_tokens(sampling):
+            t0 = time.perf_counter()
+            self._early_outputs += self._resolve()
+            self.constraints.stats.wait_seconds += time.perf_counter() - t0
+        return self.constraints.apply(sampling, logits)
 
     def _resolve(self) -> list[RequestOutput]:
         batch, handle = self._inflight
@@ -311,10 +346,13 @@ class LLMEngine:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
+            token = seq.output_token_ids[seq.num_resolved - 1]
             if req.detok is not None:
-                stop = req.detok.add_token(seq.output_token_ids[seq.num_resolved - 1])
+                stop = req.detok.add_token(token)
                 if stop is not None:
                     self.scheduler.finish(seq, FinishReason.STOP)
+            if not seq.is_finished and seq.request_id in self.constraints and self.constraints.on_token(seq, token):
+                self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
             outputs.append(self._output(req))
             if seq.is_finished:
                 self._forget(seq.request_id)
@@ -323,6 +361,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._penalty_requests.discard(request_id)
+        self.constraints.remove(request_id)
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -364,6 +403,7 @@ class LLMEngine:
             logprobs=logprobs,
             stop_reason=stop_reason,
             arrival_time=seq.arrival_time,
+            scheduled_time=seq.scheduled_time,
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
         )

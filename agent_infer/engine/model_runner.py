@@ -13,6 +13,7 @@ step's placeholder inputs to the same tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -260,16 +261,23 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(self, step: HostStep, sampling_seqs: list[Sequence]) -> InFlight:
+    def launch(
+        self, step: HostStep, sampling_seqs: list[Sequence],
+        process_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> InFlight:
         """Queue the forward pass and sampling (rank 0) without waiting for them;
         `sampling_seqs` are the batch's sequences that sample, in batch order (one per
         row of `step.sample_indices`). The sampled tokens stay on the device for the next
         step's placeholder inputs (and go to the TP workers, see `follow`) and are copied
-        to the host in the background."""
+        to the host in the background. `process_logits`, when given, runs on the host
+        after the forward pass is queued and before sampling (structured-output masks,
+        logit bias: agent_infer/structured), so its host work overlaps the forward pass."""
         logits, prompt_lp = self.execute(step)
         if not sampling_seqs:  # the workers skip the broadcast too: S = 0 in the step
             return InFlight.start(None, prompt_lp, step, self.device)
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
+        if process_logits is not None:
+            logits = process_logits(logits)
         out = self.sampler(logits, sampling)
         self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
         return InFlight.start(out, prompt_lp, step, self.device)

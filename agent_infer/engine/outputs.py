@@ -31,6 +31,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     arrival_time: float = 0.0
+    scheduled_time: float | None = None  # first admitted by the scheduler
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -18,6 +18,7 @@ back to the queue, its KV dropped, to be recomputed later (its tokens are kept).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ class Scheduler:
                 self.waiting.popleft()
                 self.bm.allocate(seq, hits, seq.num_tokens)
                 seq.transition_to(SequenceStatus.RUNNING_PREFILL)
+                if seq.scheduled_time is None:
+                    seq.scheduled_time = time.monotonic()
                 self.running.append(seq)
                 if not take(seq):
                     break

@@ -74,6 +74,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
+    scheduled_time: float | None = None  # first admitted (the end of its queue time)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -231,3 +231,14 @@ def fused_moe(
         return y
     out.copy_(y)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: ban (set to -inf) in logits row rows[r] every token whose bit in
+    mask[r] (int32 words, token t at bit t % 32 of word t // 32) is 0. In place."""
+    if _use_triton(logits) and logits.stride(-1) == 1 and mask.is_contiguous():
+        from agent_infer.kernels.triton import tokens
+
+        tokens.apply_token_bitmask(logits, mask, rows)
+        return
+    reference.apply_token_bitmask(logits, mask, rows)

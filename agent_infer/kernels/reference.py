@@ -160,6 +160,9 @@ def gumbel_sample(
     inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature)
     noise = -torch.log(-torch.log(uniform_noise(seeds, steps, x.shape[-1])))
     score = torch.where(greedy[:, None], x, x * inv_t[:, None] + noise)
+    # A banned token (-inf) whose noise rounds to +inf scores NaN; argmax would take it,
+    # the Triton kernel never does (NaN > best is false): match the kernel.
+    score = score.masked_fill(score.isnan(), float("-inf"))
     return score.argmax(dim=-1)
 
 
@@ -287,3 +290,15 @@ def fused_moe(
         y = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
         out.index_add_(0, tok, y.to(acc) * topk_weights[tok, j].to(acc)[:, None])
     return out.to(x.dtype)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[r], t] = -inf where bit t of mask[r] (int32 words, LSB first) is 0;
+    tokens beyond 32 * words are banned too. In place."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
+    bits = ((mask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
+    sub = logits[rows]
+    logits[rows] = sub.masked_fill(~bits, float("-inf"))

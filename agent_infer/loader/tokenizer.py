@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from agent_infer.config import ModelConfig
@@ -49,10 +50,32 @@ def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
 @dataclass(frozen=True)
 class ChatFormatter:
     tokenizer: object
+    chat_template: str | None = None  # a template of the request's own (default: the tokenizer's)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+    @property
+    def template(self) -> str | None:
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("tool_use") or template.get("default")
+        return template
+
+    @property
+    def tool_arguments_as_dict(self) -> bool:
+        """Whether the template takes a tool call's arguments as a mapping (most: they
+        `| tojson` it) or pastes them in as text (DeepSeek-V3's concatenates strings)."""
+        t = self.template or ""
+        return "is string" in t or bool(re.search(r"arguments\s*\|\s*tojson", t)) or "arguments" not in t
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               tools: list[dict] | None = None, **template_kwargs) -> str:
+        if not self.template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        if tools:
+            template_kwargs["tools"] = tools
+        if continue_final_message:
+            template_kwargs["continue_final_message"] = True
+        if self.chat_template:
+            template_kwargs["chat_template"] = self.chat_template
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )

@@ -27,6 +27,12 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="requests allowed to wait for a slot; beyond it the server answers 503 with Retry-After")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when the queue is full")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "qwen", "llama3_json", "deepseek_v3"],
+                   help="format of tool calls in the model's output, for tool_choice 'auto' (auto: from the chat "
+                        "template, else the model family)")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "qwen3", "deepseek_r1"],
+                   help="split <think> blocks into reasoning_content (auto: when the chat template has them)")
     g.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval in the server process, where the engine thread and the "
                         "event loop share the GIL (sys.setswitchinterval; default: Python's, 5 ms)")
@@ -51,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
     engine = launch_engine(config)
-    app = build_app(AsyncEngine(engine, async_config), name, retry_after_s=args.retry_after)
+    app = build_app(AsyncEngine(engine, async_config), name, retry_after_s=args.retry_after,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
     # Bind here, so that --port 0 can report the port it got.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)

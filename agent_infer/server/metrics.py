@@ -8,6 +8,10 @@ Two sources:
 * latencies, batch sizes and request outcomes are observed as they happen, through the
   AsyncEngine's observer hooks (called on the engine thread; prometheus_client's
   metric objects are thread-safe).
+
+Every metric that vLLM also has is exported a second time under vLLM's name (`VLLM_NAMES`:
+`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), from the same
+data, so that dashboards and autoscalers written for vLLM read this server as is.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -30,6 +34,35 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+_PHASE_BUCKETS = _LATENCY_BUCKETS + (160.0, 320.0, 640.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# Our metric (without the agent_infer_ prefix) -> vLLM's name(s) for the same thing; and
+# label names vLLM spells differently. request_success counts only requests that ran
+# (vLLM's finished reasons: stop, length, abort).
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits",),  # the cached prompt tokens
+    "num_preemptions": ("vllm:num_preemptions",),
+    "prompt_tokens": ("vllm:prompt_tokens",),
+    "generation_tokens": ("vllm:generation_tokens",),
+    "requests_finished": ("vllm:request_success",),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "request_generation_tokens": ("vllm:request_generation_tokens",),
+    "iteration_tokens": ("vllm:iteration_tokens_total",),
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+_VLLM_SUCCESS = {"stop", "length", "abort"}
 
 
 class _EngineCollector(Collector):
@@ -55,6 +88,30 @@ class _EngineCollector(Collector):
         yield _counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens)
         yield _counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield _counter("engine_steps", "Engine steps run.", s.steps)
+        yield _counter("num_preemptions", "Requests sent back to the queue by recompute preemption.",
+                       s.num_preemptions)
+
+
+class _VllmNames(Collector):
+    """The metrics of `registry` named in VLLM_NAMES, again under vLLM's names."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for family in self.registry.collect():
+            short = family.name[len(PREFIX):] if family.name.startswith(PREFIX) else None
+            for name in VLLM_NAMES.get(short, ()):
+                out = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                    if name == "vllm:request_success" and labels.get("finished_reason") not in _VLLM_SUCCESS:
+                        continue
+                    out.add_sample(name + sample.name[len(family.name):], labels, sample.value, sample.timestamp)
+                yield out
 
 
 class _BulkHistogram(Collector):
@@ -127,12 +184,22 @@ class ServerMetrics(EngineObserver):
                                                    buckets=_TOKEN_BUCKETS, registry=r)
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses sent, by status code.", ["status"],
                                    registry=r)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens computed in one engine step.",
+                                          buckets=_ITERATION_BUCKETS, registry=r)
+        phases = {"queue": "Arrival to first admission (waiting in the queue), per request.",
+                  "prefill": "First admission to first token, per request.",
+                  "decode": "First token to finish, per request.",
+                  "inference": "First admission to finish (prefill + decode), per request."}
+        self.phase = {k: Histogram(PREFIX + f"request_{k}_time_seconds", doc, buckets=_PHASE_BUCKETS, registry=r) for k, doc in phases.items()}
         r.register(_EngineCollector(engine))
+        self.vllm_registry = CollectorRegistry(auto_describe=False)
+        self.vllm_registry.register(_VllmNames(r))
         engine.add_observer(self)
 
     # ---- engine observer (engine thread) --------------------------------------------
 
     def on_step(self, info: StepInfo) -> None:
+        self.iteration_tokens.observe(info.batch_tokens or info.num_tokens)
         if info.is_prefill:
             self.prefill_tokens.observe(info.num_tokens)
             if info.num_seqs:
@@ -157,6 +224,10 @@ class ServerMetrics(EngineObserver):
         if inter_token:
             self.itl.observe_many(inter_token)
 
+    def on_request_phases(self, queue_s: float, prefill_s: float, decode_s: float, inference_s: float) -> None:
+        for key, value in zip(("queue", "prefill", "decode", "inference"), (queue_s, prefill_s, decode_s, inference_s)):
+            self.phase[key].observe(max(0.0, value))
+
     def on_request_finished(self, reason: str, seconds: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self.requests_finished.labels(reason).inc()
         if reason in ("stop", "length", "abort"):
@@ -170,4 +241,4 @@ class ServerMetrics(EngineObserver):
         self.http_errors.labels(str(status)).inc()
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry), CONTENT_TYPE_LATEST

@@ -1,35 +1,121 @@
 """Request and response bodies of the OpenAI-compatible API.
 
-Requests are validated strictly (`extra="forbid"`, no type coercion): an unknown field
-or a value of the wrong type is a 400, never silently ignored or reinterpreted. Value
+What clients send is taken as OpenAI and vLLM define it: `null` means the default (the
+SDKs send explicit nulls), a field we do not know is ignored with a log line (SDKs and
+agent frameworks add their own), and only a field whose meaning we cannot honour is
+refused (`REFUSED`, a 400 that says so). Types are still checked strictly (no coercion:
+"5" is not 5), except that booleans also take the strings "true" and "false". Value
 ranges that the engine defines (temperature, penalties, ...) are checked by
 SamplingParams so that there is one source of truth for them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from agent_infer.sampling_params import MAX_LOGPROBS, SamplingParams
+from agent_infer.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 MAX_N = 128  # OpenAI's bound on choices per request
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def _bool_text(value):
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+Bool = Annotated[bool, BeforeValidator(_bool_text)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
+        unknown = sorted(k for k in data if k not in known)
+        if unknown:
+            log.info("ignoring unknown field(s) %s in a %s", ", ".join(map(str, unknown)), cls.__name__)
+        return {k: v for k, v in data.items() if v is not None and k in known}
 
 
 class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _Compact(_Response):
+    """A response part whose unset optional fields are left out (OpenAI omits them)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k in self._KEEP_NULL}
+
+    _KEEP_NULL: frozenset = frozenset()
+
+
+# Fields whose meaning we cannot honour: refused with this reason when set to anything
+# but their default (checked on the raw body, see refusal()).
+REFUSED: dict[str, tuple[object, str]] = {
+    "functions": (None, "the legacy 'functions' field is not supported; send 'tools' instead"),
+    "function_call": (None, "the legacy 'function_call' field is not supported; send 'tool_choice' instead"),
+    "suffix": (None, "'suffix' (insertion) is not supported"),
+    "best_of": (1, "best_of > 1 is not supported"),
+    "audio": (None, "audio output is not supported"),
+    "prediction": (None, "predicted outputs are not supported"),
+}
+
+
+def refusal(body: dict) -> tuple[str, str] | None:
+    """(param, message) for the first field of a raw body that we cannot honour."""
+    for name, (default, message) in REFUSED.items():
+        value = body.get(name)
+        if value is not None and value != default and not (name == "suffix" and value == ""):
+            return name, message
+    modalities = body.get("modalities")
+    if isinstance(modalities, list) and any(m != "text" for m in modalities):
+        return "modalities", "only text output is supported"
+    return None
 
 
 # ---- requests --------------------------------------------------------------------------
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM: usage in every chunk
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="response_format.type must be 'text', 'json_object' or 'json_schema'")
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` (and its older `guided_*` fields)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+    structural_tag: Any = None  # refused: not supported
 
 
 class _SamplingFields(_Request):
@@ -43,20 +129,42 @@ class _SamplingFields(_Request):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, description="stop must be a string or a list of strings")
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: Bool = False  # logprob tokens as "token_id:<id>"
+    return_token_ids: Bool = False  # choices carry token_ids (and prompt_token_ids)
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: the context)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises SamplingParamsError (which names the field) for out-of-range values."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -72,12 +180,53 @@ class _SamplingFields(_Request):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
+            logit_bias=bias,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            structured_outputs=structured,
         )
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The constraint asked for by response_format, structured_outputs or guided_*
+        (at most one of them). Raises SamplingParamsError."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                found.append(("response_format", StructuredOutputsParams(json_object=True)))
+            else:
+                js = rf.json_schema
+                if js is None or js.schema_ is None:
+                    raise SamplingParamsError("response_format",
+                                              "response_format json_schema needs json_schema.schema")
+                found.append(("response_format", StructuredOutputsParams(json=js.schema_, strict=bool(js.strict))))
+        so = self.structured_outputs
+        if so is not None:
+            if so.structural_tag is not None:
+                raise SamplingParamsError("structured_outputs", "structured_outputs.structural_tag is not supported")
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object))))
+        for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{kw: value})))
+        if len(found) > 1:
+            names = ", ".join(n for n, _ in found)
+            raise SamplingParamsError(found[1][0], f"give one output constraint, not several ({names})")
+        return found[0][1] if found else None
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,13 +235,24 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    add_special_tokens: bool = True
+    echo: Bool = False
+    add_special_tokens: Bool = True
 
 
 class TextPart(_Request):
-    type: Literal["text"]
+    type: Literal["text", "input_text"]
     text: str
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(_Request):
@@ -102,8 +262,15 @@ class ChatMessage(_Request):
     )
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, arguments_as_dict: bool = True) -> dict:
+        """The message as chat templates take it: text content, tool calls with their
+        arguments as a mapping (or the JSON text, for templates that paste it in)."""
+        import json
+
         if isinstance(self.content, list):
             content = "\n".join(p.text for p in self.content)
         else:
@@ -113,17 +280,65 @@ class ChatMessage(_Request):
             msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                args = call.function.arguments
+                if arguments_as_dict and isinstance(args, str):
+                    try:
+                        parsed = json.loads(args)
+                        args = parsed if isinstance(parsed, dict) else args
+                    except json.JSONDecodeError:
+                        pass
+                elif not arguments_as_dict and isinstance(args, dict):
+                    args = json.dumps(args, ensure_ascii=False)
+                entry = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+                if call.id is not None:
+                    entry["id"] = call.id
+                calls.append(entry)
+            msg["tool_calls"] = calls
         return msg
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool | None = None  # default: True, unless continue_final_message
+    continue_final_message: Bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                          "{'name': ...}}")
+    parallel_tool_calls: Bool = True
 
     @property
     def resolved_max_tokens(self) -> int | None:
@@ -134,9 +349,12 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool | None = None
+    continue_final_message: Bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -158,10 +376,15 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -171,12 +394,28 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class PromptLogprob(_Compact):
+    """vLLM's prompt logprob entry: one per candidate token of a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(_Compact):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    _KEEP_NULL = frozenset({"logprobs", "finish_reason", "stop_reason"})
 
 
 class CompletionResponse(_Response):
@@ -203,20 +442,39 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(_Response):
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(_Compact):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text, under vLLM's newer name
+    tool_calls: list[ToolCallOut] | None = None
+
+    _KEEP_NULL = frozenset({"content"})
 
 
-class ChatChoice(_Response):
+class ChatChoice(_Compact):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+    _KEEP_NULL = frozenset({"logprobs", "finish_reason", "stop_reason"})
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_Compact):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -224,25 +482,45 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+
+    _KEEP_NULL = frozenset({"system_fingerprint"})
 
 
-class ChatDelta(_Response):
+class FunctionCallDelta(_Compact):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Compact):
+    """OpenAI streams a call as its id, type and name first, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class ChatDelta(_Compact):
+    # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, then
+    # {"content": ...}, and {} in the final chunk.
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, then
-        # {"content": ...}, and {} in the final chunk.
-        return {k: v for k, v in handler(self).items() if v is not None}
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(_Compact):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+    _KEEP_NULL = frozenset({"logprobs", "finish_reason", "stop_reason"})
 
 
 class ChatCompletionChunk(_Response):
@@ -269,6 +547,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "agent-infer"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

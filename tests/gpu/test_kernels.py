@@ -198,6 +198,16 @@ def test_fill_placeholders(n):
     kc.check_fill_placeholders(DEV, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab,words", [(1, 151936, 4748), (64, 151936, 4748), (8, 151936, 1536)])
+def test_apply_token_bitmask(dtype, rows, vocab, words):
+    kc.check_apply_token_bitmask(DEV, dtype, rows, vocab, words)
+
+
+def test_gumbel_never_samples_banned_tokens():
+    kc.check_gumbel_never_samples_banned_tokens(DEV, 151936)
+
+
 def test_gemv_fp32():
     kc.check_gemv(DEV, torch.float32, 1, 4096, 4096, True)
     kc.check_gemv(DEV, torch.float32, 5, 4096, 4096, False)

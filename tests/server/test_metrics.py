@@ -62,3 +62,40 @@ def test_metrics_use_their_own_registry(idle_server):
     assert not any(n.startswith("agent_infer_") for n in names)
     text = httpx.get(idle_server.url + "/metrics", trust_env=False).text
     assert "# TYPE agent_infer_time_to_first_token_seconds histogram" in text
+
+
+def test_vllm_names_and_request_phases(idle_server):
+    """vLLM's metric names (from the same data), per-phase request histograms, the
+    iteration-token histogram, the preemption counter and the cached-token counter."""
+    from agent_infer.server.metrics import VLLM_NAMES
+
+    prompt = "A shared preamble long enough to fill a couple of KV blocks, about tea and its history. " * 2
+    before = idle_server.metrics()
+    with idle_server.client() as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    idle_server.wait_idle()
+    after = idle_server.metrics()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 2
+        assert delta(f"agent_infer_request_{phase}_time_seconds_count") == 2
+    assert delta("vllm:request_inference_time_seconds_sum") >= delta("vllm:request_decode_time_seconds_sum")
+    assert delta("vllm:request_success_total{finished_reason=length}") == 2
+    assert delta("vllm:generation_tokens_total") == 8
+    assert delta("vllm:prefix_cache_hits_total") >= cached > 0  # the second request's cached prompt tokens
+    assert delta("vllm:iteration_tokens_total_count") == delta("agent_infer_engine_steps_total")
+    # prompt tokens computed + the decode steps' tokens (each first token comes from its prefill step)
+    assert delta("vllm:iteration_tokens_total_sum") == delta("vllm:prompt_tokens_total") + 2 * 3
+    assert delta("vllm:time_per_output_token_seconds_count") == delta("vllm:inter_token_latency_seconds_count") == 6
+    assert "vllm:num_preemptions_total" in after and after["vllm:num_requests_running"] == 0
+    text = httpx.get(idle_server.url + "/metrics", trust_env=False).text
+    for names in VLLM_NAMES.values():
+        for name in names:
+            assert f"# TYPE {name} " in text or f"# TYPE {name}_total counter" in text, name

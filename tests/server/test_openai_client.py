@@ -102,10 +102,20 @@ def test_n_choices_with_seed_are_distinct_and_reproducible(oai, idle_server):
     assert single.choices[0].text == texts_a[0]
 
 
-def test_any_integer_seed_is_accepted(oai, idle_server):
-    for seed in (-1, 2**70):
-        r = oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=1.0, seed=seed, n=2)
+def test_seeds_are_int64_and_never_wrap(oai, idle_server):
+    """Seeds span int64, negative ones included; n > 1 near the edges wraps within it. A
+    seed outside int64 is a 400: it used to wrap (2**63 gave seed 0's text)."""
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    texts = {}
+    for seed in (0, -1, 2**63 - 1, -(2**63)):
+        r = oai.completions.create(seed=seed, n=2, **kw)
         assert len(r.choices) == 2
+        texts[seed] = r.choices[0].text
+    assert len(set(texts.values())) == 4
+    for seed in (2**63, -(2**63) - 1, 2**70):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(seed=seed, **kw)
+        assert info.value.body["param"] == "seed"
 
 
 def test_n_choices_streaming_chat(oai, idle_server):

@@ -34,7 +34,7 @@ TEXTS = ["", "hello", " world", 'say "hi" \\ back/slash', "".join(chr(i) for i i
 
 
 def _serving(name: str = 'model "quoted" \\ é'):
-    return SimpleNamespace(config=SimpleNamespace(served_model_name=name))
+    return SimpleNamespace(config=SimpleNamespace(served_model_name=name), tokenizer=object())
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -49,7 +49,7 @@ def test_completion_text_chunk_is_the_pydantic_chunk(text):
 @pytest.mark.parametrize("text", [t for t in TEXTS if t])  # an empty delta is never sent as content
 def test_chat_text_chunk_is_the_pydantic_chunk(text):
     req = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True})
-    view = _ChatView(_serving(), req, "chatcmpl-1", 1700000000, 5)
+    view = _ChatView(_serving(), req, "chatcmpl-1", 1700000000, [1] * 5, lambda: None)
     for k in (0, 2):
         expected = view._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(content=text)))
         assert view._text_chunk(k, text) == expected

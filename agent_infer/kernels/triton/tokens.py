@@ -102,3 +102,32 @@ def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_to
             input_ids, prev_index, prev_tokens, n, BLOCK=_FILL_BLOCK, num_warps=4, **launch_opts(input_ids.device),
         )
     return input_ids
+
+
+_MASK_BLOCK = 4096
+
+
+@triton.jit
+def _apply_bitmask_kernel(logits_ptr, stride, mask_ptr, words, rows_ptr, vocab, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    row = tl.load(rows_ptr + r)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < vocab
+    word = cols // 32
+    w = tl.load(mask_ptr + r.to(tl.int64) * words + word, mask=inside & (word < words), other=0)
+    banned = ((w >> (cols % 32)) & 1) == 0
+    ninf = tl.full((BLOCK,), float("-inf"), logits_ptr.dtype.element_ty)
+    # Write-only: allowed entries are left alone, so a row costs V/8 bytes read and the
+    # banned entries written.
+    tl.store(logits_ptr + row.to(tl.int64) * stride + cols, ninf, mask=inside & banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[r], t] = -inf where bit t of mask[r] is 0 (int32 words, LSB first);
+    tokens beyond the mask's 32 * words are banned too. In place."""
+    num_rows, words = mask.shape
+    vocab = logits.shape[1]
+    if num_rows == 0:
+        return
+    grid = (num_rows, triton.cdiv(vocab, _MASK_BLOCK))
+    _apply_bitmask_kernel[grid](logits, logits.stride(0), mask, words, rows, vocab, BLOCK=_MASK_BLOCK)

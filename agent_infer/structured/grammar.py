@@ -1,0 +1,176 @@
+"""Grammars for structured outputs, compiled by llguidance and cached.
+
+llguidance (one dependency-free abi3 wheel) was chosen over xgrammar by measurement on
+our vocabularies (benchmarks/grammar_masks.py, docs/PERFORMANCE.md): it compiles a new
+schema ~10x faster (it builds masks lazily from a token trie instead of precomputing
+them), which matters when every agent request brings its own tool schemas, and fills a
+batch of masks faster on a 152k vocabulary.
+
+A `GrammarCompiler` is shared by the server's threads (validation, so that a bad schema is
+a 400 before anything is queued) and the engine thread (one matcher per sequence), so
+its cache is guarded by a lock. The tokenizer side (LLTokenizer, ~0.3-0.5 s to build) is
+built on first use: engines that never see a constraint never pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent_infer.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): the form
+# tool-call training data uses, the fewest tokens, and no way for a model to loop on
+# whitespace until max_tokens (what vLLM users met with free whitespace).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE_SIZE = 512
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar that cannot be compiled; the message says why."""
+
+    def __init__(self, message: str, param: str = "structured_outputs"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    key: str
+    grammar: str  # llguidance's grammar text
+    template: object  # a fresh, validated LLMatcher; sequences get deep copies
+
+
+def close_objects(schema):
+    """OpenAI's strict mode: every object schema that leaves additionalProperties unset
+    admits no other property. Returns a copy."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: close_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text)  # Lark string literals take JSON's escapes
+
+
+class GrammarCompiler:
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: list[int]):
+        """`load_tokenizer` returns a fast Hugging Face tokenizer (called once, on first
+        use); masks cover `vocab_size` (the model's, which may exceed the tokenizer's:
+        tokens beyond the tokenizer are never allowed)."""
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer = None
+        self.grammar_eos: int | None = None  # the EOS id llguidance knows (set with the tokenizer)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def ll_tokenizer(self):
+        if self._tokenizer is None:
+            with self._lock:
+                if self._tokenizer is None:
+                    import llguidance.hf
+
+                    hf = self._load_tokenizer()
+                    # One EOS for llguidance (older releases take a single id); Constraints
+                    # allows every EOS of the engine wherever the grammar allows this one.
+                    eos = hf.eos_token_id if hf.eos_token_id in self.eos_token_ids else (
+                        self.eos_token_ids[0] if self.eos_token_ids else None)
+                    self.grammar_eos = eos
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` when it is exactly one token (e.g. a special token), else None."""
+        ids = self.ll_tokenizer.tokenize_str(text, parse_special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of `spec`, from the cache when seen before. Raises GrammarError."""
+        key = _cache_key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        grammar = self._grammar_text(spec)
+        tok = self.ll_tokenizer
+        import llguidance
+
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {_describe(spec)}: {matcher.get_error().strip()}")
+        compiled = CompiledGrammar(key, grammar, matcher)
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_matcher(self, compiled: CompiledGrammar):
+        with self._lock:  # the template is shared across threads
+            return compiled.template.deep_copy()
+
+    @staticmethod
+    def _grammar_text(spec: StructuredOutputsParams) -> str:
+        import llguidance
+
+        M = llguidance.LLMatcher
+        kind = spec.kind
+        if kind == "json" or kind == "json_object":
+            schema = {"type": "object"} if kind == "json_object" else spec.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise GrammarError("a JSON schema must be a JSON object")
+            if spec.strict:
+                schema = close_objects(schema)
+            try:
+                return M.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise GrammarError(f"invalid JSON schema: {e}") from None
+        if kind == "regex":
+            # \d and \w mean ASCII digits and word characters, as in JSON schema and for
+            # most clients (Rust's regex, which llguidance uses, would take any Unicode digit).
+            return M.grammar_from_lark(f"start: /{llguidance.regex_to_lark(spec.regex, 'dw')}/")
+        if kind == "choice":
+            return M.grammar_from_lark("start: " + " | ".join(_lark_literal(c) for c in spec.choice))
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            text = any_to_lark(spec.grammar)  # GBNF (llama.cpp's, vLLM's "grammar") to Lark; Lark as is
+        except Exception as e:  # the converter raises its own error types
+            raise GrammarError(f"invalid grammar: {e}") from None
+        return M.grammar_from_lark(text)
+
+
+def _cache_key(spec: StructuredOutputsParams) -> str:
+    value = spec.json if spec.kind == "json" else getattr(spec, spec.kind)
+    if spec.kind == "json" and not isinstance(value, str):
+        value = json.dumps(value, sort_keys=True)
+    return json.dumps([spec.kind, spec.strict, value])
+
+
+def _describe(spec: StructuredOutputsParams) -> str:
+    return {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+            "choice": "choice", "grammar": "grammar"}[spec.kind]
