@@ -76,9 +76,9 @@ class StepLog:
         self.steps: list[tuple] = []
         launch = engine.runner.launch
 
-        def recording_launch(step, sampling_seqs):
+        def recording_launch(step, sampling_seqs, *args, **kwargs):
             self.steps.append((step, [s.sampling_params for s in sampling_seqs], [s.seed for s in sampling_seqs]))
-            return launch(step, sampling_seqs)
+            return launch(step, sampling_seqs, *args, **kwargs)
 
         engine.runner.launch = recording_launch
 
