@@ -278,11 +278,11 @@ class DeepseekForCausalLM(CausalLM):
         return WeightMap(rules=_RULES, skip=tuple(skip))
 
     def warmup_prompt_lengths(self) -> tuple[int, ...]:
-        """One step per token-count bucket of the fused-MoE tile table: each bucket's tiles
-        are their own compiled kernels."""
-        from agent_infer.kernels.triton.fused_moe_configs import BUCKETS
-
-        return tuple(BUCKETS)
+        """Steps of every power of two of tokens (the warm-up caps them at the step
+        budget): one per bucket of the fused-MoE tile table, whose tiles are their own
+        compiled kernels, and the alignment's tile widths, which follow the slot count up
+        to a power of two."""
+        return tuple(2**i for i in range(16))
 
     @classmethod
     def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:

@@ -106,7 +106,12 @@ def _fill_padding(
         tl.store(blocks_ptr + p // BLOCK_M, tl.where(p < total, owner, -1), mask=inside & (p % BLOCK_M == 0))
 
 
-@triton.jit
+# The slot and chunk counts change with every step's token count: not specialised, so a
+# count divisible by 16 never compiles a variant of its own mid-serving.
+_ALIGN_SIZES = ["num_slots", "num_positions", "num_chunks"]
+
+
+@triton.jit(do_not_specialize=_ALIGN_SIZES[:2])
 def _align_one_program_kernel(
     ids_ptr, map_ptr, slots_ptr, blocks_ptr, npad_ptr, num_slots, num_experts, num_positions,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
@@ -133,7 +138,7 @@ def _align_one_program_kernel(
                   BLOCK_M, BLOCK_E, BLOCK_P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ALIGN_SIZES[:1])
 def _align_count_kernel(
     ids_ptr, map_ptr, counts_ptr, num_slots, num_experts,
     HAS_MAP: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
@@ -145,7 +150,7 @@ def _align_count_kernel(
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(_one_hot(e, BLOCK_E), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ALIGN_SIZES[2:])
 def _align_offsets_kernel(
     counts_ptr, layout_ptr, npad_ptr, num_chunks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
@@ -168,7 +173,7 @@ def _align_offsets_kernel(
     tl.store(npad_ptr, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ALIGN_SIZES[:2])
 def _align_scatter_kernel(
     ids_ptr, map_ptr, offsets_ptr, layout_ptr, npad_ptr, slots_ptr, blocks_ptr,
     num_slots, num_experts, num_positions,
