@@ -181,3 +181,45 @@ def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, shap
     new = serving.variants - at_start.variants
     assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
         f"{name} {spec} {opts}" for name, spec, opts in sorted(new))
+
+
+def test_deepseek_serving_compiles_no_variant_the_start_up_did_not(tmp_path, monkeypatch):
+    """The same for DeepSeek (MLA kernels, the fused MoE's alignment and grouped GEMMs,
+    whose tiles follow the step's token count), on a tiny V3 whose context (512) is
+    shorter than the step budget: its warm-up fills budget-sized steps with several prompts."""
+    from agent_infer.attention.mla import LatentTritonBackend
+    from agent_infer.engine import model_runner
+    from tests.deepseek_models import VOCAB as DS_VOCAB
+    from tests.deepseek_models import write_deepseek_model
+
+    path = write_deepseek_model("v3", str(tmp_path / "v3"))
+    config = EngineConfig(model=path, device="cpu", dtype="bfloat16", warmup=False)
+    cfg = ModelConfig.from_hf(path)
+    with monkeypatch.context() as mp:
+        mp.setattr(model_runner, "backend_class", lambda layout, device, name: LatentTritonBackend)
+        runner = ModelRunner(cfg, config, torch.device("cpu"), torch.bfloat16, 512, SINGLE)
+    runner.init_kv_cache(4096)
+    runner.graphs = DecodeGraphs(runner.model, config.max_num_seqs, 512 // config.block_size, runner.device,
+                                 runner.backend)
+
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=4096, warmup=False))
+    engine.runner.eager_decode_batches = runner.eager_decode_batches
+    log = StepLog(engine)
+    warm_up(engine)
+    warm_steps = log.take()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, DS_VOCAB) for _ in range(rng.randint(1, 400))] for _ in range(96)]
+    params = [SamplingParams(max_tokens=rng.randint(8, 40), ignore_eos=True, temperature=0.6, seed=i) for i in range(96)]
+    engine.generate(prompts, params)
+    serve_steps = log.take()
+    assert max(len(s.input_ids) for s, _, _ in serve_steps if s.is_prefill) > 4096
+
+    with torch.inference_mode(), dispatch_to_triton(), _no_matmuls():
+        with VariantRecorder().active() as at_start:
+            _replay(runner, runner.graphs, warm_steps, cfg.vocab_size)
+        with VariantRecorder().active() as serving:
+            _replay(runner, runner.graphs, serve_steps, cfg.vocab_size)
+    assert any(name.startswith("_align") for name, _, _ in at_start.variants)
+    new = serving.variants - at_start.variants
+    assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
+        f"{name} {spec} {opts}" for name, spec, opts in sorted(new))

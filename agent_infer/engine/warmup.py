@@ -65,13 +65,20 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    budget = engine.config.max_num_batched_tokens
-    lengths = list(PROMPT_LENGTHS)
-    lengths += sorted({min(n, budget) for n in engine.runner.model.warmup_prompt_lengths()} - set(lengths))
-    for salt, n in enumerate(lengths):
+    for salt, n in enumerate(PROMPT_LENGTHS):
         add(n, sampled if salt % 2 else greedy, salt)
         drain()
-    base = len(lengths)
+    # Steps of the token counts the model asks for, up to the step budget: one prompt, or
+    # several prompts prefilled together where one cannot hold that many tokens.
+    budget = engine.config.max_num_batched_tokens
+    salt = len(PROMPT_LENGTHS)
+    for n in sorted({min(n, budget) for n in engine.runner.model.warmup_prompt_lengths()} - set(PROMPT_LENGTHS)):
+        parts = min(-(-n // room), engine.config.max_num_seqs)
+        for k in range(parts):
+            add(n // parts + (k < n % parts), greedy, salt)
+            salt += 1
+        drain()
+    base = salt
     for i in range(WAVE - 1):
         add(16, nucleus, base + i)
     engine.step()
