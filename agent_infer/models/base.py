@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from agent_infer.config import ModelConfig
+from agent_infer.distributed.state import ParallelState
+from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.layers.norm import RMSNorm
 from agent_infer.loader.load import WeightMap, load_model
 from agent_infer.loader.weights import Weight
 
@@ -64,3 +67,45 @@ class CausalLM(nn.Module):
         """Every tensor a checkpoint of this shape holds, by its hub name, in file order
         (random-weight checkpoints are written from it)."""
         raise NotImplementedError
+
+
+class DecoderStack(nn.Module):
+    """The embedding, the decoder layers and the final norm. Each layer takes its input
+    already normalised and the residual stream, and returns the next layer's normalised
+    input and the stream (`layer(positions, x, residual, next_norm)`), so every
+    row-parallel projection runs with the residual add + RMSNorm after it, and the
+    embedding's all-reduce with the first layer's norm."""
+
+    def __init__(self, embed_tokens: VocabParallelEmbedding, layers: nn.ModuleList, norm: RMSNorm):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm = embed_tokens, layers, norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens.forward_norm(input_ids, self.layers[0].input_layernorm)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            x, residual = layer(positions, x, residual, next_norm)
+        return x
+
+
+class DecoderLM(CausalLM):
+    """A `DecoderStack` (`model`) and a vocabulary-parallel LM head, tied to the embedding
+    when the config says so; each layer's attention is `layer.self_attn.attn`."""
+
+    def __init__(self, cfg: ModelConfig, model: DecoderStack, tp: ParallelState):
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

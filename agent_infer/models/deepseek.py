@@ -27,7 +27,7 @@ from torch import nn
 
 from agent_infer.config import ConfigError, ModelConfig, RopeConfig
 from agent_infer.distributed.state import ParallelState
-from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_reduce_add_rms_norm
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.mlp import GatedMLP
@@ -35,7 +35,7 @@ from agent_infer.layers.moe import Router, RouterConfig, RoutedExperts
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding, yarn_mscale
 from agent_infer.loader.load import WeightMap, WeightRule
-from agent_infer.models.base import CausalLM
+from agent_infer.models.base import DecoderLM, DecoderStack
 
 log = logging.getLogger(__name__)
 
@@ -212,21 +212,15 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp.down_proj.forward_add_norm(self.mlp(x), residual, next_norm)
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
-        super().__init__()
         f: DeepseekFamilyConfig = cfg.family
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(f.qk_rope_head_dim, cfg.rope, max_pos, is_neox=not f.rope_interleave)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens.forward_norm(input_ids, self.layers[0].input_layernorm)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
-            x, residual = layer(positions, x, residual, next_norm)
-        return x
+        super().__init__(
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp),
+            nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
 
 
 _LAYER = r"(?P<pre>model\.layers\.\d+)"
@@ -239,28 +233,13 @@ _RULES = (
 )
 
 
-class DeepseekForCausalLM(CausalLM):
+class DeepseekForCausalLM(DecoderLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM."""
 
     config_class = DeepseekFamilyConfig
 
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekModel(cfg, tp, max_pos)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def attention_layers(self) -> list[LatentAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(cfg, DeepseekModel(cfg, tp, max_pos), tp)
 
     def weight_map(self) -> WeightMap:
         cfg, f = self.config, self.config.family

@@ -16,13 +16,13 @@ from torch import nn
 from agent_infer.config import ConfigError, ModelConfig, refuse_unread_fields
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.attention import PagedAttention
-from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import QKVParallelLinear, RowParallelLinear
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
 from agent_infer.loader.load import WeightMap, WeightRule
-from agent_infer.models.base import CausalLM
+from agent_infer.models.base import DecoderLM, DecoderStack
 
 
 @dataclass(frozen=True)
@@ -110,20 +110,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.down_proj.forward_add_norm(x, residual, next_norm)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.family.head_dim, cfg.rope, max_pos, is_neox=True)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens.forward_norm(input_ids, self.layers[0].input_layernorm)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
-            x, residual = layer(positions, x, residual, next_norm)
-        return x
+        super().__init__(
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp),
+            nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        )
 
 
 # Checkpoint names of the merged projections: q/k/v into qkv_proj, gate/up into gate_up_proj.
@@ -141,26 +135,11 @@ _RENAMES = (
 _SKIP = (r"(model\.)?visual\..*", r".*\.rotary_emb\.inv_freq")
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(DecoderLM):
     config_class = LlamaFamilyConfig
 
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, tp, max_pos)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(cfg, LlamaModel(cfg, tp, max_pos), tp)
 
     def weight_map(self) -> WeightMap:
         skip = _SKIP + ((r"lm_head\.weight",) if self.config.tie_word_embeddings else ())
