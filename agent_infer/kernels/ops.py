@@ -155,6 +155,14 @@ def gumbel_sample(
 # ---- DeepSeek MLA (multi-head latent attention) ------------------------------------------
 
 
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """A reference result, copied into the caller's `out` when one is given (the Triton
+    versions write there directly)."""
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
 def mla_rope_store(
     kv_a: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, is_neox: bool = False,
@@ -184,11 +192,7 @@ def mla_decode(
 
         return triton_mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank, out=out,
                                  counters=counters)
-    res = reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank)
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
+    return _into(out, reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank))
 
 
 def mla_prefill_attention(
@@ -203,12 +207,8 @@ def mla_prefill_attention(
 
         return triton_mla_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale,
                                   out=out)
-    res = reference.mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len,
-                                          scale)
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
+    return _into(out, reference.mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k,
+                                                      max_query_len, scale))
 
 
 # ---- fused MoE (routed experts) ---------------------------------------------------------
@@ -226,11 +226,7 @@ def fused_moe(
         from agent_infer.kernels.triton import fused_moe as moe
 
         return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out=out)
-    y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map))
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -59,20 +59,19 @@ class LatentAttention(nn.Module):
         tokens = q.shape[0]
         decode_rows = meta.num_decode if meta.is_prefill else tokens
         if decode_rows == tokens:
-            return self._decode(q, w).reshape(tokens, h * dv)
+            return self._decode(q, w, meta).reshape(tokens, h * dv)
         out = q.new_empty(tokens, h, dv)
         if decode_rows:
-            out[:decode_rows] = self._decode(q[:decode_rows], w)
+            out[:decode_rows] = self._decode(q[:decode_rows], w, meta)
         out[decode_rows:] = self._prefill(q[decode_rows:], kv_b_weight, meta)
         return out.view(tokens, h * dv)
 
-    def _decode(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, w: torch.Tensor, meta) -> torch.Tensor:
         """[N, H, v]: the query absorbed into the latent, attention over the cached rows,
         W_UV applied to the averaged latent."""
         dn = self.nope_dim
         q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w[:, :dn]).transpose(0, 1)  # [N, H, latent]
-        o_lat = self.backend.decode(torch.cat((q_lat, q[..., dn:]), dim=-1), self.cache, get_attention_metadata(),
-                                    self.scale)
+        o_lat = self.backend.decode(torch.cat((q_lat, q[..., dn:]), dim=-1), self.cache, meta, self.scale)
         return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
 
     def _prefill(self, q: torch.Tensor, kv_b_weight: torch.Tensor, meta) -> torch.Tensor:

@@ -326,9 +326,3 @@ class DeepseekForCausalLM(DecoderLM):
         if not cfg.tie_word_embeddings:
             out.append(("lm_head.weight", (cfg.vocab_size, h)))
         return out
-
-
-def expected_experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
-    """Distinct experts a step of `tokens` tokens reads, routing uniform at random: each
-    expert is missed by one token with probability 1 - k / E."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)

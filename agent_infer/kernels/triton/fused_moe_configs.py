@@ -2,9 +2,9 @@
 shape family (E_local, I_local, D) and bucket of tokens per step.
 
     The V2-Lite EP = 1 entries were measured on an H200 (`benchmarks/tune_fused_moe.py
-    --quick`, 2026-12-01); the EP = 2 and TP = 2 families are still the defaults written
-    before any run, pending their measurement on two GPUs. The script prints a table in
-    this file's format (see `format_table`).
+    --quick`, 2026-12-01). Other shape families (V2-Lite's EP = 2 and TP = 2 shards among
+    them, to be measured on two GPUs) take `default_config`'s heuristic until the script,
+    which prints a table in this file's format (see `format_table`), has run for them.
 
 Why these knobs. At decode sizes the kernels stream the touched experts' weights from
 HBM and the arithmetic is nearly free, so a configuration is good when many programs
@@ -47,9 +47,8 @@ class MoeConfig:
 # beyond it).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
-# (E_local, I_local, D) -> {bucket: config}; which entries are measured is said above:
-# DeepSeek-V2-Lite's routed experts whole (EP = 1, TP = 1), half of them (EP = 2), and
-# split in two along I (TP = 2 experts).
+# (E_local, I_local, D) -> {bucket: config}, measured (see above): DeepSeek-V2-Lite's
+# routed experts whole (EP = 1, TP = 1).
 TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
     (64, 1408, 2048): {  # V2-Lite, EP = 1; measured: H200, torch 2.11, 2026-12-01 (tune_fused_moe.py --quick)
         1: MoeConfig(16, Tile(64, 128, 4, 4), Tile(32, 128, 4, 4)),
@@ -64,34 +63,6 @@ TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
         512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
         1024: MoeConfig(128, Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),
         4096: MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
-    },
-    (32, 1408, 2048): {  # V2-Lite, EP = 2
-        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        16: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        32: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        64: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
-        256: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
-        512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
-        1024: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
-        4096: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
-    },
-    (64, 704, 2048): {  # V2-Lite, TP = 2 experts
-        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(32, 128, 4, 4)),
-        16: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        32: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        64: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
-        256: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
-        512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
-        1024: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
-        4096: MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
     },
 }
 
