@@ -92,6 +92,20 @@ def randn(*shape: int, dtype: torch.dtype, device: str | torch.device, seed: int
     return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=device)
 
 
+def capture_graph(forward):
+    """A CUDA graph of `forward` and what the captured call returned; a first call on a
+    side stream compiles and warms up outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    return graph, out
+
+
 def patch_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(ndarray of
     shape (1,)), which numpy >= 2.4 refuses, so loops with device-valued bounds fail

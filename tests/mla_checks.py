@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 
 from agent_infer.kernels import reference
-from tests.kernel_checks import _gen, assert_close, poisoned_empty, randn, same
+from tests.kernel_checks import _gen, assert_close, capture_graph, poisoned_empty, randn, same
 
 
 def rope_table(rope_dim: int, max_pos: int, device) -> torch.Tensor:
@@ -283,14 +283,7 @@ def check_mla_decode_step(
 
     fill(lens_for(0), seed=0)
     if capture:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
+        graph, _ = capture_graph(forward)
     for seed in (1, 2, 3):
         lens = lens_for(seed)
         fill(lens, seed)

@@ -136,6 +136,21 @@ def _no_matmuls():
         yield
 
 
+def _assert_serving_adds_no_variant(runner: ModelRunner, warm_steps: list[tuple], serve_steps: list[tuple],
+                                    vocab: int) -> set:
+    """Replay the warm-up's steps, then the serving steps, on the GPU-side runner; fail if
+    serving launched a kernel variant the warm-up did not. Returns the warm-up's variants."""
+    with torch.inference_mode(), dispatch_to_triton(), _no_matmuls():
+        with VariantRecorder().active() as at_start:
+            _replay(runner, runner.graphs, warm_steps, vocab)
+        with VariantRecorder().active() as serving:
+            _replay(runner, runner.graphs, serve_steps, vocab)
+    new = serving.variants - at_start.variants
+    assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
+        f"{name} {spec} {opts}" for name, spec, opts in sorted(new))
+    return at_start.variants
+
+
 MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixed_batches=True)}
 
 
@@ -172,15 +187,8 @@ def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, shap
     assert max(len(s.input_ids) for s, _, _ in serve_steps if not s.is_prefill) == 96
     assert max(len(s.input_ids) for s, _, _ in serve_steps if s.is_prefill) > 4096
 
-    with torch.inference_mode(), dispatch_to_triton(), _no_matmuls():
-        with VariantRecorder().active() as at_start:
-            _replay(runner, runner.graphs, warm_steps, real.vocab_size)
-        with VariantRecorder().active() as serving:
-            _replay(runner, runner.graphs, serve_steps, real.vocab_size)
-    assert at_start.variants, "the replay recorded no launch"
-    new = serving.variants - at_start.variants
-    assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
-        f"{name} {spec} {opts}" for name, spec, opts in sorted(new))
+    at_start = _assert_serving_adds_no_variant(runner, warm_steps, serve_steps, real.vocab_size)
+    assert at_start, "the replay recorded no launch"
 
 
 def test_deepseek_serving_compiles_no_variant_the_start_up_did_not(tmp_path, monkeypatch):
@@ -214,12 +222,5 @@ def test_deepseek_serving_compiles_no_variant_the_start_up_did_not(tmp_path, mon
     serve_steps = log.take()
     assert max(len(s.input_ids) for s, _, _ in serve_steps if s.is_prefill) > 4096
 
-    with torch.inference_mode(), dispatch_to_triton(), _no_matmuls():
-        with VariantRecorder().active() as at_start:
-            _replay(runner, runner.graphs, warm_steps, cfg.vocab_size)
-        with VariantRecorder().active() as serving:
-            _replay(runner, runner.graphs, serve_steps, cfg.vocab_size)
-    assert any(name.startswith("_align") for name, _, _ in at_start.variants)
-    new = serving.variants - at_start.variants
-    assert not new, f"{len(new)} kernel variants first compiled while serving:\n" + "\n".join(
-        f"{name} {spec} {opts}" for name, spec, opts in sorted(new))
+    at_start = _assert_serving_adds_no_variant(runner, warm_steps, serve_steps, cfg.vocab_size)
+    assert any(name.startswith("_align") for name, _, _ in at_start)

@@ -275,14 +275,7 @@ def test_decode_attention_cuda_graph(dtype, block_size, merged):
         return backend.attend(q, DenseKVCache(k_cache, v_cache), meta, scale)
 
     fill([1, 17, 300, 2000], seed=0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
+    graph, out = kc.capture_graph(forward)
 
     for seed, contexts in enumerate([[4100, 2, 64, 65], [16, 1000, 33, 0], [1, 17, 300, 2000]], start=1):
         fill(contexts, seed)
