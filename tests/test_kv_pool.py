@@ -4,10 +4,12 @@ side by side; each layer gets a typed view of its own slice."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout, LatentCache, LatentLayout
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
+from agent_infer.kvcache.slots import ragged_slots
 
 BLOCK = 16
 
@@ -55,3 +57,16 @@ def test_dense_layout_heads_are_per_rank():
     pool = KVMemoryPool([layout] * 3, BLOCK, 5, torch.float8_e4m3fn, torch.device("cpu"))
     assert pool.nbytes == 3 * 5 * BLOCK * 2 * 4 * 128
     assert pool.views[0].k.dtype == torch.float8_e4m3fn
+
+
+def test_ragged_slots_follow_each_sequences_block_table():
+    """Tokens of sequences that start mid-block, cross blocks or are empty, against the
+    slot of each token worked out one by one."""
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(80).reshape(4, 20).astype(np.int32)
+    starts, lengths = np.array([0, 13, 5, 31]), np.array([20, 0, 1, 40], dtype=np.int32)
+    positions, slots, cu = ragged_slots(tables, starts, lengths, 4)
+    want = [(p, tables[i, p // 4] * 4 + p % 4) for i in range(4) for p in range(starts[i], starts[i] + lengths[i])]
+    assert positions.tolist() == [p for p, _ in want]
+    assert slots.tolist() == [s for _, s in want]
+    assert cu.tolist() == [0, 20, 20, 21, 61] and cu.dtype == np.int32

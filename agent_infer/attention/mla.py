@@ -22,6 +22,7 @@ from agent_infer.attention.metadata import AttentionMetadata
 from agent_infer.config import ConfigError
 from agent_infer.kernels import reference
 from agent_infer.kvcache.layouts import LatentCache
+from agent_infer.kvcache.slots import ragged_slots
 
 
 class PrefillContext:
@@ -32,17 +33,13 @@ class PrefillContext:
         tables = meta.block_tables_host[first:]
         q_lens = np.asarray(meta.query_lens_host[first:], dtype=np.int64)
         ctx_lens = np.asarray(meta.context_lens_host[first:], dtype=np.int64)
-        owner = np.repeat(np.arange(len(ctx_lens)), ctx_lens)
-        starts = np.zeros(len(ctx_lens) + 1, dtype=np.int64)
-        np.cumsum(ctx_lens, out=starts[1:])
-        pos = np.arange(int(starts[-1])) - starts[owner]
-        slots = tables[owner, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        _, slots, cu_k = ragged_slots(tables, np.zeros_like(ctx_lens), ctx_lens, block_size)
         cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu_q[1:])
         device = meta.slot_mapping.device
         self.slots = torch.from_numpy(slots).to(device, non_blocking=True)
         self.cu_q = torch.from_numpy(cu_q).to(device, non_blocking=True)
-        self.cu_k = torch.from_numpy(starts.astype(np.int32)).to(device, non_blocking=True)
+        self.cu_k = torch.from_numpy(cu_k).to(device, non_blocking=True)
         self.max_q = int(q_lens.max()) if len(q_lens) else 0
 
 

@@ -30,6 +30,7 @@ from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import PLACEHOLDER, Sequence
 from agent_infer.kernels import ops
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
+from agent_infer.kvcache.slots import ragged_slots
 from agent_infer.loader.weights import iter_weights
 from agent_infer.models.registry import resolve_model_class
 
@@ -393,12 +394,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
     for i, seq in enumerate(batch.seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
-    owner = np.repeat(np.arange(len(batch.seqs)), query_lens)
-    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=qsl[1:])
-    # position of each token = its sequence's start + its index within the sequence's chunk
-    positions = starts[owner] + (np.arange(len(owner)) - qsl[owner])
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    positions, slots, qsl = ragged_slots(tables, starts, query_lens, block_size)
     samples = np.asarray(batch.samples, dtype=bool)
     prompt_lp = _prompt_lp_rows(batch, starts, qsl) if batch.is_prefill else None
     return HostStep(
