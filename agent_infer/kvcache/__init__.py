@@ -1,1 +1,2 @@
-"""The paged KV cache: per-layer cache layouts and the pool that allocates them."""
+"""The paged KV cache: per-layer cache layouts, the pool that allocates them, and where a
+token sits in it."""
