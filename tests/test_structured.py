@@ -189,3 +189,42 @@ def test_pack_and_clear_bits():
     assert np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist() == [0, 32, 64]
     with pytest.raises(GrammarError):
         raise GrammarError("x")
+
+
+def test_grammar_shards_are_independent_templates_with_the_same_masks(smol_engine):
+    """A grammar many requests share is spread over `shards` independently compiled
+    templates (copies of one llguidance matcher share its lexer's lock), handed out in
+    turn and compiled on first use; every shard's copies give the same masks, and the
+    batch fill (sorted by shard, through the executor) equals one row at a time."""
+    from agent_infer.loader.tokenizer import load_tokenizer
+
+    tok = smol_engine.tokenizer
+    vocab = len(tok)
+    compiler = GrammarCompiler(lambda: load_tokenizer(smol_engine.config.model), vocab, [tok.eos_token_id], shards=3)
+    with pytest.raises(ValueError, match="shards"):
+        GrammarCompiler(lambda: None, vocab, [0], shards=0)
+    compiled = compiler.compile(SO(json=SCHEMA))
+    handed = [compiler.new_matcher(compiled) for _ in range(7)]
+    assert [s for _, s in handed] == [0, 1, 2, 0, 1, 2, 0]
+    assert len(compiled.templates) == 3 and len({id(t) for t in compiled.templates}) == 3
+    constraints = Constraints(compiler, vocab, [tok.eos_token_id], torch.device("cpu"), 8)
+    seqs = []
+    for i in range(7):
+        seq = Sequence(f"s{i}", tok.encode("x"), SamplingParams(max_tokens=8, structured_outputs=SO(json=SCHEMA)), 4, 0)
+        seq.output_token_ids = [-1]
+        constraints.add(seq)
+        seqs.append(seq)
+    shards = [constraints._rows[s.request_id].lexer[0] for s in seqs]
+    assert sorted(shards.count(j) for j in range(3)) == [2, 2, 3]  # in turn, continuing from above
+    text = '{"name": "Ada", "n": 4'
+    for t in tok.encode(text, add_special_tokens=False):
+        logits = torch.zeros(len(seqs), vocab)
+        constraints.apply(seqs, logits)
+        alone = [torch.zeros(1, vocab) for _ in seqs]
+        for s, row in zip(seqs, alone):
+            constraints.apply([s], row)
+        for k in range(len(seqs)):
+            assert torch.equal(torch.isfinite(logits[k]), torch.isfinite(alone[k][0]))
+            assert torch.isfinite(logits[k, t])  # the text is valid JSON for the schema so far
+        for s in seqs:
+            assert not constraints.on_token(s, t)

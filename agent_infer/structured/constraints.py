@@ -40,6 +40,7 @@ _TAIL = 8  # prompt tokens looked at to tell whether the prompt opened or closed
 @dataclass
 class _Row:
     matcher: object | None = None  # llguidance LLMatcher
+    lexer: tuple[int, int] = (0, 0)  # (shard, grammar): the template the matcher was copied from
     phase: int = CONSTRAINED
     think: tuple[int, int] | None = None
     allowed: np.ndarray | None = None  # packed int32 words: the allowed_token_ids
@@ -115,7 +116,9 @@ class Constraints:
         if so is not None:
             if self.compiler is None:
                 raise GrammarError("structured outputs need a tokenizer, and this model has none")
-            row.matcher = self.compiler.new_matcher(self.compiler.compile(so))
+            compiled = self.compiler.compile(so)
+            row.matcher, shard = self.compiler.new_matcher(compiled)
+            row.lexer = (shard, id(compiled))
             if so.reasoning is not None:
                 row.think = so.reasoning
                 row.phase = self._initial_phase(seq.prompt_token_ids, so.reasoning)
@@ -235,6 +238,9 @@ class Constraints:
         host = self._staging()[: len(mask_rows)]
         arr = host.numpy()
         grammar = [(r.matcher, k) for k, r in enumerate(mask_of) if r.matcher is not None and r.phase != THINKING]
+        # Rows of one shard share a lexer lock (grammar.py): kept together, so the
+        # executor's contiguous splits give each thread whole shards.
+        grammar.sort(key=lambda mk: mask_of[mk[1]].lexer)
         if len(grammar) < len(mask_of):
             arr[:] = -1
         if len(grammar) == 1:
@@ -276,7 +282,7 @@ class Constraints:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(num_threads=self.compiler.shards)
         return self._executor
 
     def _staging(self) -> torch.Tensor:
