@@ -173,12 +173,12 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     step = make_step(fam, tokens, layers, emap, seed=tokens)
     best: tuple[float, MoeConfig] | None = None
     for bm in block_m_candidates(tokens, fam):
-        aligned = [moe.moe_align(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
+        aligned = [moe.slot_layout(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
         tiles = CANDIDATES[bm][:QUICK] if quick else CANDIDATES[bm]
-        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, *aligned[i], fam.top_k, bm, t), layers))
+        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, aligned[i], fam.top_k, t), layers))
                for t in tiles]
-        hs = [moe.gate_up_silu(step.x, ws[i].w13, *aligned[i], fam.top_k, bm, tiles[0]) for i in range(layers)]
-        downs = [(t, try_time(lambda i, t=t: moe.down_weighted(hs[i], ws[i].w2, step.weights[i], *aligned[i], bm, t),
+        hs = [moe.gate_up_silu(step.x, ws[i].w13, aligned[i], fam.top_k, tiles[0]) for i in range(layers)]
+        downs = [(t, try_time(lambda i, t=t: moe.down_weighted(hs[i], ws[i].w2, step.weights[i], aligned[i], t),
                               layers)) for t in tiles]
         ups = [(us, t) for t, us in ups if us is not None]
         downs = [(us, t) for t, us in downs if us is not None]

@@ -102,12 +102,13 @@ def check_fused_moe(
     device, dtype: torch.dtype, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, *,
     local: tuple[int, int] | None = None, config=None, repeat: bool = False, seed: int = 0,
     weights: tuple[torch.Tensor, torch.Tensor] | None = None, id_dtype: torch.dtype = torch.int32,
-    one_program: bool | None = None,
+    one_program: bool | None = None, direct: bool | None = None,
 ) -> None:
     """fused_moe against the fp32 reference. `local` = (first, count): this rank holds
     experts [first, first + count) of `num_experts` (an expert map); tokens with no local
     expert must come out exactly 0. A second call into a given `out` must return it and
-    match the first bit for bit. `one_program` forces moe_align's path."""
+    match the first bit for bit. `one_program` forces moe_align's path, `direct` the slot
+    layout (default: direct for one token)."""
     from unittest import mock
 
     from agent_infer.kernels.triton import fused_moe as moe
@@ -122,9 +123,9 @@ def check_fused_moe(
             f"{config or 'default config'}")
     chunks = {True: 1 << 30, False: 0, None: moe.ONE_PROGRAM_CHUNKS}[one_program]
     with mock.patch.object(moe, "ONE_PROGRAM_CHUNKS", chunks), poisoned_empty():
-        out = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config)
+        out = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, direct=direct)
         given = torch.empty_like(out)
-        again = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, out=given)
+        again = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, out=given, direct=direct)
     assert out.dtype == dtype and out.shape == (tokens, hidden), what
     assert_close(out.float(), ref, what, dtype)
     if emap is not None:
@@ -168,3 +169,37 @@ def check_fused_moe_graph(
         torch.cuda.synchronize()
         ref = reference.fused_moe(x.float(), w13.float(), w2.float(), topw, ids, emap)
         assert_close(out.float(), ref, f"fused_moe graph replay {r} T={tokens} E={e_local}/{num_experts}", dtype)
+
+
+# ---- the batch-1 router (agent_infer/kernels/triton/router.py) ------------------------
+
+ROUTER_CASES = [  # method, experts, groups, topk_groups, top_k, hidden, norm, scaling
+    ("greedy", 64, 1, 1, 6, 96, False, 1.0),  # V2-Lite's routing
+    ("greedy", 13, 1, 1, 3, 48, False, 2.5),  # experts not a power of two
+    ("group_limited_greedy", 20, 4, 2, 3, 64, False, 16.0),  # V2's: groups of 5
+    ("noaux_tc", 32, 8, 4, 8, 112, True, 2.5),  # V3's: groups of 4, renormalised
+    ("noaux_tc", 24, 4, 2, 3, 32, False, 1.0),
+]
+
+
+def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, seed=0) -> None:
+    """The one-launch router against reference.moe_route for one token: the same experts
+    with the same weights (top-k order is not part of the contract), the counter left at
+    zero, twice in a row (the second launch relies on the first having re-armed it)."""
+    from agent_infer.kernels.triton.router import moe_route_m1
+
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(device)
+    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if method == "noaux_tc" else None
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    for trial in range(2):
+        x = torch.randn(1, hidden, generator=g).to(torch.bfloat16).to(device)
+        want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling)
+        with poisoned_empty():
+            got_w, got_i = moe_route_m1(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, counter)
+        assert got_i.shape == (1, top_k) and got_w.shape == (1, top_k) and got_w.dtype == torch.float32
+        order_got, order_want = got_i[0].long().argsort(), want_i[0].long().argsort()
+        assert got_i[0].long()[order_got].tolist() == want_i[0].long()[order_want].tolist(), (
+            f"trial {trial}: experts {sorted(got_i[0].tolist())} != {sorted(want_i[0].tolist())}")
+        assert torch.allclose(got_w[0][order_got].cpu(), want_w[0][order_want].cpu(), rtol=1e-5, atol=1e-7)
+        assert int(counter.item()) == 0

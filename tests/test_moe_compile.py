@@ -68,26 +68,42 @@ ROWS_TILES = [(1, "up", Tile(8, 256, 4, 2)), (1, "down", Tile(16, 256, 4, 2)), (
 
 @pytest.mark.parametrize("block_m,gemm,tile", GEMM_TILES + ROWS_TILES, ids=str)
 def test_moe_gemm_compiles_without_spills(block_m, gemm, tile):
+    _check_gemm(block_m, gemm, tile, direct=False)
+
+
+# The one-token configurations, in the direct slot layout (no alignment) they run in.
+DIRECT_TILES = sorted({(c.block_m, g, t) for c in {f[1] for f in TUNED.values()} | {default_config(1, 6, 64)}
+                       for g, t in (("up", c.up), ("down", c.down))}, key=str)
+
+
+@pytest.mark.parametrize("block_m,gemm,tile", DIRECT_TILES, ids=str)
+def test_moe_gemm_direct_layout_compiles_without_spills(block_m, gemm, tile):
+    _check_gemm(block_m, gemm, tile, direct=True)
+
+
+def _gemm_args(gemm: str, dtype: str = "bf16") -> list[tuple[str, str]]:
+    rows = [("slots_ptr", "*i32"), ("blocks_ptr", "*i32"), ("npad_ptr", "*i32"), ("ids_ptr", "*i32"),
+            ("map_ptr", "*i32")]
+    if gemm == "up":
+        return [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("h_ptr", f"*{dtype}")] + rows + [
+            (n, "i32") for n in ("N", "K", "top_k", "num_slots", "num_experts", "num_tiles_n", "sxm", "swe", "swn",
+                                 "shm")]
+    return [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("y_ptr", f"*{dtype}")] + rows + [
+        ("topw_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "num_slots", "num_experts", "num_tiles_n", "shm",
+                                                       "swe", "swn", "sym")]
+
+
+def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool) -> None:
     from agent_infer.kernels.triton import fused_moe as moe
 
-    common = {"EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-              "PRECISION": "tf32", "PDL": True}
-    if gemm == "up":
-        fn = moe._moe_gate_up_kernel
-        args = [("x_ptr", "*bf16"), ("w_ptr", "*bf16"), ("h_ptr", "*bf16"), ("slots_ptr", "*i32"),
-                ("blocks_ptr", "*i32"), ("npad_ptr", "*i32"), ("N", "i32"), ("K", "i32"), ("top_k", "i32"),
-                ("num_slots", "i32"), ("num_tiles_n", "i32"), ("sxm", "i32"), ("swe", "i32"), ("swn", "i32"),
-                ("shm", "i32")]
-    else:
-        fn = moe._moe_down_kernel
-        args = [("h_ptr", "*bf16"), ("w_ptr", "*bf16"), ("y_ptr", "*bf16"), ("slots_ptr", "*i32"),
-                ("blocks_ptr", "*i32"), ("npad_ptr", "*i32"), ("topw_ptr", "*fp32"), ("N", "i32"), ("K", "i32"),
-                ("num_slots", "i32"), ("num_tiles_n", "i32"), ("shm", "i32"), ("swe", "i32"), ("swn", "i32"),
-                ("sym", "i32")]
+    common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
+              "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True}
+    fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
+    args = _gemm_args(gemm)
     # V2-Lite: N, K in {1408, 2048}, strides multiples of 16; top_k = 6 and T * k are not.
     aligned = {name for name, ty in args if ty.startswith("*")} | {"N", "K", "sxm", "swe", "swn", "shm", "sym"}
     kernel = _compile(fn, args, common, aligned, tile.num_warps, tile.num_stages)
-    _check_no_spills(kernel, f"{gemm} block_m={block_m} {tile}")
+    _check_no_spills(kernel, f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}")
 
 
 @pytest.mark.parametrize("block_e,chunk,block_m", [(64, 8, 16), (64, 128, 16), (64, 128, 1), (256, 32, 128)])
@@ -129,6 +145,32 @@ def test_moe_sum_compiles_without_spills():
     _check_no_spills(kernel, "sum over k")
 
 
+@pytest.mark.parametrize("method,experts,groups,topk_groups,top_k,hidden", [
+    ("greedy", 64, 1, 1, 6, 2048),  # V2-Lite
+    ("group_limited_greedy", 160, 8, 3, 6, 5120),  # V2
+    ("noaux_tc", 256, 8, 4, 8, 7168),  # V3
+])
+def test_router_compiles_without_spills(method, experts, groups, topk_groups, top_k, hidden):
+    """The batch-1 router at the released models' shapes."""
+    import triton
+
+    from agent_infer.kernels.triton import router
+
+    block_k = 2048
+    while hidden % block_k:
+        block_k //= 2
+    args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("logits_ptr", "*fp32"),
+            ("weights_ptr", "*fp32"), ("ids_ptr", "*i32"), ("count_ptr", "*i32"), ("E", "i32"), ("K", "i32"),
+            ("scaling", "fp32")]
+    constexprs = {"METHOD": router._METHODS[method], "NORM": method == "noaux_tc", "GROUPS": groups,
+                  "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k,
+                  "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
+                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k), "PDL": True}
+    kernel = _compile(router._route_m1_kernel, args, constexprs,
+                      {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"}, 4, 2)
+    _check_no_spills(kernel, f"router {method} E={experts}")
+
+
 @pytest.mark.parametrize("dtype,precision", [("fp16", "tf32"), ("fp32", "ieee")])
 @pytest.mark.parametrize("block_m,even_k", [(16, False), (64, True), (1, False)])
 def test_moe_variants_compile(dtype, precision, block_m, even_k):
@@ -137,15 +179,10 @@ def test_moe_variants_compile(dtype, precision, block_m, even_k):
     from agent_infer.kernels.triton import fused_moe as moe
 
     tile = Tile(32, 64, 4, 3) if block_m > 1 else Tile(8, 256, 4, 2)
-    constexprs = {"EVEN_K": even_k, "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-                  "PRECISION": precision, "PDL": False}
-    up = [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("h_ptr", f"*{dtype}"), ("slots_ptr", "*i32"),
-          ("blocks_ptr", "*i32"), ("npad_ptr", "*i32")] + [(n, "i32") for n in (
-              "N", "K", "top_k", "num_slots", "num_tiles_n", "sxm", "swe", "swn", "shm")]
-    down = [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("y_ptr", f"*{dtype}"), ("slots_ptr", "*i32"),
-            ("blocks_ptr", "*i32"), ("npad_ptr", "*i32"), ("topw_ptr", "*fp32")] + [(n, "i32") for n in (
-                "N", "K", "num_slots", "num_tiles_n", "shm", "swe", "swn", "sym")]
-    for fn, args in ((moe._moe_gate_up_kernel, up), (moe._moe_down_kernel, down)):
+    constexprs = {"HAS_MAP": True, "DIRECT": block_m == 1, "EVEN_K": even_k, "BLOCK_M": block_m,
+                  "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False}
+    for fn, args in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype)),
+                     (moe._moe_down_kernel, _gemm_args("down", dtype))):
         kernel = _compile(fn, args, constexprs, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,
                           tile.num_stages)
         assert kernel.asm.get("cubin")

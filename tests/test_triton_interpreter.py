@@ -472,6 +472,16 @@ else:
         moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 48, 40, local=(first, count), config=MOE_CONFIGS[config],
                            id_dtype=torch.int64)
 
+    @pytest.mark.parametrize("config", ["default", "rows", "dot16"])
+    @pytest.mark.parametrize("tokens,direct,local", [(1, False, None), (1, True, (2, 3)), (9, True, None),
+                                                     (9, True, (1, 4))])
+    def test_fused_moe_slot_layouts(config, tokens, direct, local):
+        """Both slot layouts at any token count: one token aligned, and the direct layout
+        (one block per slot, the expert read from the routing) over several tokens whose
+        slots repeat experts (token 1 names one twice), with and without an expert map."""
+        moe.check_fused_moe(DEV, torch.float32, tokens, 7, 3, 48, 40, local=local, config=MOE_CONFIGS[config],
+                           repeat=True, direct=direct)
+
     @pytest.mark.parametrize("dtype", ALL)
     def test_fused_moe_rows_all_dtypes(dtype):
         """The FMA rows path has no tl.dot, so bf16 runs in the interpreter too."""
@@ -488,6 +498,10 @@ else:
         either align path, an expert map, end to end."""
         moe.check_fused_moe(DEV, torch.float32, 300, 40, 2, 48, 40, local=(5, 33), one_program=one_program,
                            config=MoeConfig(16, Tile(32, 64), Tile(64, 64)))
+
+    @pytest.mark.parametrize("case", moe.ROUTER_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-g{c[2]}-k{c[4]}")
+    def test_moe_route_m1(case):
+        moe.check_moe_route(DEV, *case)
 
     @pytest.mark.parametrize("one_program", [True, False, None])
     @pytest.mark.parametrize("block_m", [1, 16, 64])

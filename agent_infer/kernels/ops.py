@@ -229,6 +229,22 @@ def fused_moe(
     return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map))
 
 
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router on x [T, D] with fp32 weight [E, D] (reference.moe_route):
+    (weights [T, k] fp32, expert ids [T, k]). One token on a GPU is one launch
+    (`counter`: int32 [1], zero between calls); other batches take the PyTorch ops."""
+    if _use_triton(x):
+        from agent_infer.kernels.triton import router
+
+        if router.supported(x, weight):
+            return router.moe_route_m1(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob,
+                                       scaling, counter)
+    return reference.moe_route(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob, scaling)
+
+
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
     """Structured outputs: ban (set to -inf) in logits row rows[r] every token whose bit in
     mask[r] (int32 words, token t at bit t % 32 of word t // 32) is 0. In place."""

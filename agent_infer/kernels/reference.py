@@ -292,6 +292,49 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's `topk_groups` best groups."""
+    groups = group_scores.shape[-1]
+    chosen = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0)
+    return mask.unsqueeze(-1).expand(-1, groups, num_experts // groups).reshape(-1, num_experts).bool()
+
+
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    topk_groups: int, norm_topk_prob: bool, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers as transformers computes them, in fp32: logits = x @ weight^T
+    (weight [E, D] fp32), then
+    - greedy / group_limited_greedy (V2): softmax probabilities, top-k over all experts
+      or within the `topk_groups` groups holding the best single expert;
+    - noaux_tc (V3): sigmoid scores; experts chosen by score + bias within the
+      `topk_groups` groups whose two best (biased) experts score highest, weighted by
+      their unbiased scores, renormalised when `norm_topk_prob`.
+    Weights times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64)."""
+    logits = F.linear(x.float(), weight)
+    e, k = weight.shape[0], top_k
+    if method == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, num_groups, e // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, e), float("-inf"))
+        ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if method == "group_limited_greedy":
+            group_scores = scores.view(-1, num_groups, e // num_groups).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, e), 0.0)
+        weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    return weights * scaling, ids
+
+
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
     """logits[rows[r], t] = -inf where bit t of mask[r] (int32 words, LSB first) is 0;
     tokens beyond 32 * words are banned too. In place."""

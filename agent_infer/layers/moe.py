@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agent_infer.distributed.state import ParallelState
@@ -43,35 +42,6 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
 
 
-def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
-    """[T, E] bool: the experts of each token's `topk_groups` best groups."""
-    groups = group_scores.shape[-1]
-    chosen = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0)
-    return mask.unsqueeze(-1).expand(-1, groups, num_experts // groups).reshape(-1, num_experts).bool()
-
-
-def route(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (fp32) -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-    e, k = cfg.num_experts, cfg.top_k
-    if cfg.method == "noaux_tc":
-        scores = logits.sigmoid()
-        choice = scores + bias
-        group_scores = choice.view(-1, cfg.num_groups, e // cfg.num_groups).topk(2, dim=-1)[0].sum(dim=-1)
-        choice = choice.masked_fill(~_group_mask(group_scores, cfg.topk_groups, e), float("-inf"))
-        ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        scores = logits.softmax(dim=-1, dtype=torch.float32)
-        if cfg.method == "group_limited_greedy":
-            group_scores = scores.view(-1, cfg.num_groups, e // cfg.num_groups).max(dim=-1).values
-            scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_groups, e), 0.0)
-        weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
-    return weights * cfg.routed_scaling_factor, ids
-
-
 class Router(nn.Module):
     """The gate: fp32 weights (and V3's score-correction bias), replicated on every rank."""
 
@@ -85,9 +55,15 @@ class Router(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
 
+        # The fused batch-1 kernel finds its last program with this counter; one per layer
+        # (its address is captured in the decode graphs), zero between calls.
+        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)
-        return route(logits, self.cfg, self.e_score_correction_bias)
+        """(weights [T, k] fp32, expert ids [T, k]) from the fp32 logits of x."""
+        c = self.cfg
+        return ops.moe_route(x, self.weight, self.e_score_correction_bias, c.method, c.top_k, c.num_groups,
+                             c.topk_groups, c.norm_topk_prob, c.routed_scaling_factor, self.done_counter)
 
 
 class RoutedExperts(nn.Module):

@@ -85,11 +85,12 @@ def test_tuned_configs(family, bucket):
 
 
 @pytest.mark.parametrize(
-    "shape,tokens", [("v2-lite", 1), ("v2-lite", 64), ("v2-lite", 256), ("v3-ep8", 7), ("v3-ep8", 512)]
+    "shape,tokens", [("v2-lite", 1), ("v2-lite", 64), ("v2-lite", 256), ("v3-ep8", 1), ("v3-ep8", 7), ("v3-ep8", 512)]
 )
 def test_fused_moe_cuda_graph_replay(shape, tokens):
     """Captured once, replayed with new x and routing; 256 and 512 tokens take the
-    three-kernel align path, the others the one-program path."""
+    three-kernel align path, one token the direct layout, the others the one-program
+    path."""
     experts, top_k, hidden, inter, local = SHAPES[shape]
     mc.check_fused_moe_graph(DEV, torch.bfloat16, tokens, experts, top_k, hidden, inter, local=local)
 
@@ -116,3 +117,15 @@ def test_fused_moe_deterministic(tokens):
 )
 def test_moe_align(one_program, tokens, local, top_k, experts, first, block_m):
     mc.check_moe_align(DEV, tokens, local, top_k, block_m, num_experts=experts, first=first, one_program=one_program)
+
+
+# The released routers: V2-Lite (greedy, 64 experts), V2 (group-limited, 160 in 8 groups),
+# V3 (sigmoid + bias, 256 in 8 groups, renormalised, scaled 2.5); plus the odd tiny cases.
+ROUTERS = [("greedy", 64, 1, 1, 6, 2048, False, 1.0), ("group_limited_greedy", 160, 8, 3, 6, 5120, False, 16.0),
+           ("noaux_tc", 256, 8, 4, 8, 7168, True, 2.5)] + mc.ROUTER_CASES
+
+
+@pytest.mark.parametrize("case", ROUTERS, ids=lambda c: f"{c[0]}-e{c[1]}-d{c[5]}")
+def test_moe_route_m1(case):
+    for seed in range(3):
+        mc.check_moe_route(DEV, *case, seed=seed)

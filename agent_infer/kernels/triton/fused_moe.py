@@ -6,14 +6,15 @@ gate_up_proj), w2 [E_local, D, I]. A token slot is `t * k + j`; under expert par
 `expert_map` [E_global] int32 gives each global expert its local index or -1, and a slot
 of a non-local expert contributes 0 (the caller all-reduces the ranks' partial sums).
 
-Four launches, every grid sized from shapes alone so the whole thing can be captured in
+Four launches (three for one token), every grid sized from shapes alone so the whole thing can be captured in
 a CUDA graph and replayed with new routing (no host sync, no data-dependent sizes):
 
 1. `moe_align`: slots grouped by local expert, each group padded to a multiple of
    BLOCK_M with the sentinel slot T * k, non-local slots dropped. One-hot counting and
    an in-chunk cumsum give every slot its place, in slot order (deterministic, no
    atomics). One program does it all for decode-sized steps; larger steps use three
-   kernels (count per chunk, prefix over chunks, scatter).
+   kernels (count per chunk, prefix over chunks, scatter). A single token skips it
+   (`SlotLayout.direct`): its k distinct experts give each slot a block of its own.
 2. GEMM 1, grouped: a program takes BLOCK_M sorted slots of one expert (x rows gathered
    by slot // k) and BLOCK_N columns of I, and computes the matching gate AND up tiles,
    so SiLU-and-mul is its epilogue: the [*, 2I] projection never goes to memory (at
@@ -31,6 +32,8 @@ The reference is `agent_infer.kernels.reference.fused_moe`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -272,16 +275,21 @@ _STEP_SIZES = ["num_slots", "num_tiles_n"]
 
 
 @triton.jit
-def _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts, num_tiles_n,
+                HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's block of sorted positions, their slots and which are real (not the
     sentinel), its expert (-1: nothing to do, the block lies past the padded total) and
-    its BLOCK_N output columns."""
+    its BLOCK_N output columns. DIRECT (no alignment): block b is slot b alone, its
+    expert read from the routing (-1 when not local)."""
     pid = tl.program_id(0)
     blk = pid // num_tiles_n
     pos = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + pos)
-    e = tl.where(blk * BLOCK_M < tl.load(npad_ptr), tl.load(blocks_ptr + blk), -1)
+    if DIRECT:
+        slot = tl.where(tl.arange(0, BLOCK_M) == 0, blk, num_slots)
+        e = tl.max(_local_experts(ids_ptr, map_ptr, blk + tl.arange(0, 1), num_slots, num_experts, HAS_MAP), axis=0)
+    else:
+        slot = tl.load(slots_ptr + pos)
+        e = tl.where(blk * BLOCK_M < tl.load(npad_ptr), tl.load(blocks_ptr + blk), -1)
     return pos, slot, slot < num_slots, e, (pid % num_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
@@ -334,16 +342,17 @@ def _grouped_tiles(
 
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr,
-    N, K, top_k, num_slots, num_tiles_n, sxm, swe, swn, shm,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr,
+    N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm,
+    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[pos, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for a block of one
     expert's sorted slots (tok = slot // top_k) and BLOCK_N of the N = I columns; gate
     and up are rounded to h's dtype first, as the unfused reference does."""
     pdl_begin(PDL)
-    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M, BLOCK_N)
+    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
+                                         num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
     # Tail columns wrap onto real rows, so weight loads need no mask; their results are
@@ -362,16 +371,17 @@ def _moe_gate_up_kernel(
 
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_down_kernel(
-    h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, topw_ptr,
-    N, K, num_slots, num_tiles_n, shm, swe, swn, sym,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr,
+    N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym,
+    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
     to slot order."""
     pdl_begin(PDL)
-    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, num_slots, num_tiles_n, BLOCK_M, BLOCK_N)
+    pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
+                                         num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
     w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
@@ -405,41 +415,83 @@ def _gemm_opts(tile: Tile, device: torch.device) -> dict:
     return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **launch_opts(device)}
 
 
-def gate_up_silu(
-    x: torch.Tensor, w13: torch.Tensor, sorted_slots: torch.Tensor, block_experts: torch.Tensor,
-    num_padded: torch.Tensor, top_k: int, block_m: int, tile: Tile,
-) -> torch.Tensor:
-    """GEMM 1 + SiLU-and-mul over the aligned slots: h [P, I] in x's dtype, row p =
-    silu(gate) * up of slot sorted_slots[p] (rows of padding positions unwritten)."""
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where the GEMMs' programs find their slots: the expert-sorted, padded list of
+    `moe_align`, or (`direct`) one block per slot in slot order with its expert read from
+    the routing. Direct needs no alignment launch; it reads an expert once per slot that
+    names it, so it is taken for one token only, whose k experts are distinct (the
+    router's top-k)."""
+
+    ids: torch.Tensor  # [T * k] the routing's expert ids, flattened
+    expert_map: torch.Tensor | None
+    num_local: int
+    block_m: int
+    direct: bool
+    sorted_slots: torch.Tensor  # moe_align's outputs (the ids again when direct: unread)
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ids.numel() if self.direct else self.block_experts.numel()
+
+    def kernel_args(self) -> tuple:
+        emap = self.expert_map if self.expert_map is not None else self.ids
+        return self.sorted_slots, self.block_experts, self.num_padded, self.ids, emap
+
+    def kernel_flags(self) -> dict:
+        return {"HAS_MAP": self.expert_map is not None, "DIRECT": self.direct}
+
+
+def slot_layout(
+    topk_ids: torch.Tensor, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
+    direct: bool | None = None,
+) -> SlotLayout:
+    """The layout of topk_ids [T, k] (contiguous) for the GEMMs: direct for T = 1 unless
+    `direct` says otherwise, else aligned by `moe_align`."""
+    ids = topk_ids.reshape(-1)
+    if direct if direct is not None else topk_ids.shape[0] == 1:
+        return SlotLayout(ids, expert_map, num_local_experts, block_m, True, ids, ids, ids)
+    aligned = moe_align(topk_ids, num_local_experts, block_m, expert_map)
+    return SlotLayout(ids, expert_map, num_local_experts, block_m, False, *aligned)
+
+
+def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: int, tile: Tile) -> torch.Tensor:
+    """GEMM 1 + SiLU-and-mul over the slots: h [P, I] in x's dtype (P = blocks x
+    block_m), row p = silu(gate) * up of the slot at position p (rows of padding
+    positions unwritten)."""
     num_tokens, d = x.shape
     inter = w13.shape[1] // 2
-    h = torch.empty(sorted_slots.numel(), inter, dtype=x.dtype, device=x.device)
+    bm = layout.block_m
+    h = torch.empty(layout.num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     tiles_n = triton.cdiv(inter, tile.block_n)
-    _moe_gate_up_kernel[(block_experts.numel() * tiles_n,)](
-        x, w13, h, sorted_slots, block_experts, num_padded,
-        inter, d, top_k, num_tokens * top_k, tiles_n, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        EVEN_K=d % tile.block_k == 0, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+    _moe_gate_up_kernel[(layout.num_blocks * tiles_n,)](
+        x, w13, h, *layout.kernel_args(),
+        inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w13.stride(0), w13.stride(1),
+        h.stride(0), **layout.kernel_flags(),
+        EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(x.dtype), **_gemm_opts(tile, x.device),
     )
     return h
 
 
 def down_weighted(
-    h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_slots: torch.Tensor,
-    block_experts: torch.Tensor, num_padded: torch.Tensor, block_m: int, tile: Tile,
+    h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
 ) -> torch.Tensor:
-    """GEMM 2 over the aligned slots: y [T * k, D] in h's dtype, row slot = its routed
-    weight (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of
-    non-local slots unwritten)."""
+    """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
+    (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
+    unwritten)."""
     num_slots = topk_weights.numel()
     inter = h.shape[1]
     d = w2.shape[1]
     y = torch.empty(num_slots, d, dtype=h.dtype, device=h.device)
     tiles_n = triton.cdiv(d, tile.block_n)
-    _moe_down_kernel[(block_experts.numel() * tiles_n,)](
-        h, w2, y, sorted_slots, block_experts, num_padded, topk_weights,
-        d, inter, num_slots, tiles_n, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        EVEN_K=inter % tile.block_k == 0, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+    _moe_down_kernel[(layout.num_blocks * tiles_n,)](
+        h, w2, y, *layout.kernel_args(), topk_weights,
+        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        **layout.kernel_flags(),
+        EVEN_K=inter % tile.block_k == 0, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(h.dtype), **_gemm_opts(tile, h.device),
     )
     return y
@@ -466,6 +518,7 @@ def sum_topk(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, config: MoeConfig | None = None, out: torch.Tensor | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
 
@@ -474,7 +527,8 @@ def fused_moe(
     topk_weights [T, k] (fp32); topk_ids [T, k] int32/int64 global expert ids;
     expert_map [E_global] int32 (local index or -1) under EP, None when every expert is
     local. Returns [T, D] in x's dtype (written into `out` when given). `config`
-    defaults to the table in fused_moe_configs.py for the shape and T."""
+    defaults to the table in fused_moe_configs.py for the shape and T; `direct`
+    overrides `slot_layout`'s choice (direct for one token)."""
     num_tokens, d = x.shape
     num_experts, two_i, d_w = w13.shape
     inter = two_i // 2
@@ -495,7 +549,7 @@ def fused_moe(
                                expert_map.numel() if expert_map is not None else num_experts)
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
-    sorted_slots, block_experts, num_padded = moe_align(ids, num_experts, cfg.block_m, expert_map)
-    h = gate_up_silu(x, w13, sorted_slots, block_experts, num_padded, top_k, cfg.block_m, cfg.up)
-    y = down_weighted(h, w2, weights, sorted_slots, block_experts, num_padded, cfg.block_m, cfg.down)
+    layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up)
+    y = down_weighted(h, w2, weights, layout, cfg.down)
     return sum_topk(y, ids, expert_map, num_experts, out)
