@@ -45,6 +45,23 @@ class ReplicatedLinear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
+def stack_weights(*layers: nn.Module) -> torch.Tensor | None:
+    """Make the weights of `layers` (one input, no bias) consecutive rows of one [sum N, K]
+    tensor, each layer's weight a view of its rows (loading fills them as before), and
+    return it: a batch-1 step then reads them all in one GEMV launch. None, with nothing
+    changed, when a layer has a bias."""
+    if any(getattr(layer, "bias", None) is not None for layer in layers):
+        return None
+    weights = [layer.weight for layer in layers]
+    stacked = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=weights[0].dtype,
+                          device=weights[0].device)
+    row = 0
+    for w in weights:
+        w.data = stacked[row : row + w.shape[0]]
+        row += w.shape[0]
+    return stacked
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over ranks; each rank returns its slice of y."""
 

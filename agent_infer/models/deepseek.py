@@ -27,8 +27,11 @@ from torch import nn
 
 from agent_infer.config import ConfigError, ModelConfig, RopeConfig
 from agent_infer.distributed.state import ParallelState
+from agent_infer.kernels import ops
 from agent_infer.layers.embedding import VocabParallelEmbedding
-from agent_infer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_reduce_add_rms_norm
+from agent_infer.layers.linear import (
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_reduce_add_rms_norm, stack_weights,
+)
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.layers.moe import Router, RouterConfig, RoutedExperts
@@ -153,15 +156,23 @@ class DeepseekAttention(nn.Module):
         self.rotary = rotary
         self.attn = LatentAttention(self.num_heads, f.kv_lora_rank, f.qk_nope_head_dim, f.qk_rope_head_dim,
                                     f.v_head_dim, softmax_scale(f, cfg.rope))
+        # x's two projections (q_proj or q_a_proj, and kv_a_proj_with_mqa) as rows of one
+        # weight: one GEMV launch for both at batch 1 (None when they carry biases).
+        first = self.q_proj if f.q_lora_rank is None else self.q_a_proj
+        self.register_buffer("x_proj_weight", stack_weights(first, self.kv_a_proj_with_mqa), persistent=False)
+        self.x_proj_split = (first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention output before o_proj, [tokens, heads x v_head_dim]."""
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+        lora = not hasattr(self, "q_proj")
+        if self.x_proj_weight is not None and x.shape[0] == 1:
+            q, kv_a = ops.linear(x, self.x_proj_weight).split(self.x_proj_split, dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_a_proj(x) if lora else self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(x.shape[0], self.num_heads, self.qk)
-        kv_a = self.kv_a_proj_with_mqa(x)
         return self.attn(positions, q, kv_a, self.kv_a_layernorm, self.rotary, self.kv_b_proj.weight)
 
 
