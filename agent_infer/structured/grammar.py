@@ -15,10 +15,10 @@ Sequences get copies of a compiled template, but copies of one llguidance matche
 its lexer (and the DFA it builds lazily) behind one mutex, so the parallel mask fill of
 rows copied from one template runs one row at a time, and slower than a plain loop with
 more threads contending (on the 16-core GPU host, 64 such rows of the benchmark's
-schema took 6.8 ms a step with 12 threads, 4.9 ms in a plain loop). A grammar therefore keeps up to `shards` templates compiled
-independently, each with its own lexer, and hands them out in turn; the mask fill gives
-each shard's rows to one thread (`Constraints`). A grammar only one request uses is
-compiled once, as before.
+schema took 6.8 ms a step with 12 threads, 4.9 ms in a plain loop). A grammar therefore
+keeps up to `shards` templates compiled independently, each with its own lexer, and
+hands them out in turn; the mask fill gives each shard's rows to one thread
+(`Constraints`). A grammar only one request uses is compiled once.
 """
 
 from __future__ import annotations
