@@ -74,7 +74,7 @@ def check_mla_decode(
     split_counts: tuple[int, ...] = (), padding_rows: int = 1, config=None, pool_layout: bool = False,
 ) -> None:
     """The default call (shape-derived splits, two-kernel merge); then for each forced
-    split count (no minimum keys per split) the two-kernel path and the in-launch merge (the combine kernel taken
+    split count the two-kernel path and the in-launch merge (the combine kernel taken
     away, so the merge must happen in the one launch), the latter twice in a row on the
     same counters (the first must leave them zero, counter slack untouched); then the
     default call with counters into a given strided `out`. Padding rows must be zeros."""
@@ -96,17 +96,16 @@ def check_mla_decode(
     counters = dec.mla_decode_counters(rows + 2, heads, device)
     counters[need:] = 7  # slack: must not be touched
     slack = counters[need:].clone()
-    # Forced split counts spread these short contexts over every split (no minimum share).
     for splits in split_counts:
         with poisoned_empty():
-            out = dec.mla_decode(*args, num_splits=splits, config=config, min_split_keys=1)
+            out = dec.mla_decode(*args, num_splits=splits, config=config)
         _check_rows(out, ref, b.real, f"{label}, {splits} splits, two kernels")
         with mock.patch.object(dec, "_mla_combine_kernel", None):
             for call in range(2):
                 what = f"{label}, {splits} splits merged in the launch, call {call}"
                 with poisoned_empty():
                     out = dec.mla_decode(*args, num_splits=splits, config=config, counters=counters,
-                                         merge_in_launch=True, min_split_keys=1)
+                                         merge_in_launch=True)
                 _check_rows(out, ref, b.real, what)
                 assert not counters[:need].any(), f"{what}: counters not reset"
                 assert torch.equal(counters[need:], slack), f"{what}: counter slack written"

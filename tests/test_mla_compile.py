@@ -68,7 +68,7 @@ DECODE_NAMES = ["q_ptr", "out_ptr", "kv_ptr", "table_ptr", "ctx_ptr", "part_o_pt
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("variant", ["direct", "partials", "merge", "adaptive"])
+@pytest.mark.parametrize("variant", ["direct", "partials", "merge"])
 def test_mla_decode_residency_on_sm90(dtype, variant):
     """Every variant of the default tiles holds RESIDENT_PER_SM programs per SM, without
     spills; the 16-bit one runs its dots on the tensor cores (mma: 16 heads are too few
@@ -81,11 +81,10 @@ def test_mla_decode_residency_on_sm90(dtype, variant):
 
     cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16)
     types = [f"*{dtype}"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"]
-    merge = variant in ("merge", "adaptive")
+    merge = variant == "merge"
     constexprs = {
         "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
-        "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": variant == "direct", "MERGE": variant == "merge",
-        "ADAPTIVE": variant == "adaptive", "MIN_KEYS": 256, "MERGE_MAX": MERGE_MAX_SPLITS,
+        "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": variant == "direct", "MERGE": merge,
         "MERGE_S": min(MERGE_MAX_SPLITS, _MERGE_TILE // (cfg.block_h * _MERGE_COLS)) if merge else 1,
         "MERGE_C": _MERGE_COLS, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "PDL": True,
     }
@@ -104,11 +103,10 @@ def test_mla_decode_residency_on_sm90(dtype, variant):
 def test_mla_combine_compiles_for_sm90():
     from agent_infer.kernels.triton.mla_decode import _mla_combine_kernel
 
-    names = ["part_o_ptr", "part_lse_ptr", "out_ptr", "ctx_ptr", "sob", "soh", "num_heads", "num_splits"]
-    types = ["*fp32", "*fp32", "*bf16", "*i32"] + ["i32"] * 4
-    constexprs = {"KV_LORA": 512, "MERGE_S": 64, "MERGE_C": 128, "BLOCK_N": 32, "MIN_KEYS": 256, "ADAPTIVE": True,
-                  "MERGE_MAX": 4, "PDL": True}
-    kernel = _compile(_mla_combine_kernel, names, types, constexprs, names[:6], 4, 1)
+    names = ["part_o_ptr", "part_lse_ptr", "out_ptr", "sob", "soh", "num_heads", "num_splits"]
+    types = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 4
+    constexprs = {"KV_LORA": 512, "MERGE_S": 64, "MERGE_C": 128, "PDL": True}
+    kernel = _compile(_mla_combine_kernel, names, types, constexprs, names[:5], 4, 1)
     assert _resident(kernel, 4) >= 4
 
 

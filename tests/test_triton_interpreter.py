@@ -374,10 +374,6 @@ else:
         ([33, 64, 65, 7], 20, 40, 8, 32, (3,), None),  # two head blocks, the second 4 of 16
         ([90, 31], 3, 48, 16, 16, (4,), MlaDecodeConfig(32, 16, 4, 2)),  # 32 heads a block
         ([70], 16, 512, 64, 16, (3,), None),  # V2-Lite's widths
-        # Shape-derived splits (64 at batch 4) with a minimum share of 256 keys: with counters
-        # 300 and 700 keys merge in the launch (2 and 3 splits hold keys), 1500 (6 splits) in
-        # the combine kernel, 0 gives zeros; without counters all go through the combine.
-        ([300, 700, 1500], 3, 48, 16, 16, (), None),
     ]
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)

@@ -22,11 +22,7 @@ partial (normalised [BLOCK_H, L] output + log2-sum-exp) to fp32 scratch, merged 
   the dense kernel's group of 4 x 128 values a partial here is 16 x 512, so one program
   merging many splits reads a lot (64 splits: 2 MB) through one SM; past
   MERGE_MAX_SPLITS the second kernel is taken even with counters.
-- by a second kernel, one program per (sequence, head, column chunk): parallel;
-- adaptively, with counters and more splits (batch 1): a split takes at least
-  MIN_SPLIT_KEYS keys, so a short context holds keys in a few splits only; when those
-  are at most MERGE_MAX_SPLITS the launch merges them and the second kernel, launched
-  anyway (graph-safe), finds nothing to do; long contexts still spread over every split.
+- by a second kernel, one program per (sequence, head, column chunk): parallel.
 
 Scratch comes from shapes alone (graph-safe). A context of 0 (a padding row of a graph
 batch) gives zeros, not NaN.
@@ -56,18 +52,6 @@ _MERGE_COLS, _MERGE_TILE = 64, 4096
 _COMBINE_COLS, _COMBINE_TILE = 128, 8192
 # tl.dot needs at least 16 rows: fewer heads per rank (V2-Lite at TP 2/4) are padded.
 MIN_BLOCK_H = 16
-# Keys a split takes at least: a short context then fills a few splits, not all of them
-# (at batch 1 a 640-key context would otherwise spread over 20 splits of one key tile),
-# so it merges in the launch (see `adaptive`) and the combine kernel exits at once.
-MIN_SPLIT_KEYS = 256
-
-
-@triton.jit
-def _split_share(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
-    """(keys per split, splits holding keys: at least 1, split 0 standing for an empty
-    context) of a sequence of `ctx` keys."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_KEYS)
-    return chunk, tl.maximum(tl.cdiv(ctx, chunk), 1)
 
 
 @triton.jit
@@ -142,8 +126,8 @@ def _mla_decode_kernel(
     num_heads, num_head_blocks, num_splits, qk_scale,
     KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    DIRECT: tl.constexpr, MERGE: tl.constexpr, ADAPTIVE: tl.constexpr, MIN_KEYS: tl.constexpr,
-    MERGE_MAX: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # Head blocks on the fastest grid axis: at H = 128 the programs of one sequence run
     # side by side, so each latent tile comes from HBM once and from L2 for the others.
@@ -154,7 +138,7 @@ def _mla_decode_kernel(
     # kernel), so they are read before the PDL wait; q and the newest cache row are what
     # the predecessor (the rope + cache write) produces.
     ctx = tl.load(ctx_ptr + seq)
-    chunk, used = _split_share(ctx, num_splits, BLOCK_N, MIN_KEYS)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, ctx)
     table_row_ptr = table_ptr + seq * s_table
@@ -196,16 +180,13 @@ def _mla_decode_kernel(
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if DIRECT:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif MERGE or ADAPTIVE:
-        # Only the `used` splits holding keys write (split 0 stands for an empty context:
-        # o = 0); programs past them skip the counter, so it counts to `used`. ADAPTIVE
-        # merges here when few splits hold keys and leaves the rest to the combine kernel.
+    elif MERGE:
+        # Splits holding keys; split 0 stands for an empty context (o = 0). Programs past
+        # them skip the counter, so it counts to `used`.
+        used = tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)
         if split < used:
             if used == 1:
                 tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-            elif ADAPTIVE and used > MERGE_MAX:
-                tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
-                tl.store(part_lse_ptr + row, lse, mask=h_mask)
             else:
                 tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
                 tl.store(part_lse_ptr + row, lse, mask=h_mask)
@@ -232,22 +213,15 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _mla_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, sob, soh, num_heads, num_splits,
-    KV_LORA: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_KEYS: tl.constexpr, ADAPTIVE: tl.constexpr, MERGE_MAX: tl.constexpr, PDL: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, sob, soh, num_heads, num_splits,
+    KV_LORA: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (sequence, head, column chunk): the partials of that chunk from the
-    splits holding keys; under ADAPTIVE nothing when the decode launch merged them."""
-    seq = tl.program_id(0).to(tl.int64)
-    _, used = _split_share(tl.load(ctx_ptr + seq), num_splits, BLOCK_N, MIN_KEYS)
-    # Waited for even when there is nothing to merge: a kernel after this one that waits
-    # on it under PDL must find the decode kernel finished too.
+    """One program per (sequence, head, column chunk): all splits' partials of that chunk."""
     pdl_begin(PDL)
-    if ADAPTIVE and used <= MERGE_MAX:
-        return
+    seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)
     _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, heads < num_heads, sob, soh, num_heads, num_splits,
-                  used, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
+                  num_splits, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
 
 
 @dataclass(frozen=True)
@@ -291,7 +265,6 @@ class MlaLaunchPlan:
     splits: int
     direct: bool  # one split: the programs write the output
     merge: bool  # the splits are merged in the same launch
-    adaptive: bool  # merged in the launch when at most MERGE_MAX_SPLITS hold keys, else by the kernel
     merge_s: int  # splits per step of the in-launch merge (1 without it)
     combine_s: int  # the merge kernel's splits per load (0: no merge kernel)
     combine_c: int  # and its columns per program
@@ -299,7 +272,7 @@ class MlaLaunchPlan:
     @property
     def variant(self) -> tuple:
         split_class = 1 if self.splits == 1 else 16 if self.splits % 16 == 0 else 0
-        return (self.direct, self.merge, self.adaptive, self.merge_s, self.combine_s, self.combine_c, split_class)
+        return (self.direct, self.merge, self.merge_s, self.combine_s, self.combine_c, split_class)
 
 
 def mla_launch_plan(
@@ -311,21 +284,18 @@ def mla_launch_plan(
     splits = num_splits or mla_decode_num_splits(batch, num_heads, device, block_h)
     assert splits >= 1
     direct = splits == 1
-    auto = merge_in_launch is None
-    if auto:
+    if merge_in_launch is None:
         merge_in_launch = counters and splits <= MERGE_MAX_SPLITS
     merge = merge_in_launch and not direct
     assert not merge or counters, "merging in the launch needs the counters workspace"
-    adaptive = auto and counters and not direct and not merge
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
-    in_launch = min(splits, MERGE_MAX_SPLITS) if adaptive else splits
-    merge_s = max(1, min(triton.next_power_of_2(in_launch), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
+    merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
     combine_s = combine_c = 0
     if not direct and not merge:
         # All splits of one column chunk in one load: no round trip per split.
         combine_s = triton.next_power_of_2(splits)
         combine_c = max(16, min(_COMBINE_COLS, block_l, _COMBINE_TILE // combine_s))
-    return MlaLaunchPlan(splits, direct, merge, adaptive, merge_s if merge or adaptive else 1, combine_s, combine_c)
+    return MlaLaunchPlan(splits, direct, merge, merge_s if merge else 1, combine_s, combine_c)
 
 
 def mla_variant_batches(
@@ -374,7 +344,6 @@ def mla_decode(
     num_splits: int | None = None,
     config: MlaDecodeConfig | None = None,
     merge_in_launch: bool | None = None,
-    min_split_keys: int = MIN_SPLIT_KEYS,
 ) -> torch.Tensor:
     """q [N, H, L + R] (absorbed latent query, then the rotated rope query; strided rows
     allowed) over the latent cache [blocks, block_size, L + R] (or [.., 1, L + R]) ->
@@ -383,11 +352,9 @@ def mla_decode(
     Sequence b reads its context_lens[b] rows under block_tables[b] (extra table / length
     rows are ignored). Reads no device value on the host. `counters` (from
     `mla_decode_counters`, zero on entry, left zero) lets the splits merge in the same
-    launch when there are at most MERGE_MAX_SPLITS of them, or with more splits whenever
-    at most that many hold keys (adaptive); `merge_in_launch` overrides the choice (True
-    needs counters; False always merges in the second kernel). `num_splits` overrides the shape-derived count,
-    `config` the tiles, `min_split_keys` the fewest keys a split takes (rounded up to the
-    key tile). `out` (strided rows allowed) receives the result.
+    launch when there are at most MERGE_MAX_SPLITS of them; `merge_in_launch` overrides
+    that choice (True needs counters). `num_splits` overrides the shape-derived count,
+    `config` the tiles. `out` (strided rows allowed) receives the result.
 
     Under PDL the kernel reads lengths and block tables before waiting for the kernel
     launched just before it, which may write q and the newest cache rows only."""
@@ -412,14 +379,13 @@ def mla_decode(
     plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters is not None, q.device, num_splits, cfg.block_h,
                            merge_in_launch)
     splits = plan.splits
-    if plan.merge or plan.adaptive:
+    if plan.merge:
         assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.device == q.device
         assert counters.numel() >= batch * head_blocks, (
             f"MLA decode counters hold {counters.numel()} < batch {batch} x head blocks {head_blocks}"
         )
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
     merge_c = min(_MERGE_COLS, block_l)
-    min_keys = max(1, triton.cdiv(min_split_keys, cfg.block_n)) * cfg.block_n
     if plan.direct:
         part_o = part_lse = out  # unused
     else:
@@ -428,19 +394,17 @@ def mla_decode(
     opts = launch_opts(q.device)
     _mla_decode_kernel[(head_blocks, batch, splits)](
         q, out, kv_cache, block_tables, context_lens, part_o, part_lse,
-        counters if plan.merge or plan.adaptive else context_lens,  # unused without a merge in the launch
+        counters if plan.merge else context_lens,  # unused without MERGE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_b, kv_s, block_tables.stride(0),
         num_heads, head_blocks, splits, scale * _LOG2E,
         KV_LORA=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        DIRECT=plan.direct, MERGE=plan.merge, ADAPTIVE=plan.adaptive, MIN_KEYS=min_keys, MERGE_MAX=MERGE_MAX_SPLITS,
-        MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
+        DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     if plan.combine_s:
         _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](
-            part_o, part_lse, out, context_lens, out.stride(0), out.stride(1), num_heads, splits,
-            KV_LORA=kv_lora_rank, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, BLOCK_N=cfg.block_n,
-            MIN_KEYS=min_keys, ADAPTIVE=plan.adaptive, MERGE_MAX=MERGE_MAX_SPLITS, num_warps=4, **opts,
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
+            KV_LORA=kv_lora_rank, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, num_warps=4, **opts,
         )
     return out
