@@ -58,9 +58,11 @@ class VariantRecorder:
             def __getitem__(self, grid):
                 return lambda *args, **kwargs: recorder.record(self.fn, args, kwargs)
 
+        # Every module imported before any is patched: one importing a sibling's jit helper
+        # (router.py's gemv.row_dot) must bind the real function, not a stub it would keep.
+        modules = [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
         with pytest.MonkeyPatch.context() as mp:
-            for info in pkgutil.iter_modules(pkg.__path__):
-                module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for module in modules:
                 for name, obj in list(vars(module).items()):
                     if isinstance(obj, JITFunction):
                         mp.setattr(module, name, Stub(obj))

@@ -344,7 +344,8 @@ def _grouped_tiles(
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr,
     N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm,
-    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[pos, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for a block of one
@@ -373,7 +374,8 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr,
     N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym,
-    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
