@@ -292,9 +292,6 @@ def fused_moe(
     return out.to(x.dtype)
 
 
-ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
 def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
     """[T, E] bool: the experts of each token's `topk_groups` best groups."""
     groups = group_scores.shape[-1]

@@ -6,7 +6,8 @@ Routing follows DeepSeek's two schemes as transformers computes them, in fp32:
 - sigmoid with a load-balancing bias (V3, `noaux_tc`): experts are chosen by score + bias
   within the `topk_group` groups whose two best experts score highest, and weighted by
   their unbiased scores, renormalised when `norm_topk_prob`.
-Either way the weights are multiplied by `routed_scaling_factor`.
+Either way the weights are multiplied by `routed_scaling_factor`. The maths is
+`kernels.reference.moe_route`; one token on a GPU is one launch (`kernels.triton.router`).
 
 The routed experts are split over the tensor-parallel group in one of two ways:
 - `ep` (expert parallelism): each rank holds a contiguous range of whole experts and

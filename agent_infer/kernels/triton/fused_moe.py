@@ -6,8 +6,9 @@ gate_up_proj), w2 [E_local, D, I]. A token slot is `t * k + j`; under expert par
 `expert_map` [E_global] int32 gives each global expert its local index or -1, and a slot
 of a non-local expert contributes 0 (the caller all-reduces the ranks' partial sums).
 
-Four launches (three for one token), every grid sized from shapes alone so the whole thing can be captured in
-a CUDA graph and replayed with new routing (no host sync, no data-dependent sizes):
+Four launches (three for one token), every grid sized from shapes alone so the whole
+thing can be captured in a CUDA graph and replayed with new routing (no host sync, no
+data-dependent sizes):
 
 1. `moe_align`: slots grouped by local expert, each group padded to a multiple of
    BLOCK_M with the sentinel slot T * k, non-local slots dropped. One-hot counting and

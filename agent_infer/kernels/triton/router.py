@@ -2,8 +2,8 @@
 
 The PyTorch path is five to eight small kernels per layer (the fp32 cast of x, the
 logits GEMV, softmax or sigmoid, the group scores and mask, top-k, the scaling), a few
-µs each and all latency: at batch 1 they were ~13 µs of a ~108 µs MoE layer on an
-H200. Here every program computes BLOCK_N fp32 logits (the GEMV form of
+µs each and all latency: at batch 1 on an H200 ~12 µs of a ~108 µs DeepSeek-V2-Lite MoE
+layer, against 5.1 µs for this kernel. Here every program computes BLOCK_N fp32 logits (the GEMV form of
 `gemv.row_dot`, its weight tiles loaded before the PDL wait since the router's weights
 never depend on the previous kernel); the last program to finish, found with an atomic
 counter as in the GEMV's add + norm epilogue, reads all E logits back and routes:
