@@ -19,14 +19,15 @@
 # What the GPU machine lacks travels with the call as ignored paths (the device tool's
 # `carry`, 64 MiB in all):
 #   .whl/          wheels of fastapi, uvicorn and openai (the server, `bench serve`, the server
-#                  tests) and gguf (the default model), with the pure-python dependencies the
+#                  tests), gguf (the default model) and llguidance (structured outputs: the
+#                  server tests, `structured`), with the pure-python dependencies the
 #                  machine does not have. Downloaded here, at the versions this checkout's
 #                  .venv has (`make setup`), for the machine's Python 3.12:
 #                    for p in fastapi starlette pydantic pydantic-core annotated-types \
 #                        typing-inspection annotated-doc opentelemetry-api uvicorn click openai \
-#                        jiter httpx2 httpcore2 truststore gguf; do
+#                        jiter httpx2 httpcore2 truststore gguf llguidance; do
 #                      pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#                        --implementation cp --platform manylinux_2_28_x86_64 \
+#                        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 #                        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #                        "$p==$(.venv/bin/pip show "$p" | sed -n 's/^Version: //p')"
 #                    done
@@ -79,9 +80,15 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   ab BASE_TAR        a base tree (git archive) against this one, alternating, fresh processes:
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
                      throughput", AB_TP="1", BASE_COMMIT=base)
+  deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
+                     nano-vllm's workload with an empty Triton cache, then a PDL-off batch-1
+                     profile (each kernel's own time; its trace lists a layer's kernels in order)
+  structured         structured outputs: batch 1 and 64, every request constrained to a JSON
+                     schema against unconstrained (needs .carry_tok/ and the llguidance wheel
+                     in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops
   default-model      stage a half of the default model's GGUF; with both halves, install it
-  tests [PART...]    tests/gpu; parts: engine (default), kernels, tp (2 GPUs)
+  tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, tp (2 GPUs)
 
 Outputs: $FIGURES_DIR, else $OUT, else /tmp/figures. COMMIT=<sha> names the tree in the JSON.
 EOF
@@ -272,6 +279,27 @@ cmd_profile() {
   fi
 }
 
+cmd_deepseek() {
+  TRITON_CACHE_DIR=$(mktemp -d) bench ds_lat 300 latency --random-weights deepseek-v2-lite --num-iters 3 --compare-hf \
+    --profile "$FIG/ds_prof"
+  TRITON_CACHE_DIR=$(mktemp -d) bench ds_thr 300 throughput --random-weights deepseek-v2-lite --rounds 2
+  AGENT_INFER_PDL=0 bench ds_prof_nopdl 150 latency --random-weights deepseek-v2-lite --num-iters 1 \
+    --profile "$FIG/ds_prof_nopdl"
+  grep -A17 '^profile' "$FIG/ds_prof_nopdl.log" | cut -c1-160
+  table "$FIG"/ds_lat.json "$FIG"/ds_thr.json
+}
+
+cmd_structured() {
+  m8 && need_tokenizer || return 1
+  timeout 400 python3 benchmarks/structured_output.py --model "$M8" --batch-sizes 1,64 --input-len 128 \
+    --output-len 256 --num-iters 3 --output-json "$FIG/structured.json" > "$FIG/structured.log" 2>&1
+  echo "structured_output: rc $?"
+  timeout 150 python3 benchmarks/mask_fill.py --tokenizer "$M8" > "$FIG/mask_fill.log" 2>&1
+  echo "mask_fill: rc $?"
+  cat "$FIG/mask_fill.log"
+  tail -4 "$FIG/structured.log"
+}
+
 # Base and head alternate, each run a fresh process, the base first in odd rounds and last
 # in even ones: the first run of a call has repeatedly been the slowest.
 cmd_ab() {
@@ -346,6 +374,8 @@ cmd_tests() {
     case $part in
       engine)  timeout 540 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_engine_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
       kernels) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py > "$FIG/tests_$part.log" 2>&1 ;;
+      deepseek) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_moe.py tests/gpu/test_mla_kernels.py \
+                 tests/gpu/test_deepseek_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
       tp)      need_gpus 2 && m8 || return 1
                AGENT_INFER_TP_MODEL_DIR=$M8 timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py \
                  tests/gpu/test_fused_allreduce_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
@@ -447,7 +477,7 @@ main() {
   shift || true
   case $sub in
     help|-h|--help) usage; return 0 ;;
-    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|default-model|tests) ;;
+    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|structured|default-model|tests) ;;
     *) usage; return 2 ;;
   esac
   [ -f agent_infer/cli.py ] || { echo "run this from the repository root"; return 2; }
