@@ -3,7 +3,8 @@ routed experts (64 x [2 x 1408, 2048], top-6), V3's under EP = 8 (this rank hold
 256 experts of [2 x 2048, 7168], top-8, an expert map), V2-Lite's under TP = 2 (I = 704);
 bf16, fp16, fp32; T from batch-1 decode to prefill. Then the whole layer captured in a
 CUDA graph and replayed with new routing, run-to-run bit identity, moe_align at prefill
-sizes on both of its paths, and every configuration of the TUNED table at its bucket.
+sizes on both of its paths, every configuration of the TUNED table at its bucket, and the
+batch-1 router (one launch) against reference.moe_route at the released models' shapes.
 
 Run on the GPU machine: python -m pytest -q tests/gpu/test_fused_moe.py   (~2-3 min)
 """
