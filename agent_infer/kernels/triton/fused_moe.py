@@ -51,15 +51,14 @@ _ALIGN_TILE = 8192
 ONE_PROGRAM_CHUNKS = 4
 
 
-def launch_opts(device: torch.device) -> dict:
-    """Plain launches, not programmatic dependent ones (utils.launch_opts): nothing a MoE
-    kernel loads is independent of its predecessor (the routing decides which weights),
-    so an early launch has nothing to prefetch and its waiting programs only hold SM
-    slots the predecessor's last programs need. DeepSeek-V2-Lite at batch 1 on an H200:
-    390.5 / 390.6 tok/s with these four launches plain against 372.8 with PDL (the rest
-    of the step keeps PDL; all of it plain: 387.7). The kernels keep their `pdl_begin`
-    (a no-op without PDL)."""
-    return {"PDL": False}
+# Every launch here is plain, not a programmatic dependent one (utils.launch_opts):
+# nothing a MoE kernel loads is independent of its predecessor (the routing decides which
+# weights), so an early launch has nothing to prefetch and its waiting programs only hold
+# SM slots the predecessor's last programs need. DeepSeek-V2-Lite at batch 1 on an H200:
+# 390.5 / 390.6 tok/s with these four launches plain against 372.8 with PDL (the rest of
+# the step keeps PDL; all of it plain: 387.7). The kernels keep their `pdl_begin` (a
+# no-op without PDL).
+PLAIN_LAUNCH = {"PDL": False}
 
 
 # ---- moe_align -------------------------------------------------------------------------
@@ -255,7 +254,7 @@ def moe_align(
     block_e, chunk = _align_shapes(num_slots, num_local_experts)
     block_p = max(16, min(_ALIGN_TILE // block_e, triton.next_power_of_2(p)))
     num_chunks = triton.cdiv(num_slots, chunk)
-    opts = launch_opts(device)
+    opts = PLAIN_LAUNCH
     if one_program if one_program is not None else num_chunks <= ONE_PROGRAM_CHUNKS:
         _align_one_program_kernel[(1,)](
             ids, emap, sorted_slots, block_experts, num_padded, num_slots, num_local_experts, p,
@@ -425,8 +424,8 @@ def _moe_sum_kernel(
     tl.store(out_ptr + t.to(tl.int64) * som + n, total.to(out_ptr.dtype.element_ty), mask=n_in)
 
 
-def _gemm_opts(tile: Tile, device: torch.device) -> dict:
-    return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **launch_opts(device)}
+def _gemm_opts(tile: Tile) -> dict:
+    return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **PLAIN_LAUNCH}
 
 
 @dataclass(frozen=True)
@@ -485,7 +484,7 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
         inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w13.stride(0), w13.stride(1),
         h.stride(0), **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(x.dtype), **_gemm_opts(tile, x.device),
+        PRECISION=dot_precision(x.dtype), **_gemm_opts(tile),
     )
     return h
 
@@ -506,7 +505,7 @@ def down_weighted(
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), **_gemm_opts(tile, h.device),
+        PRECISION=dot_precision(h.dtype), **_gemm_opts(tile),
     )
     return y
 
@@ -524,7 +523,7 @@ def sum_topk(
         y, ids, expert_map if expert_map is not None else ids, out, d, top_k, num_local_experts,
         y.stride(0), out.stride(0),
         HAS_MAP=expert_map is not None, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=block_n, num_warps=4,
-        **launch_opts(y.device),
+        **PLAIN_LAUNCH,
     )
     return out
 
