@@ -7,7 +7,9 @@ on the GPU, and compare the result with the plain loops.
     python benchmarks/tune_fused_moe.py --compare    # the table in the file vs the reference loop
                                                      # and per-expert torch.matmul (~1 min)
 
-Families (k = 6 of 64 experts, D = 2048): V2-Lite whole (E_local 64, I 1408), under EP = 2
+Families (k = 6 of 64 experts, D = 2048): V2-Lite whole (E_local 64, I 1408), the same with
+its 2 shared experts joined (66 stored experts, every token routed to the last two at
+weight 1: what one GPU runs up to layers/moe.py's FUSED_SHARED_MAX_TOKENS), under EP = 2
 (rank 0: 32 local experts, an expert map) and with TP = 2 experts (I 704).
 
 How it measures. Routing is uniform (k distinct experts per token), drawn anew for each
@@ -51,17 +53,23 @@ class Family:
     num_local: int
     inter: int
     hidden: int
-    experts: int = 64  # global
+    experts: int = 64  # global, routed
     top_k: int = 6
+    shared: int = 0  # shared experts stored after the local routed ones (num_local counts them)
     note: str = ""
 
     @property
     def key(self) -> tuple[int, int, int]:
         return (self.num_local, self.inter, self.hidden)
 
+    @property
+    def slots_per_token(self) -> int:
+        return self.top_k + self.shared
+
 
 FAMILIES = {
     "v2-lite": Family(64, 1408, 2048, note="V2-Lite, EP = 1"),
+    "v2-lite-shared": Family(66, 1408, 2048, shared=2, note="V2-Lite, EP = 1, the 2 shared experts joined"),
     "v2-lite-ep2": Family(32, 1408, 2048, note="V2-Lite, EP = 2"),
     "v2-lite-tp2": Family(64, 704, 2048, note="V2-Lite, TP = 2 experts"),
 }
@@ -114,7 +122,7 @@ def make_layers(fam: Family, layers: int) -> list[Layer]:
 
 def expert_map(fam: Family) -> torch.Tensor | None:
     """Rank 0's map when the family holds part of the experts (EP)."""
-    if fam.num_local == fam.experts:
+    if fam.num_local - fam.shared == fam.experts:
         return None
     m = torch.full((fam.experts,), -1, dtype=torch.int32)
     m[: fam.num_local] = torch.arange(fam.num_local, dtype=torch.int32)
@@ -139,7 +147,12 @@ def make_step(fam: Family, tokens: int, layers: int, emap: torch.Tensor | None, 
     for _ in range(layers):
         i = torch.rand(tokens, fam.experts, device=DEV, generator=gen).topk(fam.top_k, dim=1).indices.to(torch.int32)
         w = torch.rand(tokens, fam.top_k, device=DEV, generator=gen) + 0.05
-        weights.append(w / w.sum(dim=1, keepdim=True))
+        w = w / w.sum(dim=1, keepdim=True)
+        if fam.shared:  # the router's shared columns: the experts after the routed ones, weight 1
+            fixed = torch.arange(fam.experts, fam.experts + fam.shared, device=DEV, dtype=torch.int32)
+            i = torch.cat([i, fixed.expand(tokens, -1)], dim=1)
+            w = torch.cat([w, torch.ones(tokens, fam.shared, device=DEV)], dim=1)
+        weights.append(w)
         ids.append(i)
         local = i.long() if emap is None else emap.long()[i.long()]
         local = local[local >= 0]
@@ -175,9 +188,10 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     for bm in block_m_candidates(tokens, fam):
         aligned = [moe.slot_layout(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
         tiles = CANDIDATES[bm][:QUICK] if quick else CANDIDATES[bm]
-        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, aligned[i], fam.top_k, t), layers))
+        k = fam.slots_per_token
+        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, aligned[i], k, t), layers))
                for t in tiles]
-        hs = [moe.gate_up_silu(step.x, ws[i].w13, aligned[i], fam.top_k, tiles[0]) for i in range(layers)]
+        hs = [moe.gate_up_silu(step.x, ws[i].w13, aligned[i], k, tiles[0]) for i in range(layers)]
         downs = [(t, try_time(lambda i, t=t: moe.down_weighted(hs[i], ws[i].w2, step.weights[i], aligned[i], t),
                               layers)) for t in tiles]
         ups = [(us, t) for t, us in ups if us is not None]
@@ -266,7 +280,7 @@ def compare_family(name: str, tokens: list[int], layers: int) -> None:
     print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
     for t in tokens:
         step = make_step(fam, t, layers, emap, seed=1000 + t)
-        cfg = get_config(fam.num_local, fam.inter, fam.hidden, t, fam.top_k, fam.experts)
+        cfg = get_config(fam.num_local, fam.inter, fam.hidden, t, fam.slots_per_token, fam.experts)
         t_fused = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
                                                        emap, config=cfg), layers)
         runs = [touched_matmuls(step, ws, emap, i) for i in range(layers)]

@@ -179,14 +179,16 @@ def check_mla_prefill(
 
 def check_mla_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, rank: int, rope_dim: int, block_size: int,
-    is_neox: bool = False, pool_layout: bool = False,
+    is_neox: bool = False, pool_layout: bool = False, absorb: bool = False,
 ) -> None:
     """The fused kv_a RMSNorm + rope of k_pe and q_pe + cache write against the reference:
     kv_a a strided view (rows wider than L + R), q_pe a strided view into a q projection
     [T, H, Dn + R], scattered slots with padding (-1); the whole cache, the whole q
     buffer and the whole kv_a buffer are compared (stray writes show; what the kernel
-    must not touch is compared bit for bit)."""
-    from agent_infer.kernels.triton.mla_rope_store import mla_rope_store
+    must not touch is compared bit for bit). `absorb`: mla_rope_store_absorb, which also
+    returns the absorbed query [q_nope @ W_UK | rope(q_pe)], W_UK a strided view of a
+    kv_b_proj-shaped weight."""
+    from agent_infer.kernels.triton.mla_rope_store import mla_rope_store, mla_rope_store_absorb
 
     width, nope = rank + rope_dim, 24
     max_pos = 4 * tokens + 50
@@ -204,13 +206,24 @@ def check_mla_rope_store(
     if pool_layout:
         cache = cache.unsqueeze(2)
     ref_kv, ref_q, ref_cache = kv_buf.clone(), q_buf.clone(), cache.clone()
-    reference.mla_rope_store(ref_kv[:, :width], ref_q[:, :, nope:], positions, weight, 1e-6, table, ref_cache, slots,
-                             is_neox)
-    with poisoned_empty():
-        latent, k_pe = mla_rope_store(kv_a, q_pe, positions, weight, 1e-6, table, cache, slots, is_neox)
-    label = f"MLA rope + store (T {tokens}, H {heads}, L {rank}, R {rope_dim}, neox {is_neox})"
-    assert latent.data_ptr() == kv_a.data_ptr() and latent.shape == (tokens, rank), "latent must be a view of kv_a"
-    assert k_pe.data_ptr() == kv_a[:, rank:].data_ptr() and k_pe.shape == (tokens, rope_dim)
+    label = f"MLA rope + store (T {tokens}, H {heads}, L {rank}, R {rope_dim}, neox {is_neox}, absorb {absorb})"
+    if absorb:
+        w_uk = (randn(heads, nope + 8, rank, dtype=torch.float32, device=device, seed=37) * nope**-0.5).to(dtype)
+        w_uk = w_uk[:, :nope]
+        want = reference.mla_rope_store_absorb(ref_kv[:, :width], ref_q, w_uk, positions, weight, 1e-6, table,
+                                               ref_cache, slots, is_neox)
+        with poisoned_empty():
+            got = mla_rope_store_absorb(kv_a, q_buf, w_uk, positions, weight, 1e-6, table, cache, slots, is_neox)
+        assert got.shape == (tokens, heads, width) and got.dtype == dtype
+        assert_close(got[..., :rank], want[..., :rank], f"{label}: q_nope @ W_UK")
+        assert_close(got[..., rank:], want[..., rank:], f"{label}: the query's rotated q_pe")
+    else:
+        reference.mla_rope_store(ref_kv[:, :width], ref_q[:, :, nope:], positions, weight, 1e-6, table, ref_cache,
+                                 slots, is_neox)
+        with poisoned_empty():
+            latent, k_pe = mla_rope_store(kv_a, q_pe, positions, weight, 1e-6, table, cache, slots, is_neox)
+        assert latent.data_ptr() == kv_a.data_ptr() and latent.shape == (tokens, rank), "latent: a view of kv_a"
+        assert k_pe.data_ptr() == kv_a[:, rank:].data_ptr() and k_pe.shape == (tokens, rope_dim)
     assert_close(kv_buf[:, :rank], ref_kv[:, :rank], f"{label}: normed latent")
     assert_close(kv_buf[:, rank:width], ref_kv[:, rank:width], f"{label}: rotated k_pe")
     assert torch.equal(kv_buf[:, width:], ref_kv[:, width:]), f"{label}: kv_a written past its row"

@@ -182,10 +182,12 @@ ROUTER_CASES = [  # method, experts, groups, topk_groups, top_k, hidden, norm, s
 ]
 
 
-def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, seed=0) -> None:
+def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, seed=0,
+                    shared=0) -> None:
     """The one-launch router against reference.moe_route for one token: the same experts
     with the same weights (top-k order is not part of the contract), the counter left at
-    zero, twice in a row (the second launch relies on the first having re-armed it)."""
+    zero, twice in a row (the second launch relies on the first having re-armed it).
+    `shared`: the shared experts' columns (ids E.., weight 1) follow the top-k."""
     from agent_infer.kernels.triton.router import moe_route_m1
 
     g = torch.Generator().manual_seed(seed)
@@ -194,10 +196,15 @@ def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden,
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     for trial in range(2):
         x = torch.randn(1, hidden, generator=g).to(torch.bfloat16).to(device)
-        want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling)
+        want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling,
+                                             shared)
         with poisoned_empty():
-            got_w, got_i = moe_route_m1(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, counter)
-        assert got_i.shape == (1, top_k) and got_w.shape == (1, top_k) and got_w.dtype == torch.float32
+            got_w, got_i = moe_route_m1(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, counter,
+                                        shared)
+        width = top_k + shared
+        assert got_i.shape == (1, width) and got_w.shape == (1, width) and got_w.dtype == torch.float32
+        assert got_i[0, top_k:].tolist() == list(range(experts, experts + shared))
+        assert got_w[0, top_k:].tolist() == [1.0] * shared
         order_got, order_want = got_i[0].long().argsort(), want_i[0].long().argsort()
         assert got_i[0].long()[order_got].tolist() == want_i[0].long()[order_want].tolist(), (
             f"trial {trial}: experts {sorted(got_i[0].tolist())} != {sorted(want_i[0].tolist())}")

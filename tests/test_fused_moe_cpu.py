@@ -72,8 +72,11 @@ def _valid(c: cfgs.MoeConfig) -> bool:
 
 def test_config_table_is_printed_format_and_valid():
     """The TUNED block in fused_moe_configs.py is exactly what format_table prints (the
-    tuning script's output pastes in as is), each family has every bucket, and every
-    configuration is launchable."""
+    tuning script's output pastes in as is), each family has every bucket from the first
+    up to the largest steps it serves (the shared-experts-joined family stops at
+    FUSED_SHARED_MAX_TOKENS), and every configuration is launchable."""
+    from agent_infer.layers.moe import FUSED_SHARED_MAX_TOKENS
+
     source = Path(cfgs.__file__).read_text()
     block = re.search(r"^TUNED: .*?^}$", source, flags=re.S | re.M).group(0)
     strip = lambda text: "\n".join(re.sub(r"\s+#.*$", "", line) for line in text.splitlines())  # noqa: E731
@@ -82,7 +85,8 @@ def test_config_table_is_printed_format_and_valid():
     exec(cfgs.format_table(cfgs.TUNED, {k: "note" for k in cfgs.TUNED}), namespace)
     assert namespace["TUNED"] == cfgs.TUNED
     for family, table in cfgs.TUNED.items():
-        assert tuple(sorted(table)) == cfgs.BUCKETS, family
+        assert tuple(sorted(table)) == cfgs.BUCKETS[:len(table)], family
+        assert max(table) >= min(cfgs.BUCKETS[-1], cfgs.bucket(FUSED_SHARED_MAX_TOKENS)), family
         assert all(_valid(c) for c in table.values()), family
 
 
@@ -116,3 +120,40 @@ def test_tuner_candidates_cover_every_bucket():
             assert block_ms, (fam, t)
             for bm in block_ms:
                 assert all(_valid(cfgs.MoeConfig(bm, tile, tile)) for tile in tune.CANDIDATES[bm]), (fam, bm)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_shared_experts_joined_to_the_routed_ones(tokens):
+    """Shared experts of S x I loaded into RoutedExperts as S experts of I: the fused form
+    (routing columns at weight 1) and the prefill form (dense GEMMs) both give the
+    routed sum plus the shared MLP computed whole from the checkpoint's tensors."""
+    from agent_infer.distributed.state import SINGLE
+    from agent_infer.layers.moe import RoutedExperts
+
+    experts, top_k, hidden, inter, shared = 5, 2, 24, 8, 2
+    g = torch.Generator().manual_seed(4)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    moe = RoutedExperts(experts, top_k, hidden, inter, SINGLE, "ep", num_shared=shared).double()
+    w13, w2 = moe_weights(experts, inter, hidden, torch.float64, "cpu", seed=5)
+    for e in range(experts):
+        moe.weight_loader(moe.w13, w13[e, :inter], shard_id=0, expert_id=e)
+        moe.weight_loader(moe.w13, w13[e, inter:], shard_id=1, expert_id=e)
+        moe.weight_loader(moe.w2, w2[e], expert_id=e)
+    gate, up, down = rand(shared * inter, hidden), rand(shared * inter, hidden), rand(hidden, shared * inter)
+    moe.weight_loader(moe.w13, gate, shard_id=0)
+    moe.weight_loader(moe.w13, up, shard_id=1)
+    moe.weight_loader(moe.w2, down)
+
+    x = rand(tokens, hidden)
+    router = rand(experts, hidden).float()
+    weights, ids = reference.moe_route(x.float(), router, None, "greedy", top_k, 1, 1, False, 1.5, shared)
+    assert ids.shape == (tokens, top_k + shared) and ids[:, top_k:].tolist() == [[5, 6]] * tokens
+    assert weights[:, top_k:].tolist() == [[1.0, 1.0]] * tokens
+    want = reference.fused_moe(x, w13, w2, weights[:, :top_k], ids[:, :top_k]) + F.linear(
+        F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    for got in (moe(x, weights, ids), moe.forward_shared_dense(x, weights, ids)):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert want.abs().max() > 0.1

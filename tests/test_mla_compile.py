@@ -147,3 +147,17 @@ def test_mla_rope_store_compiles_for_sm90(heads):
     kernel = _compile(_mla_rope_store_kernel, names, types, constexprs, names[:12], 2, 1)
     assert _resident(kernel, 2) >= 8
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
+
+
+def test_mla_rope_store_absorb_compiles_for_sm90():
+    """The decode form with W_UK absorbed, at V2-Lite's Dn 128 / L 512 / R 64: no spills."""
+    from agent_infer.kernels.triton.mla_rope_store import _ABSORB_C, _mla_rope_store_absorb_kernel
+
+    names = ["kv_a_ptr", "q_ptr", "pos_ptr", "w_ptr", "cs_ptr", "cache_ptr", "slot_ptr", "uk_ptr", "out_ptr",
+             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "suh", "suk", "sot", "soh", "eps"]
+    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*bf16", "*i64", "*bf16", "*bf16"] + ["i32"] * 10 + ["fp32"]
+    constexprs = {"KV_LORA": 512, "ROPE_DIM": 64, "NOPE": 128, "IS_NEOX": False, "BLOCK_SIZE": 16, "BLOCK_L": 512,
+                  "BLOCK_HALF": 32, "BLOCK_D": 128, "BLOCK_C": _ABSORB_C, "NUM_C": 512 // _ABSORB_C, "PDL": True}
+    kernel = _compile(_mla_rope_store_absorb_kernel, names, types, constexprs, names[:19], 4, 1)
+    assert _resident(kernel, 4) >= 4
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]

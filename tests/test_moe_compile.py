@@ -164,8 +164,8 @@ def test_router_compiles_without_spills(method, experts, groups, topk_groups, to
             ("scaling", "fp32")]
     constexprs = {"METHOD": router._METHODS[method], "NORM": method == "noaux_tc", "GROUPS": groups,
                   "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k,
-                  "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
-                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k), "PDL": True}
+                  "SHARED": 2, "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
+                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k + 2), "PDL": True}
     kernel = _compile(router._route_m1_kernel, args, constexprs,
                       {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"}, 4, 2)
     _check_no_spills(kernel, f"router {method} E={experts}")

@@ -428,6 +428,13 @@ else:
     def test_mla_rope_store_pool_layout():
         mc.check_mla_rope_store(DEV, torch.float32, 6, 3, 40, 16, 16, pool_layout=True)
 
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize("tokens,heads,rank,rope,block_size,is_neox", [(1, 3, 40, 16, 16, False),
+                                                                           (3, 5, 136, 8, 32, True)])
+    def test_mla_rope_store_absorb(dtype, tokens, heads, rank, rope, block_size, is_neox):
+        """Latent widths that are not a multiple of the 64-column chunks, too."""
+        mc.check_mla_rope_store(DEV, dtype, tokens, heads, rank, rope, block_size, is_neox, absorb=True)
+
     @pytest.mark.parametrize("batch,splits,merged", [(4, None, False), (4, 3, True), (70, None, True)])
     def test_mla_decode_step_on_static_buffers(batch, splits, merged):
         """The rope + cache write and the decode on the static buffers a CUDA graph holds,
@@ -502,6 +509,10 @@ else:
     @pytest.mark.parametrize("case", moe.ROUTER_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-g{c[2]}-k{c[4]}")
     def test_moe_route_m1(case):
         moe.check_moe_route(DEV, *case)
+
+    @pytest.mark.parametrize("case", moe.ROUTER_CASES[::3], ids=lambda c: f"{c[0]}-e{c[1]}-k{c[4]}")
+    def test_moe_route_m1_shared_columns(case):
+        moe.check_moe_route(DEV, *case, shared=2)
 
     @pytest.mark.parametrize("one_program", [True, False, None])
     @pytest.mark.parametrize("block_m", [1, 16, 64])

@@ -35,7 +35,8 @@ def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
         if isinstance(m, RoutedExperts):
             e, k = m.num_experts, m.top_k
             touched = e * (1 - (1 - k / e) ** batch)
-            unread += (m.w13.numel() + m.w2.numel()) * (1 - touched / e)
+            per_expert = (m.w13.numel() + m.w2.numel()) / m.w13.shape[0]  # shared experts stored there are read
+            unread += per_expert * (e - touched)
     return total - gathered - unread
 
 

@@ -179,6 +179,34 @@ def mla_rope_store(
                                     is_neox)
 
 
+def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[q_nope @ w_uk | q_pe] [T, H, L + R] for q [T, H, Dn + R], w_uk [H, Dn, L]: a
+    batched GEMM and a copy (reference.mla_absorb_query) on every device."""
+    return reference.mla_absorb_query(q, w_uk)
+
+
+def mla_rope_store_absorb(
+    kv_a: torch.Tensor, q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> torch.Tensor:
+    """mla_rope_store with q [T, H, Dn + R] (its last R columns rotated in place), then the
+    absorbed decode query [T, H, L + R] = [q_nope @ w_uk | q_pe] for w_uk [H, Dn, L].
+    One kernel on the GPU for up to `ABSORB_MAX_TOKENS` tokens; beyond, the rope + store
+    kernel, a batched GEMM and a copy."""
+    if _use_triton(kv_a):
+        from agent_infer.kernels.triton import mla_rope_store as mrs
+
+        if q.shape[0] <= mrs.ABSORB_MAX_TOKENS:
+            return mrs.mla_rope_store_absorb(kv_a, q, w_uk, positions, norm_weight, eps, cos_sin_cache, kv_cache,
+                                             slot_mapping, is_neox)
+        mla_rope_store(kv_a, q[..., w_uk.shape[1]:], positions, norm_weight, eps, cos_sin_cache, kv_cache,
+                       slot_mapping, is_neox)
+        return mla_absorb_query(q, w_uk)
+    return reference.mla_rope_store_absorb(kv_a, q, w_uk, positions, norm_weight, eps, cos_sin_cache, kv_cache,
+                                           slot_mapping, is_neox)
+
+
 def mla_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     scale: float, kv_lora_rank: int, out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
@@ -231,18 +259,20 @@ def fused_moe(
 
 def moe_route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
-    topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor,
+    topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's router on x [T, D] with fp32 weight [E, D] (reference.moe_route):
-    (weights [T, k] fp32, expert ids [T, k]). One token on a GPU is one launch
-    (`counter`: int32 [1], zero between calls); other batches take the PyTorch ops."""
+    (weights [T, k + num_shared] fp32, expert ids [T, k + num_shared]), the shared
+    experts' columns last. One token on a GPU is one launch (`counter`: int32 [1], zero
+    between calls); other batches take the PyTorch ops."""
     if _use_triton(x):
         from agent_infer.kernels.triton import router
 
         if router.supported(x, weight):
             return router.moe_route_m1(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob,
-                                       scaling, counter)
-    return reference.moe_route(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob, scaling)
+                                       scaling, counter, num_shared)
+    return reference.moe_route(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob, scaling,
+                               num_shared)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:

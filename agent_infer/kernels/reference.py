@@ -210,6 +210,26 @@ def mla_rope_store(
     return kv_a[:, :rank], kv_a[:, rank:]
 
 
+def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed decode query [T, H, L + R]: q [T, H, Dn + R] (q_pe already rotated)
+    as [q_nope @ W_UK | q_pe], w_uk [H, Dn, L] (kv_b_proj's per-head key rows)."""
+    dn = w_uk.shape[1]
+    q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)
+    return torch.cat((q_lat, q[..., dn:]), dim=-1)
+
+
+def mla_rope_store_absorb(
+    kv_a: torch.Tensor, q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> torch.Tensor:
+    """A decode step's MLA input side: mla_rope_store (q's last R columns rotated in
+    place), then the absorbed query mla_absorb_query(q, w_uk) [T, H, L + R]."""
+    mla_rope_store(kv_a, q[..., w_uk.shape[1]:], positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
+                   is_neox)
+    return mla_absorb_query(q, w_uk)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -302,7 +322,7 @@ def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) 
 
 def moe_route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
-    topk_groups: int, norm_topk_prob: bool, scaling: float,
+    topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routers as transformers computes them, in fp32: logits = x @ weight^T
     (weight [E, D] fp32), then
@@ -311,7 +331,9 @@ def moe_route(
     - noaux_tc (V3): sigmoid scores; experts chosen by score + bias within the
       `topk_groups` groups whose two best (biased) experts score highest, weighted by
       their unbiased scores, renormalised when `norm_topk_prob`.
-    Weights times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64)."""
+    Weights times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64); with
+    `num_shared` S, S more columns follow: experts E .. E + S - 1 at weight 1.0 (shared
+    experts stored after the routed ones, run as experts every token is routed to)."""
     logits = F.linear(x.float(), weight)
     e, k = weight.shape[0], top_k
     if method == "noaux_tc":
@@ -329,7 +351,12 @@ def moe_route(
             group_scores = scores.view(-1, num_groups, e // num_groups).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, e), 0.0)
         weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
-    return weights * scaling, ids
+    weights = weights * scaling
+    if num_shared:
+        shared = torch.arange(e, e + num_shared, device=ids.device, dtype=ids.dtype).expand(ids.shape[0], -1)
+        weights = torch.cat([weights, torch.ones(shared.shape, dtype=weights.dtype, device=weights.device)], dim=1)
+        ids = torch.cat([ids, shared], dim=1)
+    return weights, ids
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -52,27 +52,27 @@ class LatentAttention(nn.Module):
             raise RuntimeError("attention has no KV cache bound; run the model through the engine")
         meta = get_attention_metadata()
         h, dn, dv, lat = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
-        q_pe = q[..., dn:]
-        ops.mla_rope_store(kv_a, q_pe, positions, kv_norm.weight, kv_norm.eps, rotary.cos_sin_cache,
-                           self.cache.kv, meta.slot_mapping, rotary.is_neox)
         w = kv_b_weight.view(h, dn + dv, lat)
+        store = (positions, kv_norm.weight, kv_norm.eps, rotary.cos_sin_cache, self.cache.kv, meta.slot_mapping,
+                 rotary.is_neox)
         tokens = q.shape[0]
         decode_rows = meta.num_decode if meta.is_prefill else tokens
-        if decode_rows == tokens:
-            return self._decode(q, w, meta).reshape(tokens, h * dv)
+        if decode_rows == tokens:  # a decode step: the cache write and the absorbed query together
+            q_lat = ops.mla_rope_store_absorb(kv_a, q, w[:, :dn], *store)
+            return self._decode(q_lat, w, meta).reshape(tokens, h * dv)
+        ops.mla_rope_store(kv_a, q[..., dn:], *store)
         out = q.new_empty(tokens, h, dv)
         if decode_rows:
-            out[:decode_rows] = self._decode(q[:decode_rows], w, meta)
+            q_lat = ops.mla_absorb_query(q[:decode_rows], w[:, :dn])
+            out[:decode_rows] = self._decode(q_lat, w, meta)
         out[decode_rows:] = self._prefill(q[decode_rows:], kv_b_weight, meta)
         return out.view(tokens, h * dv)
 
-    def _decode(self, q: torch.Tensor, w: torch.Tensor, meta) -> torch.Tensor:
-        """[N, H, v]: the query absorbed into the latent, attention over the cached rows,
-        W_UV applied to the averaged latent."""
-        dn = self.nope_dim
-        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w[:, :dn]).transpose(0, 1)  # [N, H, latent]
-        o_lat = self.backend.decode(torch.cat((q_lat, q[..., dn:]), dim=-1), self.cache, meta, self.scale)
-        return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
+    def _decode(self, q_lat: torch.Tensor, w: torch.Tensor, meta) -> torch.Tensor:
+        """[N, H, v]: the absorbed query [N, H, latent + rope] attends over the cached
+        rows; W_UV goes from the averaged latent to each head's values."""
+        o_lat = self.backend.decode(q_lat, self.cache, meta, self.scale)
+        return torch.bmm(o_lat.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q: torch.Tensor, kv_b_weight: torch.Tensor, meta) -> torch.Tensor:
         """[T', H, v] for the prefill sequences' rows: K/V up-projected from the latent of

@@ -16,6 +16,15 @@ The routed experts are split over the tensor-parallel group in one of two ways:
   tensor-parallel MLP.
 Both return this rank's partial sum; the caller adds the shared experts' partial sum and
 all-reduces once for the layer.
+
+With every expert on one rank, the shared experts join the routed ones (`num_shared`):
+an MLP of intermediate size S x I is S experts of size I whose outputs add up, so they
+are stored after the routed experts and every token is routed to them at weight 1.0.
+A decode step then streams all the experts it touches in the fused MoE's two grouped
+GEMMs, instead of two more GEMVs and an add (DeepSeek-V2-Lite at batch 1 on an H200:
+the shared experts' GEMVs ran at 1.4-2.3 TB/s against the grouped GEMMs' 3.2-3.6).
+Steps of more than `FUSED_SHARED_MAX_TOKENS` tokens (prefill) run them as dense GEMMs,
+where cuBLAS's tiles beat the grouped GEMM's on the compute-bound shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 
 MOE_PLACEMENTS = ("ep", "tp")
+# Steps of up to this many tokens run the shared experts inside the fused MoE: all decode
+# steps; beyond, the slots of a shared expert (one per token) make compute-bound GEMMs.
+FUSED_SHARED_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,12 @@ class RouterConfig:
 
 
 class Router(nn.Module):
-    """The gate: fp32 weights (and V3's score-correction bias), replicated on every rank."""
+    """The gate: fp32 weights (and V3's score-correction bias), replicated on every rank.
+    With `num_shared`, its routing ends in the shared experts' columns (RoutedExperts)."""
 
-    def __init__(self, hidden_size: int, cfg: RouterConfig):
+    def __init__(self, hidden_size: int, cfg: RouterConfig, num_shared: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.num_shared = cfg, num_shared
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         if cfg.method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32),
@@ -61,26 +74,32 @@ class Router(nn.Module):
         self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, expert ids [T, k]) from the fp32 logits of x."""
+        """(weights [T, k + S] fp32, expert ids [T, k + S]) from the fp32 logits of x."""
         c = self.cfg
         return ops.moe_route(x, self.weight, self.e_score_correction_bias, c.method, c.top_k, c.num_groups,
-                             c.topk_groups, c.norm_topk_prob, c.routed_scaling_factor, self.done_counter)
+                             c.topk_groups, c.norm_topk_prob, c.routed_scaling_factor, self.done_counter,
+                             self.num_shared)
 
 
 class RoutedExperts(nn.Module):
-    """w13 [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
-    [E_local, H, I_local]; `forward` gives this rank's partial sum over the routed slots."""
+    """w13 [E_local + S, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
+    [E_local + S, H, I_local], the S shared experts (if joined) last; `forward` gives this
+    rank's partial sum over the routed slots and the shared experts."""
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str,
+        num_shared: int = 0,
     ):
-        """`top_k`: the experts each token is routed to (what a step reads depends on it)."""
+        """`top_k`: the experts each token is routed to (what a step reads depends on it).
+        `num_shared`: shared experts of `intermediate_size` each to hold and run with the
+        routed ones (one rank only: the routed experts must all be local)."""
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.num_shared = top_k, num_shared
         if placement not in MOE_PLACEMENTS:
             raise ValueError(f"MoE placement must be one of {', '.join(MOE_PLACEMENTS)}, got {placement!r}")
         self.tp, self.placement, self.num_experts = tp, placement, num_experts
         world, rank = tp.world_size, tp.rank
+        assert not num_shared or world == 1, "shared experts join the routed ones on a single rank only"
         if placement == "ep":
             self.num_local = num_experts // world
             self.first = rank * self.num_local
@@ -88,11 +107,13 @@ class RoutedExperts(nn.Module):
         else:
             self.num_local, self.first = num_experts, 0
             self.inter = intermediate_size // world
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
-        local = range(self.first, self.first + self.num_local)
-        self.w13.expected_pieces = {(s, e) for s in (0, 1) for e in local}
-        self.w2.expected_pieces = {(None, e) for e in local}
+        stored = self.num_local + num_shared
+        self.w13 = nn.Parameter(torch.empty(stored, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(stored, hidden_size, self.inter), requires_grad=False)
+        # Pieces by (shard, expert id); the shared experts' tensors come as one (expert None).
+        pieces = [*range(self.first, self.first + self.num_local), *([None] if num_shared else [])]
+        self.w13.expected_pieces = {(s, e) for s in (0, 1) for e in pieces}
+        self.w2.expected_pieces = {(None, e) for e in pieces}
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
         # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
@@ -105,7 +126,11 @@ class RoutedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         """One expert's gate (shard 0) or up (shard 1) projection [I, H] into w13, or its
-        down projection [H, I] into w2. Another rank's expert is skipped unread."""
+        down projection [H, I] into w2. Another rank's expert is skipped unread. Expert
+        None: the shared experts' projection ([S I, H] or [H, S I]), split into S."""
+        if expert_id is None:
+            self._load_shared(param, loaded, shard_id)
+            return
         local = expert_id - self.first
         if not 0 <= local < self.num_local:
             return
@@ -116,8 +141,33 @@ class RoutedExperts(nn.Module):
         else:
             copy_into(param.data[local], _slice(loaded, 1, start, self.inter))
 
+    def _load_shared(self, param: nn.Parameter, loaded: Weight, shard_id) -> None:
+        assert self.num_shared, "shared experts' weights for experts that do not hold them"
+        i = self.inter
+        for s in range(self.num_shared):
+            dest = param.data[self.num_local + s]
+            if param is self.w13:
+                copy_into(dest.narrow(0, shard_id * i, i), narrow(loaded, 0, s * i, i))
+            else:
+                copy_into(dest, narrow(loaded, 1, s * i, i))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
+        """weights, ids [T, k + S] (the router's, shared columns last)."""
+        if not self.num_shared or x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
+            return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
+        return self.forward_shared_dense(x, weights, ids)
+
+    def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum with the shared experts as dense GEMMs (the prefill form): one GEMM
+        for their gate and up rows (adjacent in w13), SiLU-and-mul per expert, a batched
+        GEMM for their down projections. No shape here depends on the token count but
+        the rows, so no kernel specialises on it beyond what decode steps compile."""
+        e, k, s = self.num_local, self.top_k, self.num_shared
+        tokens, hidden = x.shape
+        y = ops.fused_moe(x, self.w13[:e], self.w2[:e], weights[:, :k], ids[:, :k], self.expert_map)
+        gate_up = ops.linear(x, self.w13[e:].reshape(s * 2 * self.inter, hidden)).view(tokens, s, 2 * self.inter)
+        h = ops.silu_and_mul(gate_up)  # [T, S, I]
+        return y + torch.bmm(h.transpose(0, 1), self.w2[e:].transpose(1, 2)).sum(dim=0)
 
 
 def _slice(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ latent cache is whole on every rank. The dense layers and the shared experts are
 tensor-parallel MLPs; the routed experts are split by expert (EP, each rank builds and
 loads only its own) or by their intermediate dimension (`--moe-parallel tp`). A MoE
 layer's routed and shared partial sums meet in one all-reduce, joined with the residual
-add + RMSNorm after it.
+add + RMSNorm after it. On one rank the shared experts run inside the fused MoE, as
+experts every token is routed to (layers/moe.py).
 
 The routers, the rotary layout and the softmax scale follow transformers'
 DeepseekV2/V3 classes: softmax routing, greedy or group-limited (V2), or sigmoid with a
@@ -176,17 +177,26 @@ class DeepseekAttention(nn.Module):
         return self.attn(positions, q, kv_a, self.kv_a_layernorm, self.rotary, self.kv_b_proj.weight)
 
 
+def shared_experts_join(f: DeepseekFamilyConfig, tp: ParallelState) -> bool:
+    """Whether the shared experts are stored and run with the routed ones: on a single
+    rank, where every routed expert is local (under EP or TP the shared experts are a
+    tensor-parallel MLP)."""
+    return f.n_shared_experts > 0 and tp.world_size == 1
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: ParallelState):
         super().__init__()
         f: DeepseekFamilyConfig = cfg.family
         self.tp = tp
-        self.gate = Router(cfg.hidden_size, f.router)
+        # On one rank the shared experts run as experts of the fused MoE (layers/moe.py).
+        joined = f.n_shared_experts if shared_experts_join(f, tp) else 0
+        self.gate = Router(cfg.hidden_size, f.router, joined)
         self.experts = RoutedExperts(f.n_routed_experts, f.router.top_k, cfg.hidden_size, f.moe_intermediate_size, tp,
-                                     tp.moe_parallel)
+                                     tp.moe_parallel, joined)
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, f.moe_intermediate_size * f.n_shared_experts, "silu", False, tp)
-            if f.n_shared_experts else None
+            if f.n_shared_experts and not joined else None
         )
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +252,12 @@ _RULES = (
     WeightRule(r"(?P<pre>model\.layers\.\d+\.mlp(?:\.shared_experts)?)\.(?P<shard>gate|up)_proj\.weight",
                "{pre}.gate_up_proj.weight", shards={"gate": 0, "up": 1}),
 )
+# The shared experts' tensors into the routed experts' stacks (expert id None), when joined.
+_JOINED_SHARED_RULES = (
+    WeightRule(_LAYER + r"\.mlp\.shared_experts\.(?P<shard>gate|up)_proj\.weight", "{pre}.mlp.experts.w13",
+               shards={"gate": 0, "up": 1}),
+    WeightRule(_LAYER + r"\.mlp\.shared_experts\.down_proj\.weight", "{pre}.mlp.experts.w2"),
+)
 
 
 class DeepseekForCausalLM(DecoderLM):
@@ -251,6 +267,7 @@ class DeepseekForCausalLM(DecoderLM):
 
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
         super().__init__(cfg, DeepseekModel(cfg, tp, max_pos), tp)
+        self.shared_joined = shared_experts_join(cfg.family, tp)
 
     def weight_map(self) -> WeightMap:
         cfg, f = self.config, self.config.family
@@ -265,7 +282,8 @@ class DeepseekForCausalLM(DecoderLM):
             skip.append(rf"model\.layers\.({mtp})\..*")
             log.info("skipping %d multi-token-prediction layer(s) (model.layers.%d...) at load",
                      f.num_nextn_predict_layers, first)
-        return WeightMap(rules=_RULES, skip=tuple(skip))
+        rules = (_JOINED_SHARED_RULES if self.shared_joined else ()) + _RULES
+        return WeightMap(rules=rules, skip=tuple(skip))
 
     def warmup_prompt_lengths(self) -> tuple[int, ...]:
         """Steps of every power of two of tokens (the warm-up caps them at the step

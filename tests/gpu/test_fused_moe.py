@@ -130,3 +130,9 @@ ROUTERS = [("greedy", 64, 1, 1, 6, 2048, False, 1.0), ("group_limited_greedy", 1
 def test_moe_route_m1(case):
     for seed in range(3):
         mc.check_moe_route(DEV, *case, seed=seed)
+
+
+@pytest.mark.parametrize("case", ROUTERS[:1] + ROUTERS[2:3], ids=lambda c: f"{c[0]}-e{c[1]}")
+def test_moe_route_m1_shared_columns(case):
+    """V2-Lite's 2 and V3's 1 shared experts as the routing's last columns."""
+    mc.check_moe_route(DEV, *case, shared=2 if case[1] == 64 else 1)

@@ -79,6 +79,13 @@ def test_mla_rope_store(dtype, heads, tokens):
     mc.check_mla_rope_store(DEV, dtype, tokens, heads, RANK, ROPE, 16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [16, 8, 128])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_mla_rope_store_absorb(dtype, heads, tokens):
+    mc.check_mla_rope_store(DEV, dtype, tokens, heads, RANK, ROPE, 16, absorb=True)
+
+
 # ---- CUDA graph ------------------------------------------------------------------------
 
 

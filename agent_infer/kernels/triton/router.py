@@ -41,7 +41,7 @@ def _route_m1_kernel(
     x_ptr, w_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr,
     E, K, scaling,
     METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -98,8 +98,10 @@ def _route_m1_kernel(
             choice = tl.where(e == pick, float("-inf"), choice)
         if NORM:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
-        tl.store(weights_ptr + j_idx, out_w * scaling, mask=j_idx < TOP_K)
-        tl.store(ids_ptr + j_idx, out_i, mask=j_idx < TOP_K)
+        # The shared experts' columns follow: experts E .. E + SHARED - 1 at weight 1.
+        routed = j_idx < TOP_K
+        tl.store(weights_ptr + j_idx, tl.where(routed, out_w * scaling, 1.0), mask=j_idx < TOP_K + SHARED)
+        tl.store(ids_ptr + j_idx, tl.where(routed, out_i, E + j_idx - TOP_K), mask=j_idx < TOP_K + SHARED)
         tl.store(count_ptr, 0)  # re-armed: the next launch starts after this kernel ends
 
 
@@ -111,10 +113,10 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def moe_route_m1(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
-    topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor,
+    topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.moe_route for x [1, D] in one launch: (weights [1, k] fp32, ids [1, k]
-    int32). `counter`: an int32 [1] tensor, zero on entry and left zero (one per call site
+    """reference.moe_route for x [1, D] in one launch: (weights [1, k + num_shared] fp32,
+    ids [1, k + num_shared] int32), the shared experts' columns last. `counter`: an int32 [1] tensor, zero on entry and left zero (one per call site
     that can be in flight at once; its address may be captured in a CUDA graph)."""
     num_experts, k = weight.shape
     assert supported(x, weight) and x.shape[1] == k, f"x {tuple(x.shape)}, router weight {tuple(weight.shape)}"
@@ -126,15 +128,15 @@ def moe_route_m1(
     while k % block_k:
         block_k //= 2
     logits = torch.empty(num_experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(1, top_k + num_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, top_k + num_shared, dtype=torch.int32, device=x.device)
     _route_m1_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
         x, weight, bias if bias is not None else weight, logits, weights, ids, counter,
         num_experts, k, float(scaling),
         METHOD=_METHODS[method], NORM=bool(norm_topk_prob) and method == "noaux_tc", GROUPS=num_groups,
         GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, TOP_K=top_k,
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_TOPK=triton.next_power_of_2(top_k),
+        SHARED=num_shared, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared),
         num_warps=4, num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
