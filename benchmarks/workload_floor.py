@@ -3,7 +3,8 @@ time the run could not beat if every kernel ran at the hardware's rate and nothi
 took time. The workload is regenerated from its seed, as the benchmark draws it
 (nano-vllm's draw by default, `--workload uniform` for the other).
 
-    python benchmarks/workload_floor.py [--preset qwen3-8b] [--workload nano-vllm] [--read-tbs 4.5] [--tflops 790 705]
+    python benchmarks/workload_floor.py [--preset qwen3-8b|deepseek-v2-lite|...] [--workload nano-vllm]
+        [--read-tbs 4.5] [--tflops 790 705] [--target 12000]
 
 Prefill: the projections' FLOPs (every prompt token through every layer) and causal
 attention's, at the GEMM rate. Decode, step by step over the falling batch (every prompt
@@ -14,23 +15,38 @@ A second total adds the bytes the engine's other kernels must move at the read r
 add + RMSNorms, q/k-norm + RoPE + KV write and SiLU-and-mul per token and layer, the
 final norm, the logits written and sampled): they run between the GEMMs, so no schedule
 hides them; still no launch gaps.
+The DeepSeek presets (deepseek-v2-lite, deepseek-v3-small: latent attention and mixtures
+of experts) are counted as the engine computes them: prefill up-projects every token's
+latent to per-head K and V and routes it to its top-k experts; decode absorbs W_UK into
+the query and W_UV into the output, reads each cached token's latent row once per layer,
+and reads only the routed experts the step's tokens touch (uniform routing, as
+`agent_infer.bench.roofline.decode_weight_params` counts them), those as one group at
+max(their bytes, their FLOPs). Details in `deepseek_times`.
 Each --tflops value gives one line: on an H200, 790 TFLOP/s is what a short GEMM
 benchmark reaches at boost clock, ~705 what the workload's GEMMs sustain at the 700 W
 power limit (the sustained rate: benchmarks/gemm_sustained.py; docs/PERFORMANCE.md).
+Each line says what share of the floor a target is: by default 12,000 output tok/s for
+the dense presets and 15,000 for the DeepSeek ones, the goals set for each.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_infer.bench.offline import WORKLOADS  # noqa: E402
-from agent_infer.bench.random_weights import get_preset  # noqa: E402
+from agent_infer.bench.random_weights import HubPreset, RandomPreset, get_preset, hf_config  # noqa: E402
+from agent_infer.bench.roofline import decode_weight_params  # noqa: E402
+from agent_infer.config import ModelConfig  # noqa: E402
+
+DENSE_TARGET, DEEPSEEK_TARGET = 12_000.0, 15_000.0  # output tok/s
 
 
 def floor(preset: str, workload: str, num_seqs: int, min_len: int, max_len: int, seed: int, read_tbs: float,
@@ -40,30 +56,137 @@ def floor(preset: str, workload: str, num_seqs: int, min_len: int, max_len: int,
     prompts, outs = WORKLOADS[workload](num_seqs, min_len, max_len, p.vocab_size, seed)
     in_lens = np.asarray([len(x) for x in prompts])
     out_lens = np.asarray(outs)
-    h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
-    projections = [(q + 2 * kv, h), (h, q), (2 * p.intermediate_size, h), (h, p.intermediate_size)]  # (N, K)
-    per_token = 2 * p.num_layers * sum(n * k for n, k in projections)  # FLOPs of one token's projections
     read, rate = read_tbs * 1e12, tflops * 1e12
-    attn = 4 * p.num_layers * p.num_heads * p.head_dim * float(np.sum(in_lens * (in_lens + 1) / 2))
-    prefill = (per_token * int(in_lens.sum()) + attn) / rate
-    kv_bytes = 2 * p.num_layers * kv * 2  # K and V, bf16, per cached token
-    gemms = [(n, k, p.num_layers) for n, k in projections] + [(p.vocab_size, h, 1)]
-    decode = kv_time = 0.0
-    for step in range(1, int(out_lens.max())):  # the first token of each request comes from its prefill
-        live = out_lens > step
-        b = int(live.sum())
-        decode += sum(count * max(2 * n * k / read, 2 * b * n * k / rate) for n, k, count in gemms)
-        kv_time += float(np.sum(in_lens[live] + step)) * kv_bytes / read
+    if isinstance(p, HubPreset):
+        prefill, decode, kv_time = deepseek_times(preset, in_lens, out_lens, read, rate)
+        per_token_bytes = deepseek_elementwise_bytes(deepseek_config(preset))
+    else:
+        prefill, decode, kv_time = dense_times(p, in_lens, out_lens, read, rate)
+        per_token_bytes = elementwise_bytes(p)
     total = prefill + decode + kv_time
     tokens = int(in_lens.sum()) + int(out_lens.sum())  # every token passes each layer once
-    elementwise = (tokens * elementwise_bytes(p) + int(out_lens.sum()) * 2 * p.vocab_size * 2) / read
+    elementwise = (tokens * per_token_bytes + int(out_lens.sum()) * 2 * p.vocab_size * 2) / read
     return {"prefill_s": prefill, "decode_gemm_s": decode, "decode_kv_s": kv_time, "total_s": total,
             "output_tok_s": float(out_lens.sum()) / total, "output_tokens": int(out_lens.sum()),
             "elementwise_s": elementwise,
             "output_tok_s_with_elementwise": float(out_lens.sum()) / (total + elementwise)}
 
 
-def elementwise_bytes(p) -> int:
+def decode_steps(in_lens: np.ndarray, out_lens: np.ndarray) -> Iterator[tuple[int, float]]:
+    """(live sequences, their context tokens) of every decode step: the first token of
+    each request comes from its prefill, so step 1 makes the second."""
+    for step in range(1, int(out_lens.max())):
+        live = out_lens > step
+        yield int(live.sum()), float(np.sum(in_lens[live] + step))
+
+
+def gemm_s(n: int, k: int, batch: int, read: float, rate: float, weight_bytes: int = 2) -> float:
+    """One [n, k] weight applied to `batch` rows: it cannot beat reading the weight, nor its FLOPs."""
+    return max(weight_bytes * n * k / read, 2 * batch * n * k / rate)
+
+
+def dense_times(p: RandomPreset, in_lens: np.ndarray, out_lens: np.ndarray, read: float,
+                rate: float) -> tuple[float, float, float]:
+    """(prefill, decode GEMMs, KV reads) seconds of a dense decoder: fused QKV, o_proj,
+    fused gate/up and down per layer; the LM head in decode only (a prompt's last row
+    through it is left out of prefill, under 0.1 % of its FLOPs)."""
+    h, q, kv = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    projections = [(q + 2 * kv, h), (h, q), (2 * p.intermediate_size, h), (h, p.intermediate_size)]  # (N, K)
+    per_token = 2 * p.num_layers * sum(n * k for n, k in projections)  # FLOPs of one token's projections
+    attn = 4 * p.num_layers * p.num_heads * p.head_dim * causal_pairs(in_lens)
+    prefill = (per_token * int(in_lens.sum()) + attn) / rate
+    kv_bytes = 2 * p.num_layers * kv * 2  # K and V, bf16, per cached token
+    gemms = [(n, k, p.num_layers) for n, k in projections] + [(p.vocab_size, h, 1)]
+    decode = kv_time = 0.0
+    for b, context in decode_steps(in_lens, out_lens):
+        decode += sum(count * gemm_s(n, k, b, read, rate) for n, k, count in gemms)
+        kv_time += context * kv_bytes / read
+    return prefill, decode, kv_time
+
+
+def causal_pairs(in_lens: np.ndarray) -> float:
+    """(query, key) pairs of causal attention over every prompt."""
+    return float(np.sum(in_lens * (in_lens + 1) / 2))
+
+
+@functools.lru_cache(maxsize=None)
+def deepseek_config(preset: str) -> ModelConfig:
+    return ModelConfig.from_dict(hf_config(get_preset(preset)))
+
+
+def deepseek_gemms(cfg: ModelConfig) -> list[tuple[int, int, int, int]]:
+    """(N, K, layers, bytes per weight) of every GEMM but the routed experts and the LM
+    head. kv_b_proj [heads x (nope + v), latent] is one entry for both paths: prefill
+    applies it to every token's latent, decode its halves W_UK to the query and W_UV to
+    the attention's output; the weight and the FLOPs per row are the same. The router's
+    weights are fp32 (its FLOPs are counted at the bf16 rate, a few ms in all)."""
+    f, h, layers = cfg.family, cfg.hidden_size, cfg.num_layers
+    heads, latent, rope = f.num_heads, f.kv_lora_rank, f.qk_rope_head_dim
+    q = heads * (f.qk_nope_head_dim + rope)
+    moe = sum(f.is_moe_layer(i) for i in range(layers))
+    shared = f.moe_intermediate_size * f.n_shared_experts
+    q_rows = q if f.q_lora_rank is None else f.q_lora_rank
+    gemms = [(q_rows + latent + rope, h, layers, 2)]  # q_proj or q_a_proj with kv_a_proj_with_mqa: x's two, fused
+    if f.q_lora_rank is not None:
+        gemms.append((q, f.q_lora_rank, layers, 2))
+    gemms += [(heads * (f.qk_nope_head_dim + f.v_head_dim), latent, layers, 2), (h, heads * f.v_head_dim, layers, 2),
+              (2 * f.intermediate_size, h, layers - moe, 2), (h, f.intermediate_size, layers - moe, 2),
+              (f.n_routed_experts, h, moe, 4)]
+    if shared:
+        gemms += [(2 * shared, h, moe, 2), (h, shared, moe, 2)]
+    return gemms
+
+
+def routed_flops(cfg: ModelConfig) -> int:
+    """FLOPs of one token through its top-k routed experts (gate/up and down) in every MoE layer."""
+    f = cfg.family
+    moe = sum(f.is_moe_layer(i) for i in range(cfg.num_layers))
+    return 2 * moe * f.router.top_k * 3 * cfg.hidden_size * f.moe_intermediate_size
+
+
+@functools.lru_cache(maxsize=None)
+def decode_weight_bytes(preset: str, batch: int) -> float:
+    """bf16 bytes of the weights a decode step of `batch` sequences reads, as
+    `decode_weight_params` counts them (at batch 0: all but the routed experts). Cached:
+    building the model to count costs ~20 ms, and the batch takes a few hundred values."""
+    return 2 * decode_weight_params(deepseek_config(preset), batch)
+
+
+def deepseek_times(preset: str, in_lens: np.ndarray, out_lens: np.ndarray, read: float,
+                   rate: float) -> tuple[float, float, float]:
+    """(prefill, decode GEMMs, KV reads) seconds of a DeepSeek model as the engine runs it.
+
+    Prefill: every prompt token through `deepseek_gemms` and its top-k routed experts, at
+    the GEMM rate, plus causal attention over the K and V up-projected per head: 2 x heads
+    x (nope + rope) FLOPs per (query, key) pair for QK and 2 x heads x v for PV.
+    The LM head runs in decode only, as in `dense_times`.
+    Decode, per step: each of `deepseek_gemms` and the LM head at max(weight bytes, FLOPs);
+    the routed experts as one group at max(the touched experts' bytes, the FLOPs of the
+    live tokens' top-k); attention over the latent cache at max(its bytes, its FLOPs):
+    (kv_lora + rope) bf16 values per cached token and layer, read once for all heads, and
+    2 x heads x (kv_lora + rope + kv_lora) FLOPs per key and layer (QK over the absorbed
+    query, PV over the latent). Norm weights (a few hundred kB) and V3's router bias are
+    left out."""
+    cfg = deepseek_config(preset)
+    f, layers = cfg.family, cfg.num_layers
+    gemms = deepseek_gemms(cfg)
+    per_token = 2 * sum(n * k * count for n, k, count, _ in gemms) + routed_flops(cfg)
+    attn = 2 * layers * f.num_heads * (f.qk_nope_head_dim + f.qk_rope_head_dim + f.v_head_dim) * causal_pairs(in_lens)
+    prefill = (per_token * int(in_lens.sum()) + attn) / rate
+    gemms.append((cfg.vocab_size, cfg.hidden_size, 1, 2))
+    row = f.kv_lora_rank + f.qk_rope_head_dim
+    kv_bytes = layers * row * 2  # per cached token
+    key_flops = layers * 2 * f.num_heads * (row + f.kv_lora_rank)  # per cached token
+    decode = kv_time = 0.0
+    for b, context in decode_steps(in_lens, out_lens):
+        decode += sum(count * gemm_s(n, k, b, read, rate, size) for n, k, count, size in gemms)
+        touched = decode_weight_bytes(preset, b) - decode_weight_bytes(preset, 0)  # the routed experts read
+        decode += max(touched / read, b * routed_flops(cfg) / rate)
+        kv_time += max(context * kv_bytes / read, context * key_flops / rate)
+    return prefill, decode, kv_time
+
+
+def elementwise_bytes(p: RandomPreset) -> int:
     """bf16 bytes one token moves through the kernels between the GEMMs, all layers: per
     layer two add + RMSNorms (read x and the residual, write both), q/k-norm + RoPE + KV
     write (read q, k, v; write q and the cache's k, v) and SiLU-and-mul (read gate and up,
@@ -71,6 +194,27 @@ def elementwise_bytes(p) -> int:
     h, q, kv, i = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.intermediate_size
     per_layer = 2 * 4 * h + 2 * (q + 2 * kv) + 3 * i
     return 2 * (p.num_layers * per_layer + 2 * h)
+
+
+def deepseek_elementwise_bytes(cfg: ModelConfig) -> int:
+    """As `elementwise_bytes`, for DeepSeek: per layer two add + RMSNorms; q_a_layernorm
+    (read and write the q latent) where q is low-rank; the latent store (read kv_a, RMS-
+    normalise the latent, rotate the RoPE key, write the cache row; read and write the
+    query's RoPE part); SiLU-and-mul over the dense MLP's intermediate, or over the top-k
+    routed and the shared experts' in a MoE layer; then the final RMSNorm. Not counted:
+    routing (softmax / top-k over the fp32 logits), the tokens' gather to their experts
+    and the weighted sum of the experts' outputs, which a fused MoE kernel can fold into
+    its GEMMs."""
+    f, h = cfg.family, cfg.hidden_size
+    row = f.kv_lora_rank + f.qk_rope_head_dim
+    attention = 2 * 4 * h + 2 * (f.q_lora_rank or 0) + 2 * row + 2 * f.num_heads * f.qk_rope_head_dim
+    total = 2 * h
+    for i in range(cfg.num_layers):
+        if f.is_moe_layer(i):
+            total += attention + 3 * f.moe_intermediate_size * (f.router.top_k + f.n_shared_experts)
+        else:
+            total += attention + 3 * f.intermediate_size
+    return 2 * total
 
 
 def main() -> None:
@@ -83,16 +227,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--read-tbs", type=float, default=4.5, help="HBM read rate (H200: 4.50 measured)")
     parser.add_argument("--tflops", type=float, nargs="+", default=[790.0, 705.0], help="bf16 GEMM rate(s)")
+    parser.add_argument("--target", type=float, default=None,
+                        help=f"output tok/s to compare with the floor (default {DENSE_TARGET:,.0f} for dense "
+                             f"presets, {DEEPSEEK_TARGET:,.0f} for DeepSeek)")
     args = parser.parse_args()
+    target = args.target
+    if target is None:
+        target = DEEPSEEK_TARGET if isinstance(get_preset(args.preset), HubPreset) else DENSE_TARGET
     for tflops in args.tflops:
         f = floor(args.preset, args.workload, args.num_seqs, args.min_len, args.max_len, args.seed, args.read_tbs, tflops)
         print(f"{args.preset}, reads at {args.read_tbs} TB/s, GEMMs at {tflops:.0f} TFLOP/s: prefill "
               f"{f['prefill_s']:.2f} s + decode GEMMs {f['decode_gemm_s']:.2f} s + KV reads {f['decode_kv_s']:.2f} s "
               f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s "
-              f"(12,000 tok/s is {100 * 12000 / f['output_tok_s']:.0f} % of it)")
+              f"({target:,.0f} tok/s is {100 * target / f['output_tok_s']:.0f} % of it)")
         with_ew = f["output_tok_s_with_elementwise"]
         print(f"  + the other kernels' bytes {f['elementwise_s']:.2f} s = {f['total_s'] + f['elementwise_s']:.2f} s: "
-              f"{with_ew:,.0f} tok/s (12,000 tok/s is {100 * 12000 / with_ew:.0f} % of it)")
+              f"{with_ew:,.0f} tok/s ({target:,.0f} tok/s is {100 * target / with_ew:.0f} % of it)")
 
 
 if __name__ == "__main__":
