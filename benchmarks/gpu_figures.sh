@@ -282,10 +282,11 @@ cmd_profile() {
 cmd_deepseek() {
   TRITON_CACHE_DIR=$(mktemp -d) bench ds_lat 300 latency --random-weights deepseek-v2-lite --num-iters 3 --compare-hf \
     --profile "$FIG/ds_prof"
-  TRITON_CACHE_DIR=$(mktemp -d) bench ds_thr 300 throughput --random-weights deepseek-v2-lite --rounds 2
+  TRITON_CACHE_DIR=$(mktemp -d) bench ds_thr 300 throughput --random-weights deepseek-v2-lite --rounds 2 \
+    --profile "$FIG/ds_thr_prof"
   AGENT_INFER_PDL=0 bench ds_prof_nopdl 150 latency --random-weights deepseek-v2-lite --num-iters 1 \
     --profile "$FIG/ds_prof_nopdl"
-  grep -A17 '^profile' "$FIG/ds_prof_nopdl.log" | cut -c1-160
+  grep -A17 '^profile' "$FIG/ds_prof_nopdl.log" "$FIG/ds_thr.log" | cut -c1-160
   table "$FIG"/ds_lat.json "$FIG"/ds_thr.json
 }
 
