@@ -1,10 +1,11 @@
 """Launch configurations of the fused-MoE kernels (`fused_moe.py` beside this file), per
 shape family (E_local, I_local, D) and bucket of tokens per step.
 
-    The V2-Lite EP = 1 entries, its routed experts alone and with the shared experts
-    joined, were measured on an H200 (`benchmarks/tune_fused_moe.py --quick`, 2026-12-01).
-    The joined family (66 stored experts) serves steps of up to layers/moe.py's
-    FUSED_SHARED_MAX_TOKENS only, so its table ends at that bucket. Other shape families (V2-Lite's EP = 2 and TP = 2 shards among
+    The V2-Lite EP = 1 entries, its routed experts alone (`--quick`) and with the shared
+    experts joined (every candidate), were measured on an H200
+    (`benchmarks/tune_fused_moe.py`, 2026-12-01). The joined family (66 stored experts)
+    serves steps of up to layers/moe.py's FUSED_SHARED_MAX_TOKENS only, so its table
+    ends at that bucket. Other shape families (V2-Lite's EP = 2 and TP = 2 shards among
     them, to be measured on two GPUs) take `default_config`'s heuristic until the script,
     which prints a table in this file's format (see `format_table`), has run for them.
 
@@ -66,15 +67,15 @@ TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
         1024: MoeConfig(128, Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),
         4096: MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
     },
-    (66, 1408, 2048): {  # V2-Lite, EP = 1, the 2 shared experts joined; measured: H200, torch 2.11, 2026-12-01
+    (66, 1408, 2048): {  # V2-Lite, EP = 1, 2 shared experts joined; measured: H200, torch 2.11, 2026-12-01
         1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        4: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        8: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        16: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        32: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-        64: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),
-        128: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 64, 4, 4)),
+        2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 64, 4, 4)),
+        4: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),
+        8: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),
+        16: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),
+        32: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),
+        64: MoeConfig(32, Tile(64, 128, 4, 3), Tile(64, 64, 4, 4)),
+        128: MoeConfig(32, Tile(128, 64, 4, 3), Tile(64, 64, 4, 4)),
         256: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
         512: MoeConfig(64, Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
         1024: MoeConfig(128, Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),
