@@ -121,8 +121,8 @@ def check_fused_moe(
     ref = reference.fused_moe(x.float(), w13.float(), w2.float(), topw, ids, emap)
     what = (f"fused_moe {dtype} T={tokens} E={e_local}/{num_experts} k={top_k} D={hidden} I={inter} "
             f"{config or 'default config'}")
-    chunks = {True: 1 << 30, False: 0, None: moe.ONE_PROGRAM_CHUNKS}[one_program]
-    with mock.patch.object(moe, "ONE_PROGRAM_CHUNKS", chunks), poisoned_empty():
+    slots = {True: 1 << 30, False: 0, None: moe.ONE_PROGRAM_SLOTS}[one_program]
+    with mock.patch.object(moe, "ONE_PROGRAM_SLOTS", slots), poisoned_empty():
         out = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, direct=direct)
         given = torch.empty_like(out)
         again = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, out=given, direct=direct)

@@ -13,7 +13,7 @@ data-dependent sizes):
 1. `moe_align`: slots grouped by local expert, each group padded to a multiple of
    BLOCK_M with the sentinel slot T * k, non-local slots dropped. One-hot counting and
    an in-chunk cumsum give every slot its place, in slot order (deterministic, no
-   atomics). One program does it all for decode-sized steps; larger steps use three
+   atomics). One program does it all for steps of a few tokens; larger steps use three
    kernels (count per chunk, prefix over chunks, scatter). A single token skips it
    (`SlotLayout.direct`): its k distinct experts give each slot a block of its own.
 2. GEMM 1, grouped: a program takes BLOCK_M sorted slots of one expert (x rows gathered
@@ -46,9 +46,14 @@ from agent_infer.kernels.triton.utils import dot_precision, pdl_begin
 # The one-hot tiles of the align kernels hold at most this many int32 elements
 # ([slots, experts] and [positions, experts]): register-sized for 4-8 warps.
 _ALIGN_TILE = 8192
-# Up to this many chunks of slots, one program aligns (one launch instead of three,
-# at decode); beyond, the three-kernel path spreads the work over the GPU.
-ONE_PROGRAM_CHUNKS = 4
+# Up to this many slots, one program aligns (one launch instead of three); beyond, the
+# three-kernel path spreads the work over the GPU. The single program walks every padded
+# position (slots + up to block_m - 1 per expert: ~1,000 at 66 experts and block_m 16)
+# in turn, so its time follows the expert count more than the slots. V2-Lite with its
+# shared experts joined on an H200 (tune_fused_moe.py), one program against three
+# kernels: 10.8 / 15.8 µs at 16 slots, 19.4 / 29.9 at 32, 36.6 / 37.9 at 64, 45.5 / 26.7
+# at 128, 59.5 / 20.3 at 256.
+ONE_PROGRAM_SLOTS = 64
 
 
 # Every launch here is plain, not a programmatic dependent one (utils.launch_opts):
@@ -255,7 +260,7 @@ def moe_align(
     block_p = max(16, min(_ALIGN_TILE // block_e, triton.next_power_of_2(p)))
     num_chunks = triton.cdiv(num_slots, chunk)
     opts = PLAIN_LAUNCH
-    if one_program if one_program is not None else num_chunks <= ONE_PROGRAM_CHUNKS:
+    if one_program if one_program is not None else num_slots <= ONE_PROGRAM_SLOTS:
         _align_one_program_kernel[(1,)](
             ids, emap, sorted_slots, block_experts, num_padded, num_slots, num_local_experts, p,
             HAS_MAP=has_map, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=block_p, num_warps=8, **opts,
