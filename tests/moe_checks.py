@@ -210,3 +210,27 @@ def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden,
             f"trial {trial}: experts {sorted(got_i[0].tolist())} != {sorted(want_i[0].tolist())}")
         assert torch.allclose(got_w[0][order_got].cpu(), want_w[0][order_want].cpu(), rtol=1e-5, atol=1e-7)
         assert int(counter.item()) == 0
+
+
+def check_moe_route_rows(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, tokens,
+                         seed=0, shared=0) -> None:
+    """The one-program-per-token router against reference.moe_route for `tokens` tokens
+    (x a strided view, rows wider than D): per token the same experts with the same
+    weights, the shared experts' columns last."""
+    from agent_infer.kernels.triton.router import moe_route_rows
+
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(device)
+    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if method == "noaux_tc" else None
+    x = torch.randn(tokens, hidden + 16, generator=g).to(torch.bfloat16).to(device)[:, :hidden]
+    want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, shared)
+    with poisoned_empty():
+        got_w, got_i = moe_route_rows(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, shared)
+    width = top_k + shared
+    assert got_i.shape == (tokens, width) and got_w.shape == (tokens, width) and got_w.dtype == torch.float32
+    assert got_i[:, top_k:].tolist() == [list(range(experts, experts + shared))] * tokens
+    for t in range(tokens):
+        order_got, order_want = got_i[t].long().argsort(), want_i[t].long().argsort()
+        assert got_i[t].long()[order_got].tolist() == want_i[t].long()[order_want].tolist(), (
+            f"token {t}: experts {sorted(got_i[t].tolist())} != {sorted(want_i[t].tolist())}")
+        assert torch.allclose(got_w[t][order_got].cpu(), want_w[t][order_want].cpu(), rtol=1e-5, atol=1e-7)

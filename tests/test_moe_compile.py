@@ -171,6 +171,27 @@ def test_router_compiles_without_spills(method, experts, groups, topk_groups, to
     _check_no_spills(kernel, f"router {method} E={experts}")
 
 
+@pytest.mark.parametrize("method,experts,groups,topk_groups,top_k,hidden", [
+    ("greedy", 64, 1, 1, 6, 2048),  # V2-Lite
+    ("group_limited_greedy", 160, 8, 3, 6, 5120),  # V2
+    ("noaux_tc", 256, 8, 4, 8, 7168),  # V3
+])
+def test_router_rows_compiles_without_spills(method, experts, groups, topk_groups, top_k, hidden):
+    """The decode-batch router (a program per token) at the released models' shapes."""
+    from agent_infer.kernels.triton import router
+
+    constexprs = router._routing_constexprs(method, experts, top_k, groups, topk_groups, method == "noaux_tc", 2)
+    block_k = max(16, min(256, router._ROWS_TILE // constexprs["BLOCK_E"]))
+    while hidden % block_k:
+        block_k //= 2
+    args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("weights_ptr", "*fp32"),
+            ("ids_ptr", "*i32"), ("E", "i32"), ("K", "i32"), ("sxm", "i32"), ("swm", "i32"), ("sim", "i32"),
+            ("scaling", "fp32")]
+    kernel = _compile(router._route_rows_kernel, args, {**constexprs, "BLOCK_K": block_k, "PDL": True},
+                      {"x_ptr", "w_ptr", "bias_ptr", "weights_ptr", "ids_ptr", "K", "sxm"}, 4, 2)
+    _check_no_spills(kernel, f"router rows {method} E={experts}")
+
+
 @pytest.mark.parametrize("dtype,precision", [("fp16", "tf32"), ("fp32", "ieee")])
 @pytest.mark.parametrize("block_m,even_k", [(16, False), (64, True), (1, False)])
 def test_moe_variants_compile(dtype, precision, block_m, even_k):

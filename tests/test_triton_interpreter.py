@@ -514,6 +514,10 @@ else:
     def test_moe_route_m1_shared_columns(case):
         moe.check_moe_route(DEV, *case, shared=2)
 
+    @pytest.mark.parametrize("case", moe.ROUTER_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-g{c[2]}-k{c[4]}")
+    def test_moe_route_rows(case):
+        moe.check_moe_route_rows(DEV, *case, tokens=5, shared=1)
+
     @pytest.mark.parametrize("one_program", [True, False, None])
     @pytest.mark.parametrize("block_m", [1, 16, 64])
     @pytest.mark.parametrize(

@@ -158,7 +158,7 @@ class DeepseekAttention(nn.Module):
         self.attn = LatentAttention(self.num_heads, f.kv_lora_rank, f.qk_nope_head_dim, f.qk_rope_head_dim,
                                     f.v_head_dim, softmax_scale(f, cfg.rope))
         # x's two projections (q_proj or q_a_proj, and kv_a_proj_with_mqa) as rows of one
-        # weight: one GEMV launch for both at batch 1 (None when they carry biases).
+        # weight: one GEMV or GEMM launch for both (None when they carry biases).
         first = self.q_proj if f.q_lora_rank is None else self.q_a_proj
         self.register_buffer("x_proj_weight", stack_weights(first, self.kv_a_proj_with_mqa), persistent=False)
         self.x_proj_split = (first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0])
@@ -166,7 +166,7 @@ class DeepseekAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention output before o_proj, [tokens, heads x v_head_dim]."""
         lora = not hasattr(self, "q_proj")
-        if self.x_proj_weight is not None and x.shape[0] == 1:
+        if self.x_proj_weight is not None:
             q, kv_a = ops.linear(x, self.x_proj_weight).split(self.x_proj_split, dim=-1)
         else:
             q = self.q_a_proj(x) if lora else self.q_proj(x)

@@ -132,6 +132,12 @@ def test_moe_route_m1(case):
         mc.check_moe_route(DEV, *case, seed=seed)
 
 
+@pytest.mark.parametrize("case", ROUTERS, ids=lambda c: f"{c[0]}-e{c[1]}-d{c[5]}")
+@pytest.mark.parametrize("tokens", [2, 37, 256])
+def test_moe_route_rows(case, tokens):
+    mc.check_moe_route_rows(DEV, *case, tokens=tokens, shared=2)
+
+
 @pytest.mark.parametrize("case", ROUTERS[:1] + ROUTERS[2:3], ids=lambda c: f"{c[0]}-e{c[1]}")
 def test_moe_route_m1_shared_columns(case):
     """V2-Lite's 2 and V3's 1 shared experts as the routing's last columns."""

@@ -1,18 +1,22 @@
-"""DeepSeek's MoE router for one token (batch-1 decode) in one launch.
+"""DeepSeek's MoE router for decode steps: one launch, PyTorch's five to nine kernels.
 
-The PyTorch path is five to eight small kernels per layer (the fp32 cast of x, the
-logits GEMV, softmax or sigmoid, the group scores and mask, top-k, the scaling), a few
-µs each and all latency: at batch 1 on an H200 ~12 µs of a ~108 µs DeepSeek-V2-Lite MoE
-layer, against 5.1 µs for this kernel. Here every program computes BLOCK_N fp32 logits (the GEMV form of
-`gemv.row_dot`, its weight tiles loaded before the PDL wait since the router's weights
-never depend on the previous kernel); the last program to finish, found with an atomic
-counter as in the GEMV's add + norm epilogue, reads all E logits back and routes:
-scores, group selection, top-k by repeated argmax, renormalisation and scaling.
+The PyTorch path is five to nine small kernels per layer (the fp32 cast of x, the
+logits GEMM, softmax or sigmoid, the group scores and mask, top-k, the scaling, the
+shared experts' columns), a few µs each and all latency: at batch 1 on an H200 ~12 µs
+of a ~108 µs DeepSeek-V2-Lite MoE layer, against 5.1 µs for one kernel.
 
-Same maths as `reference.moe_route` (the reference; routing methods there), in fp32;
-the logits are summed in another order than cuBLAS's, so a near-tie between two
-experts may resolve the other way, as between any two GEMM implementations.
-"""
+- One token (`moe_route_m1`): every program computes BLOCK_N fp32 logits (the GEMV form
+  of `gemv.row_dot`, its weight tiles loaded before the PDL wait since the router's
+  weights never depend on the previous kernel); the last program to finish, found with
+  an atomic counter as in the GEMV's add + norm epilogue, reads all E logits back and
+  routes.
+- 2 to ROWS_MAX_TOKENS tokens (`moe_route_rows`): one program per token computes its E
+  logits and routes them.
+
+Routing (`_route`): scores, group selection, top-k by repeated argmax, renormalisation
+and scaling. Same maths as `reference.moe_route` (the reference; routing methods there),
+in fp32; the logits are summed in another order than cuBLAS's, so a near-tie between two
+experts may resolve the other way, as between any two GEMM implementations."""
 
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Largest expert count the last program holds in registers (V3 has 256).
 MAX_EXPERTS = 1024
 _BLOCK_N = 2  # logit rows per program: 32-128 programs for 64-256 experts
+# Batches of 2 to this many tokens take one program per token (`moe_route_rows`), each
+# reading all the router's weights (from L2 after the first): 256 tokens of V2-Lite read
+# 128 MB that way. Longer steps (prefill) take PyTorch's GEMM and top-k.
+ROWS_MAX_TOKENS = 256
+_ROWS_TILE = 8192  # fp32 weight values a program loads per K step (64 per thread at 4 warps)
 
 
 @triton.jit
@@ -34,6 +43,61 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
     """Index of the first maximum of v (lanes with -inf never win over finite ones)."""
     m = tl.max(v, axis=0)
     return tl.min(tl.where(v == m, idx, BIG), axis=0)
+
+
+@triton.jit
+def _route(
+    logits, e, live, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+    METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+):
+    """One token's routing from its fp32 logits [BLOCK_E] (-inf where not `live`): scores,
+    group selection, top-k by repeated argmax, renormalisation and scaling; the weights
+    and ids stored at weights_ptr / ids_ptr, the shared experts' columns after them."""
+    if METHOD == 2:
+        scores = tl.where(live, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+        choice = tl.where(live, scores + tl.load(bias_ptr + e, mask=live, other=0.0), float("-inf"))
+    else:
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        scores = p / tl.sum(p, axis=0)
+        choice = tl.where(live, scores, float("-inf"))
+    if GROUPS > 1:
+        group = e // GROUP_SIZE
+        g_idx = tl.arange(0, BLOCK_G)
+        g_score = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(GROUPS):
+            v = tl.where(live & (group == g), choice, float("-inf"))
+            best = tl.max(v, axis=0)
+            if METHOD == 2:  # the sum of the group's two best biased scores
+                second = tl.max(tl.where(e == _argmax_first(v, e, BLOCK_E), float("-inf"), v), axis=0)
+                best = best + second
+            g_score = tl.where(g_idx == g, best, g_score)
+        kept = g_idx < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            kept = kept | (g_idx == _argmax_first(tl.where(kept, float("-inf"), g_score), g_idx, BLOCK_G))
+        allowed = live & (group < 0)
+        for g in tl.static_range(GROUPS):
+            allowed = allowed | ((group == g) & (tl.sum((kept & (g_idx == g)).to(tl.int32), axis=0) > 0))
+        if METHOD == 2:
+            choice = tl.where(allowed, choice, float("-inf"))
+        else:  # V2 zeroes the other groups' probabilities, then takes top-k over all
+            scores = tl.where(allowed, scores, 0.0)
+            choice = tl.where(live, scores, float("-inf"))
+    j_idx = tl.arange(0, BLOCK_TOPK)
+    out_w = tl.zeros([BLOCK_TOPK], tl.float32)
+    out_i = tl.zeros([BLOCK_TOPK], tl.int32)
+    for j in tl.static_range(TOP_K):
+        pick = _argmax_first(choice, e, BLOCK_E)
+        out_w = tl.where(j_idx == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), out_w)
+        out_i = tl.where(j_idx == j, pick, out_i)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    if NORM:
+        out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+    # The shared experts' columns follow: experts E .. E + SHARED - 1 at weight 1.
+    routed = j_idx < TOP_K
+    tl.store(weights_ptr + j_idx, tl.where(routed, out_w * scaling, 1.0), mask=j_idx < TOP_K + SHARED)
+    tl.store(ids_ptr + j_idx, tl.where(routed, out_i, E + j_idx - TOP_K), mask=j_idx < TOP_K + SHARED)
 
 
 @triton.jit
@@ -59,56 +123,74 @@ def _route_m1_kernel(
         live = e < E
         # .cg: other SMs wrote the logits; this SM's L1 is not coherent with them.
         logits = tl.load(logits_ptr + e, mask=live, other=float("-inf"), cache_modifier=".cg")
-        if METHOD == 2:
-            scores = tl.where(live, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
-            choice = tl.where(live, scores + tl.load(bias_ptr + e, mask=live, other=0.0), float("-inf"))
-        else:
-            p = tl.exp(logits - tl.max(logits, axis=0))
-            scores = p / tl.sum(p, axis=0)
-            choice = tl.where(live, scores, float("-inf"))
-        if GROUPS > 1:
-            group = e // GROUP_SIZE
-            g_idx = tl.arange(0, BLOCK_G)
-            g_score = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for g in tl.static_range(GROUPS):
-                v = tl.where(live & (group == g), choice, float("-inf"))
-                best = tl.max(v, axis=0)
-                if METHOD == 2:  # the sum of the group's two best biased scores
-                    second = tl.max(tl.where(e == _argmax_first(v, e, BLOCK_E), float("-inf"), v), axis=0)
-                    best = best + second
-                g_score = tl.where(g_idx == g, best, g_score)
-            kept = g_idx < 0
-            for _ in tl.static_range(TOPK_GROUPS):
-                kept = kept | (g_idx == _argmax_first(tl.where(kept, float("-inf"), g_score), g_idx, BLOCK_G))
-            allowed = live & (group < 0)
-            for g in tl.static_range(GROUPS):
-                allowed = allowed | ((group == g) & (tl.sum((kept & (g_idx == g)).to(tl.int32), axis=0) > 0))
-            if METHOD == 2:
-                choice = tl.where(allowed, choice, float("-inf"))
-            else:  # V2 zeroes the other groups' probabilities, then takes top-k over all
-                scores = tl.where(allowed, scores, 0.0)
-                choice = tl.where(live, scores, float("-inf"))
-        j_idx = tl.arange(0, BLOCK_TOPK)
-        out_w = tl.zeros([BLOCK_TOPK], tl.float32)
-        out_i = tl.zeros([BLOCK_TOPK], tl.int32)
-        for j in tl.static_range(TOP_K):
-            pick = _argmax_first(choice, e, BLOCK_E)
-            out_w = tl.where(j_idx == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), out_w)
-            out_i = tl.where(j_idx == j, pick, out_i)
-            choice = tl.where(e == pick, float("-inf"), choice)
-        if NORM:
-            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
-        # The shared experts' columns follow: experts E .. E + SHARED - 1 at weight 1.
-        routed = j_idx < TOP_K
-        tl.store(weights_ptr + j_idx, tl.where(routed, out_w * scaling, 1.0), mask=j_idx < TOP_K + SHARED)
-        tl.store(ids_ptr + j_idx, tl.where(routed, out_i, E + j_idx - TOP_K), mask=j_idx < TOP_K + SHARED)
+        _route(logits, e, live, bias_ptr, weights_ptr, ids_ptr, E, scaling, METHOD, NORM, GROUPS, GROUP_SIZE,
+               TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
         tl.store(count_ptr, 0)  # re-armed: the next launch starts after this kernel ends
 
 
+@triton.jit
+def _route_rows_kernel(
+    x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr,
+    E, K, sxm, swm, sim, scaling,
+    METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Token `program_id` alone: all E logits (the router's weights from L2 after the
+    first tokens' programs), then its routing."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    live = e < E
+    y = row_dot(x_ptr + t * sxm, w_ptr, w_ptr, e, live, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, 1)
+    logits = tl.where(live, y, float("-inf"))
+    _route(logits, e, live, bias_ptr, weights_ptr + t * swm, ids_ptr + t * sim, E, scaling, METHOD, NORM, GROUPS,
+           GROUP_SIZE, TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One token, fp32 router weights, a hidden size the GEMV tiles divide."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
+    """A decode-sized step (up to ROWS_MAX_TOKENS tokens), fp32 router weights, a hidden
+    size the GEMV tiles divide."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX_TOKENS and x.stride(1) == 1 and weight.is_contiguous()
             and weight.dtype == torch.float32 and weight.shape[0] <= MAX_EXPERTS and x.shape[1] % 16 == 0)
+
+
+def _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups) -> None:
+    num_experts, k = weight.shape
+    assert supported(x, weight) and x.shape[1] == k, f"x {tuple(x.shape)}, router weight {tuple(weight.shape)}"
+    assert num_experts % num_groups == 0 and 1 <= top_k <= num_experts and 1 <= topk_groups <= num_groups
+    if method == "noaux_tc":
+        assert bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+
+
+def _routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared) -> dict:
+    return dict(METHOD=_METHODS[method], NORM=bool(norm_topk_prob) and method == "noaux_tc", GROUPS=num_groups,
+                GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, TOP_K=top_k, SHARED=num_shared,
+                BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
+                BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared))
+
+
+def moe_route_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.moe_route for x [T, D] with one program per token: (weights [T, k +
+    num_shared] fp32, ids [T, k + num_shared] int32), the shared experts' columns last."""
+    _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups)
+    tokens, (num_experts, k) = x.shape[0], weight.shape
+    block_e = triton.next_power_of_2(num_experts)
+    block_k = max(16, min(256, _ROWS_TILE // block_e))  # a [BLOCK_E, BLOCK_K] fp32 weight tile per step
+    while k % block_k:
+        block_k //= 2
+    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
+    _route_rows_kernel[(tokens,)](
+        x, weight, bias if bias is not None else weight, weights, ids,
+        num_experts, k, x.stride(0), weights.stride(0), ids.stride(0), float(scaling),
+        **_routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
+        BLOCK_K=block_k, num_warps=4, num_stages=2, **launch_opts(x.device),
+    )
+    return weights, ids
 
 
 def moe_route_m1(
@@ -116,14 +198,13 @@ def moe_route_m1(
     topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.moe_route for x [1, D] in one launch: (weights [1, k + num_shared] fp32,
-    ids [1, k + num_shared] int32), the shared experts' columns last. `counter`: an int32 [1] tensor, zero on entry and left zero (one per call site
-    that can be in flight at once; its address may be captured in a CUDA graph)."""
-    num_experts, k = weight.shape
-    assert supported(x, weight) and x.shape[1] == k, f"x {tuple(x.shape)}, router weight {tuple(weight.shape)}"
-    assert num_experts % num_groups == 0 and 1 <= top_k <= num_experts and 1 <= topk_groups <= num_groups
+    ids [1, k + num_shared] int32), the shared experts' columns last. `counter`: an int32
+    [1] tensor, zero on entry and left zero (one per call site that can be in flight at
+    once; its address may be captured in a CUDA graph)."""
+    _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups)
+    assert x.shape[0] == 1 and x.is_contiguous()
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
-    if method == "noaux_tc":
-        assert bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+    num_experts, k = weight.shape
     block_k = 2048
     while k % block_k:
         block_k //= 2
@@ -133,10 +214,7 @@ def moe_route_m1(
     _route_m1_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
         x, weight, bias if bias is not None else weight, logits, weights, ids, counter,
         num_experts, k, float(scaling),
-        METHOD=_METHODS[method], NORM=bool(norm_topk_prob) and method == "noaux_tc", GROUPS=num_groups,
-        GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, TOP_K=top_k,
-        SHARED=num_shared, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared),
-        num_warps=4, num_stages=2, **launch_opts(x.device),
+        **_routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
+        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
