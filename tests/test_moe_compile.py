@@ -187,7 +187,8 @@ def test_router_rows_compiles_without_spills(method, experts, groups, topk_group
     args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("weights_ptr", "*fp32"),
             ("ids_ptr", "*i32"), ("E", "i32"), ("K", "i32"), ("sxm", "i32"), ("swm", "i32"), ("sim", "i32"),
             ("scaling", "fp32")]
-    kernel = _compile(router._route_rows_kernel, args, {**constexprs, "BLOCK_K": block_k, "PDL": True},
+    kernel = _compile(router._route_rows_kernel, args,
+                      {**constexprs, "BLOCK_K": block_k, "FROM_LOGITS": False, "PDL": True},
                       {"x_ptr", "w_ptr", "bias_ptr", "weights_ptr", "ids_ptr", "K", "sxm"}, 4, 2)
     _check_no_spills(kernel, f"router rows {method} E={experts}")
 

@@ -515,8 +515,9 @@ else:
         moe.check_moe_route(DEV, *case, shared=2)
 
     @pytest.mark.parametrize("case", moe.ROUTER_CASES, ids=lambda c: f"{c[0]}-e{c[1]}-g{c[2]}-k{c[4]}")
-    def test_moe_route_rows(case):
-        moe.check_moe_route_rows(DEV, *case, tokens=5, shared=1)
+    @pytest.mark.parametrize("tokens", [5, 40])  # logits in the kernel, from a GEMM
+    def test_moe_route_rows(case, tokens):
+        moe.check_moe_route_rows(DEV, *case, tokens=tokens, shared=1)
 
     @pytest.mark.parametrize("one_program", [True, False, None])
     @pytest.mark.parametrize("block_m", [1, 16, 64])

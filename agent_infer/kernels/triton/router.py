@@ -1,4 +1,4 @@
-"""DeepSeek's MoE router for decode steps: one launch, PyTorch's five to nine kernels.
+"""DeepSeek's MoE router in one or two launches, where PyTorch takes five to nine.
 
 The PyTorch path is five to nine small kernels per layer (the fp32 cast of x, the
 logits GEMM, softmax or sigmoid, the group scores and mask, top-k, the scaling, the
@@ -10,8 +10,8 @@ of a ~108 µs DeepSeek-V2-Lite MoE layer, against 5.1 µs for one kernel.
   weights never depend on the previous kernel); the last program to finish, found with
   an atomic counter as in the GEMV's add + norm epilogue, reads all E logits back and
   routes.
-- 2 to ROWS_MAX_TOKENS tokens (`moe_route_rows`): one program per token computes its E
-  logits and routes them.
+- More tokens (`moe_route_rows`): one program per token routes; up to
+  FUSED_LOGITS_MAX_TOKENS it computes its E logits too, beyond an fp32 GEMM does.
 
 Routing (`_route`): scores, group selection, top-k by repeated argmax, renormalisation
 and scaling. Same maths as `reference.moe_route` (the reference; routing methods there),
@@ -21,20 +21,22 @@ experts may resolve the other way, as between any two GEMM implementations."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.gemv import row_dot
-from agent_infer.kernels.triton.utils import launch_opts
+from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Largest expert count the last program holds in registers (V3 has 256).
 MAX_EXPERTS = 1024
 _BLOCK_N = 2  # logit rows per program: 32-128 programs for 64-256 experts
-# Batches of 2 to this many tokens take one program per token (`moe_route_rows`), each
-# reading all the router's weights (from L2 after the first): 256 tokens of V2-Lite read
-# 128 MB that way. Longer steps (prefill) take PyTorch's GEMM and top-k.
-ROWS_MAX_TOKENS = 256
+# Up to this many tokens, each token's program computes its logits, reading all the
+# router's weights (from L2 after the first tokens); beyond, an fp32 GEMM does and the
+# programs only route. V2-Lite on an H200: 41 µs at 256 tokens the first way (128 MB of
+# L2 reads), against ~6 µs for the GEMM.
+FUSED_LOGITS_MAX_TOKENS = 32
 _ROWS_TILE = 8192  # fp32 weight values a program loads per K step (64 per thread at 4 warps)
 
 
@@ -135,23 +137,27 @@ def _route_rows_kernel(
     METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, FROM_LOGITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Token `program_id` alone: all E logits (the router's weights from L2 after the
-    first tokens' programs), then its routing."""
+    """Token `program_id` alone: its E logits (FROM_LOGITS: x holds them already, fp32;
+    else computed here, the router's weights from L2 after the first tokens' programs),
+    then its routing."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     live = e < E
-    y = row_dot(x_ptr + t * sxm, w_ptr, w_ptr, e, live, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, 1)
-    logits = tl.where(live, y, float("-inf"))
+    if FROM_LOGITS:
+        pdl_begin(PDL)
+        logits = tl.load(x_ptr + t * sxm + e, mask=live, other=float("-inf"))
+    else:
+        y = row_dot(x_ptr + t * sxm, w_ptr, w_ptr, e, live, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, 1)
+        logits = tl.where(live, y, float("-inf"))
     _route(logits, e, live, bias_ptr, weights_ptr + t * swm, ids_ptr + t * sim, E, scaling, METHOD, NORM, GROUPS,
            GROUP_SIZE, TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A decode-sized step (up to ROWS_MAX_TOKENS tokens), fp32 router weights, a hidden
-    size the GEMV tiles divide."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX_TOKENS and x.stride(1) == 1 and weight.is_contiguous()
+    """Tokens [T, D], fp32 router weights, a hidden size the GEMV tiles divide."""
+    return (x.dim() == 2 and x.shape[0] >= 1 and x.stride(1) == 1 and weight.is_contiguous()
             and weight.dtype == torch.float32 and weight.shape[0] <= MAX_EXPERTS and x.shape[1] % 16 == 0)
 
 
@@ -175,20 +181,23 @@ def moe_route_rows(
     topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.moe_route for x [T, D] with one program per token: (weights [T, k +
-    num_shared] fp32, ids [T, k + num_shared] int32), the shared experts' columns last."""
+    num_shared] fp32, ids [T, k + num_shared] int32), the shared experts' columns last.
+    Past FUSED_LOGITS_MAX_TOKENS tokens the logits come from an fp32 GEMM first."""
     _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups)
     tokens, (num_experts, k) = x.shape[0], weight.shape
     block_e = triton.next_power_of_2(num_experts)
     block_k = max(16, min(256, _ROWS_TILE // block_e))  # a [BLOCK_E, BLOCK_K] fp32 weight tile per step
     while k % block_k:
         block_k //= 2
+    from_logits = tokens > FUSED_LOGITS_MAX_TOKENS
+    src = F.linear(x.float(), weight) if from_logits else x
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
     _route_rows_kernel[(tokens,)](
-        x, weight, bias if bias is not None else weight, weights, ids,
-        num_experts, k, x.stride(0), weights.stride(0), ids.stride(0), float(scaling),
+        src, weight, bias if bias is not None else weight, weights, ids,
+        num_experts, k, src.stride(0), weights.stride(0), ids.stride(0), float(scaling),
         **_routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
-        BLOCK_K=block_k, num_warps=4, num_stages=2, **launch_opts(x.device),
+        BLOCK_K=block_k, FROM_LOGITS=from_logits, num_warps=4, num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
 
