@@ -274,8 +274,9 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's router on x [T, D] with fp32 weight [E, D] (reference.moe_route):
     (weights [T, k + num_shared] fp32, expert ids [T, k + num_shared]), the shared
-    experts' columns last. A decode step on a GPU is one launch (`counter`: int32 [1],
-    zero between calls, for one token); prefill steps take the PyTorch ops."""
+    experts' columns last. On a GPU a step of up to router.FUSED_LOGITS_MAX_TOKENS
+    tokens is one launch (`counter`: int32 [1], zero between calls, for one token), a
+    longer one an fp32 GEMM and one launch."""
     if _use_triton(x):
         from agent_infer.kernels.triton import router
 

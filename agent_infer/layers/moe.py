@@ -23,8 +23,10 @@ are stored after the routed experts and every token is routed to them at weight 
 A decode step then streams all the experts it touches in the fused MoE's two grouped
 GEMMs, instead of two more GEMVs and an add (DeepSeek-V2-Lite at batch 1 on an H200:
 the shared experts' GEMVs ran at 1.4-2.3 TB/s against the grouped GEMMs' 3.2-3.6).
-Steps of more than `FUSED_SHARED_MAX_TOKENS` tokens (prefill) run them as dense GEMMs,
-where cuBLAS's tiles beat the grouped GEMM's on the compute-bound shapes.
+Steps of more than `FUSED_SHARED_MAX_TOKENS` tokens (prefill) run them as dense GEMMs:
+a shared expert's slots are then every token, a compute-bound GEMM, where cuBLAS sustains
+~680 TFLOP/s on an H200 and the grouped GEMM reached 345 at 1,024 tokens
+(docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
