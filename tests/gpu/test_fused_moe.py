@@ -79,9 +79,11 @@ def test_fused_moe_both_align_paths(one_program, tokens):
 def test_tuned_configs(family, bucket):
     """Each entry of the table at its own bucket size (a pasted table is checked here)."""
     e_local, inter, hidden = family
-    experts = 64  # V2-Lite; a family with fewer local experts is rank 0 of an EP group
+    experts, top_k = 64, 6  # V2-Lite; a family with fewer local experts is rank 0 of an EP group
     local = None if e_local == experts else (0, e_local)
-    mc.check_fused_moe(DEV, torch.bfloat16, bucket, experts, 6, hidden, inter, local=local,
+    if e_local > experts:  # the shared experts joined: all local, 8 slots a token
+        experts, top_k, local = e_local, top_k + e_local - experts, None
+    mc.check_fused_moe(DEV, torch.bfloat16, bucket, experts, top_k, hidden, inter, local=local,
                        config=TUNED[family][bucket])
 
 
@@ -89,9 +91,8 @@ def test_tuned_configs(family, bucket):
     "shape,tokens", [("v2-lite", 1), ("v2-lite", 64), ("v2-lite", 256), ("v3-ep8", 1), ("v3-ep8", 7), ("v3-ep8", 512)]
 )
 def test_fused_moe_cuda_graph_replay(shape, tokens):
-    """Captured once, replayed with new x and routing; 256 and 512 tokens take the
-    three-kernel align path, one token the direct layout, the others the one-program
-    path."""
+    """Captured once, replayed with new x and routing; one token takes the direct
+    layout, 7 (56 slots) the one-program align path, the others the three-kernel one."""
     experts, top_k, hidden, inter, local = SHAPES[shape]
     mc.check_fused_moe_graph(DEV, torch.bfloat16, tokens, experts, top_k, hidden, inter, local=local)
 
