@@ -81,8 +81,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
                      throughput", AB_TP="1", BASE_COMMIT=base)
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
-                     nano-vllm's workload with an empty Triton cache, then a PDL-off batch-1
-                     profile (each kernel's own time; its trace lists a layer's kernels in order)
+                     nano-vllm's workload with an empty Triton cache (and its batch-256 and
+                     prefill profiles), then a PDL-off batch-1 profile (each kernel's own
+                     time; its trace lists a layer's kernels in order)
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
