@@ -159,14 +159,15 @@ def test_absorbed_decode_equals_materialised_attention():
 
 
 def test_absorbed_query_written_in_place_equals_the_concatenation():
-    """ops' GPU path for decode batches past the one-kernel absorption: the batched GEMM
-    into a strided view of the result, then q_pe copied, is reference.mla_absorb_query;
-    W_UK a strided view of kv_b_proj's weight, q a strided view of a projection."""
+    """ops.mla_absorb_query (decode batches past the one-kernel absorption, and a mixed
+    step's decode rows): the batched GEMM into a strided view of the result, then q_pe
+    copied, is reference.mla_absorb_query; W_UK a strided view of kv_b_proj's weight, q a
+    strided view of a projection."""
     from agent_infer.kernels import reference
 
     heads, nope, rope, latent = 5, 24, 8, 40
     q = randn(7, heads, nope + rope + 3, dtype=torch.float32, device="cpu", seed=1)[..., : nope + rope]
     w_uk = randn(heads, nope + 16, latent, dtype=torch.float32, device="cpu", seed=2)[:, :nope]
-    got = ops._absorb_query_into(q, w_uk)
+    got = ops.mla_absorb_query(q, w_uk)
     assert got.shape == (7, heads, latent + rope)
     assert torch.allclose(got, reference.mla_absorb_query(q, w_uk), rtol=1e-5, atol=1e-5)

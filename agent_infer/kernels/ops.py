@@ -180,15 +180,10 @@ def mla_rope_store(
 
 
 def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """[q_nope @ w_uk | q_pe] [T, H, L + R] for q [T, H, Dn + R], w_uk [H, Dn, L]: a
-    batched GEMM and a copy (reference.mla_absorb_query) on every device."""
-    return reference.mla_absorb_query(q, w_uk)
-
-
-def _absorb_query_into(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """mla_absorb_query with the batched GEMM writing its rows into the result (cuBLAS
-    takes the strided output as is): only q_pe is copied, not the whole query (at batch
-    256 on V2-Lite 0.5 of the concatenation's 4.7 MB)."""
+    """reference.mla_absorb_query, [q_nope @ w_uk | q_pe] [T, H, L + R] for q [T, H, Dn +
+    R] and w_uk [H, Dn, L], with the batched GEMM writing its rows into the result
+    (cuBLAS takes the strided output as is): only q_pe is copied, not the whole query as
+    a concatenation would (at batch 256 on V2-Lite 0.5 of its 4.7 MB)."""
     heads, dn, lat = w_uk.shape
     out = q.new_empty(q.shape[0], heads, lat + q.shape[2] - dn)
     torch.bmm(q[..., :dn].transpose(0, 1), w_uk, out=out[..., :lat].transpose(0, 1))
@@ -213,7 +208,7 @@ def mla_rope_store_absorb(
                                              slot_mapping, is_neox)
         mla_rope_store(kv_a, q[..., w_uk.shape[1]:], positions, norm_weight, eps, cos_sin_cache, kv_cache,
                        slot_mapping, is_neox)
-        return _absorb_query_into(q, w_uk)
+        return mla_absorb_query(q, w_uk)
     return reference.mla_rope_store_absorb(kv_a, q, w_uk, positions, norm_weight, eps, cos_sin_cache, kv_cache,
                                            slot_mapping, is_neox)
 

@@ -48,7 +48,7 @@ class ReplicatedLinear(nn.Module):
 def stack_weights(*layers: nn.Module) -> torch.Tensor | None:
     """Make the weights of `layers` (one input, no bias) consecutive rows of one [sum N, K]
     tensor, each layer's weight a view of its rows (loading fills them as before), and
-    return it: a batch-1 step then reads them all in one GEMV launch. None, with nothing
+    return it: a step then runs them all in one GEMV or GEMM launch. None, with nothing
     changed, when a layer has a bias."""
     if any(getattr(layer, "bias", None) is not None for layer in layers):
         return None
