@@ -5,6 +5,7 @@ and `bench/cli.py` import these; this module imports none of them."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 EXIT_USAGE = 2
@@ -51,21 +52,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
 
 
+def kv_cache_bytes_from_gib(gib: float | None) -> int | None:
+    """--kv-cache-gib in bytes; None (flag not given) keeps the default budget. Zero, a
+    negative or a non-finite value is refused rather than read as "the default"."""
+    from agent_infer.config import ConfigError
+
+    if gib is None:
+        return None
+    if not gib > 0:  # NaN included
+        raise ConfigError(f"--kv-cache-gib must be > 0, got {gib:g}; leave it out for the default budget")
+    if not math.isfinite(gib):
+        raise ConfigError(f"--kv-cache-gib must be > 0 and finite, got {gib:g}")
+    return int(gib * 2**30)
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from agent_infer.config import EngineConfig
     from agent_infer.loader.default_model import ensure_default_model
 
+    kv_cache_bytes = kv_cache_bytes_from_gib(args.kv_cache_gib)  # before the default model is fetched
     return EngineConfig(
         model=args.model or ensure_default_model(),
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs or 256,
+        max_num_seqs=256 if args.max_num_seqs is None else args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+        kv_cache_bytes=kv_cache_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from agent_infer.checkpoint_files import ConfigError, read_json_object, require_directory  # noqa: F401 (re-exported)
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -29,10 +30,6 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration the engine cannot run; the message says what to change."""
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -126,21 +123,12 @@ def refuse_unread_fields(hf: dict[str, Any], family: str, reads: frozenset[str])
 def read_config_json(path: str) -> dict[str, Any]:
     """A model directory's config.json as a dict; a missing or unreadable file is a
     ConfigError naming it."""
+    require_directory(path, "model", "--model takes the checkpoint's directory (the one holding config.json "
+                      "and the *.safetensors weights)", "config.json")
     cfg_file = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise ConfigError(f"model directory not found: {path}")
     if not os.path.isfile(cfg_file):
         raise ConfigError(f"no config.json in {path}: not a Hugging Face model directory")
-    try:
-        with open(cfg_file) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_file} cannot be read: {e}") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{cfg_file} holds a JSON {type(hf).__name__}, not an object")
-    return hf
+    return read_json_object(cfg_file)
 
 
 @dataclass(frozen=True)
@@ -266,6 +254,11 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be 'none' or 'recompute', got {self.preemption_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        # None, not 0, asks for the default budget: an empty cache cannot hold one token.
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes} (None: the default budget)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks} (None: what the budget holds)")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -19,19 +19,25 @@
 # What the GPU machine lacks travels with the call as ignored paths (the device tool's
 # `carry`, 64 MiB in all):
 #   .whl/          wheels of fastapi, uvicorn and openai (the server, `bench serve`, the server
-#                  tests), gguf (the default model) and llguidance (structured outputs: the
-#                  server tests, `structured`), with the pure-python dependencies the
-#                  machine does not have. Downloaded here, at the versions this checkout's
-#                  .venv has (`make setup`), for the machine's Python 3.12:
+#                  tests), pyzmq, msgspec, uvloop and httptools (the server's front ends and
+#                  engine core; msgspec and uvloop also make `bench serve` cheaper per chunk),
+#                  gguf (the default model) and llguidance (structured outputs: the server
+#                  tests, `structured`), with the dependencies the machine does not have
+#                  (sniffio), or may have older than these need (typing-extensions, anyio,
+#                  idna, h11). Downloaded here, at the versions this checkout's .venv has
+#                  (`make setup`), for the machine's Python 3.12 (about 16 MB in all):
 #                    for p in fastapi starlette pydantic pydantic-core annotated-types \
 #                        typing-inspection annotated-doc opentelemetry-api uvicorn click openai \
-#                        jiter httpx2 httpcore2 truststore gguf llguidance; do
+#                        jiter httpx2 httpcore2 truststore gguf llguidance pyzmq msgspec uvloop \
+#                        httptools sniffio typing-extensions anyio idna h11; do
 #                      pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 #                        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #                        "$p==$(.venv/bin/pip show "$p" | sed -n 's/^Version: //p')"
 #                    done
-#                  (`.venv/bin/pip show NAME` lists what a new version requires.)
+#                  (a wheel's requirements: unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist;
+#                  the machine has torch, transformers, tokenizers, numpy, httpx, aiohttp and
+#                  prometheus-client.)
 #   .carry_tok/    a tokenizer's files, copied into the random checkpoints: `server` and the
 #                  server part of `tp2` need one (without it the server streams no text and
 #                  `bench serve` counts no tokens). SmolLM2's, once `make demo` has converted it:
@@ -71,8 +77,10 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      folder; on 2+ GPUs, per-rank allocation at TP = 1 and 2 (a 4 GiB KV cache)
   fp8                the throughput workload and batch 1 with a bf16 and an fp8 KV cache,
                      alternating
-  server             the OpenAI server at concurrency 1 / 8 / 64 against offline generation
-                     at the same batch
+  server             nano-vllm's workload offline at batch 64 and 256 and the same requests
+                     through the server: streamed at concurrency 64 and 256, not streamed
+                     at 256, then 2 and 4 front-end processes at 256; batch 1 streamed
+                     against offline's decode step (~7 min; SERVER_BUDGET_S, default 560)
   tp2 | tp4          batch 1 with --tp 2 (4), fused all-reduce and NCCL; tp2 adds the fused
                      all-reduce kernel's timing and the server with --tp 2
   profile [TP]       PDL-off kernel profiles: batch-1 decode at TP (default 1; at TP > 1 with
@@ -204,13 +212,16 @@ cmd_fp8() {
   table "$FIG"/thr_kv_*.json "$FIG"/lat_kv_*.json
 }
 
-# start_server LOG ARGS...: `agent-infer serve` on a free port; sets SERVER_PID and URL.
+# start_server LOG ARGS...: `agent-infer serve` on a free port, in a process group of its own
+# (a server may be several processes: front ends and an engine core); sets SERVER_PID and
+# URL. Waits up to SERVER_WAIT_S seconds (default 240) for /health.
 start_server() {
-  local log=$1; shift
-  python3 -m agent_infer.cli serve --model "$M8" --port 0 "$@" > "$log" 2>&1 & SERVER_PID=$!
+  local log=$1 group=(); shift
+  command -v setsid >/dev/null && group=(setsid)
+  ${group[@]+"${group[@]}"} python3 -m agent_infer.cli serve --model "$M8" --port 0 "$@" > "$log" 2>&1 & SERVER_PID=$!
   URL=
-  for _ in $(seq 240); do
-    URL=$(grep -o 'http://[^ ]*' "$log" | head -1)
+  for _ in $(seq "${SERVER_WAIT_S:-240}"); do
+    URL=$(grep -o 'serving .* on http://[^ ]*' "$log" | grep -o 'http://[^ ]*' | head -1)
     [ -n "$URL" ] && curl -sf "$URL/health" >/dev/null && return 0
     kill -0 $SERVER_PID 2>/dev/null || break
     sleep 1
@@ -218,7 +229,20 @@ start_server() {
   echo "the server did not come up:"; tail -20 "$log"; stop_server; return 1
 }
 
-stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
+# stop_server: SIGTERM to the server's process group, SIGKILL to whatever is left after 30 s,
+# so that the next run finds the GPU's memory free.
+stop_server() {
+  local pid=${SERVER_PID:-} watchdog _
+  [ -n "$pid" ] || return 0
+  SERVER_PID=
+  kill -TERM -- -"$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+  ( sleep 30; kill -KILL -- -"$pid" 2>/dev/null ) & watchdog=$!
+  wait "$pid" 2>/dev/null
+  for _ in $(seq 15); do kill -0 -- -"$pid" 2>/dev/null || break; sleep 1; done  # the group's other processes
+  kill -KILL -- -"$pid" 2>/dev/null
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  return 0
+}
 
 # serve_load NAME CONCURRENCY PROMPTS OUTPUT_LEN: `bench serve` against $URL into $FIG/NAME.json.
 serve_load() {
@@ -227,16 +251,191 @@ serve_load() {
   echo "$1: rc $?  $(grep -E 'Output token throughput' "$FIG/$1.log" | head -1)"
 }
 
+# ---- server against offline (`server`) --------------------------------------------------
+#
+# One call: nano-vllm's workload offline at batch 64 and 256, the same requests through the
+# server (streamed at concurrency 64 and 256, not streamed at 256; then 1, 2 and 4 front-end
+# processes at 256), batch 1 streamed through the server and offline. Temperature 0.6 for the
+# workload on both sides (bench throughput's default, nano-vllm's), each request seeded
+# as offline seeds it (--seed-per-request); greedy at batch 1 (bench latency is greedy).
+# Steps run while the budget allows and are listed as skipped otherwise.
+
+SERVER_BUDGET_S=${SERVER_BUDGET_S:-560}  # seconds for the whole call, from the script's start
+SKIPPED=()
+
+left_s() { echo $((SERVER_BUDGET_S - SECONDS)); }
+
+# fits NAME NEED_S: whether NEED_S seconds are left; if not, NAME is noted as skipped.
+fits() {
+  [ "$(left_s)" -ge "$2" ] && return 0
+  SKIPPED+=("$1 (wants ~$2 s, $(left_s) s left)")
+  echo "$1: skipped, $(left_s) s left"
+  return 1
+}
+
+# capped LIMIT_S: LIMIT_S, or the time left (less a margin for the table) if that is less.
+capped() {
+  local rest=$(($(left_s) - 10))
+  [ "$rest" -lt "$1" ] && echo $((rest > 1 ? rest : 1)) || echo "$1"
+}
+
+# workload_args: `bench serve` flags for the very requests `bench throughput --workload
+# nano-vllm --num-seqs 256` runs (its defaults: lengths 100-1024, seed 0, the model's
+# vocabulary), one a line.
+workload_args() {
+  local vocab
+  vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$M8/config.json") \
+    || return 1
+  printf '%s\n' --workload nano-vllm --num-prompts 256 --min-len 100 --max-len 1024 --vocab-size "$vocab" \
+    --seed 0 --seed-per-request --temperature 0.6
+}
+
+# serve_run NAME LIMIT_S ARGS...: one `bench serve` against $URL into $FIG/NAME.json.
+serve_run() {
+  local name=$1 limit rc
+  limit=$(capped "$2"); shift 2
+  timeout "$limit" python3 -m agent_infer.cli bench serve --base-url "$URL/v1" "$@" --result-json "$FIG/$name.json" \
+    > "$FIG/$name.log" 2>&1
+  rc=$?
+  echo "$name: rc $rc  $(grep -E 'Output token throughput|Client CPU' "$FIG/$name.log" | tr -s ' ' | tr '\n' ' ')"
+}
+
+# serve_up NAME NEED_S ARGS...: start a server (logging to $FIG/NAME.log) if NEED_S seconds are left.
+serve_up() {
+  local name=$1 need=$2; shift 2
+  fits "$name" "$need" || return 1
+  SERVER_WAIT_S=$(capped 240) start_server "$FIG/$name.log" "$@"
+}
+
 cmd_server() {
+  local n load=()
   m8 && need_tokenizer || return 1
-  start_server "$FIG/server.log" --max-num-seqs 64 || return 1
-  serve_load serve_c1 1 8 256
-  serve_load serve_c8 8 32 256
-  serve_load serve_c64 64 256 256
-  stop_server
-  bench offline_c64 200 throughput --model "$M8" --num-seqs 256 --min-len 256 --max-len 256 --max-num-seqs 64 \
-    --temperature 0
-  table "$FIG"/serve_c1.json "$FIG"/serve_c8.json "$FIG"/serve_c64.json "$FIG"/offline_c64.json
+  trap stop_server EXIT
+  mapfile -t load < <(workload_args)
+  [ ${#load[@]} -gt 0 ] || { echo "cannot read the vocabulary size from $M8/config.json"; return 1; }
+  for n in 64 256; do
+    fits "offline_c$n" 90 && bench "offline_c$n" "$(capped 170)" throughput --model "$M8" --workload nano-vllm \
+      --num-seqs 256 --max-num-seqs $n --rounds 2 --temperature 0.6
+  done
+  if serve_up server_api1 100 --max-num-seqs 256; then
+    fits serve_c64 40 && serve_run serve_c64 120 "${load[@]}" --max-concurrency 64
+    fits serve_c256 30 && serve_run serve_c256 90 "${load[@]}" --max-concurrency 256
+    fits serve_c256_nostream 30 && serve_run serve_c256_nostream 90 "${load[@]}" --max-concurrency 256 --no-stream
+    fits serve_c1 25 && serve_run serve_c1 60 --max-concurrency 1 --num-prompts 8 --random-input-len 256 \
+      --random-output-len 256 --temperature 0
+    stop_server
+  fi
+  for n in 2 4; do
+    if serve_up "server_api$n" 80 --max-num-seqs 256 --api-server-count $n; then
+      fits "serve_c256_api$n" 30 && serve_run "serve_c256_api$n" 90 "${load[@]}" --max-concurrency 256
+      stop_server
+    fi
+  done
+  fits offline_lat 60 && bench offline_lat "$(capped 150)" latency --model "$M8" --num-iters 3 \
+    --input-len 256 --output-len 256
+  server_table "$FIG"
+  if [ ${#SKIPPED[@]} -gt 0 ]; then printf 'skipped for time: %s\n' "${SKIPPED[@]}"; fi
+  echo "total ${SECONDS} s"
+}
+
+# server_table DIR: the `server` runs side by side, one row each.
+server_table() {
+  python3 - "$1" <<'EOF'
+import json, os, sys
+
+fig = sys.argv[1]
+
+
+def load(name):
+    path = os.path.join(fig, name + ".json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def num(x, digits=1):
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def pair(stats, digits=1):
+    return "-" if not stats else f"{num(stats['median'], digits)} / {num(stats['p99'], digits)}"
+
+
+def decode_gaps(trace):
+    """Offline inter-token times (ms -> tokens) from the engine's step trace: a decode token's
+    gap is its step's period plus the token-less prefill steps since the previous decode step,
+    which the decoding sequences waited through (a sequence prefilled in one of those waited
+    less: an approximation)."""
+    gaps, carry = {}, 0.0
+    for prefill, seqs, rows, period in zip(trace["prefill"], trace["seqs"], trace["decode_rows"], trace["period_s"]):
+        n = rows if prefill else seqs
+        if n == 0:
+            carry += period
+            continue
+        gap = (period + carry) * 1e3
+        gaps[gap] = gaps.get(gap, 0) + n
+        carry = 0.0
+    return gaps
+
+
+def weighted_stats(weights):
+    if not weights:
+        return None
+    total, out, acc = sum(weights.values()), {}, 0
+    for value in sorted(weights):
+        acc += weights[value]
+        for name, q in (("median", 0.5), ("p99", 0.99)):
+            if name not in out and acc >= q * total:
+                out[name] = value
+    return out
+
+
+rows = [("run", "output tok/s", "output tokens", "server / offline", "TTFT ms median / p99", "ITL ms median / p99",
+         "TPOT ms median", "client CPU / wall")]
+anchors = {}
+for n in (64, 256):
+    d = load(f"offline_c{n}")
+    if d:
+        r = d["results"]
+        anchors[n] = r["output_tok_s"]
+        later = f" (later {num(r['later_output_tok_s'], 0)})" if r.get("later_output_tok_s") else ""
+        rows.append((f"offline, batch {n}", num(r["output_tok_s"], 0) + later, str(r["output_tokens"]), "1", "-",
+                     pair(weighted_stats(decode_gaps(r["step_trace"])), 2), "-", "-"))
+lat = load("offline_lat")
+if lat:
+    r = lat["results"]
+    rows.append(("offline, batch 1 (latency)", num(r["decode_tok_s_per_seq"]), "-", "1", f"{num(r['ttft_ms'])} / -",
+                 f"{num(r['decode_step_ms'], 2)} (decode step)", "-", "-"))
+
+serve_runs = [("serve_c64", "server, concurrency 64", 64), ("serve_c256", "server, concurrency 256", 256),
+              ("serve_c256_nostream", "server, 256, not streamed", 256),
+              ("serve_c256_api2", "server, 256, 2 front ends", 256), ("serve_c256_api4", "server, 256, 4 front ends", 256),
+              ("serve_c1", "server, concurrency 1", 1)]
+for name, label, anchor in serve_runs:
+    d = load(name)
+    if not d:
+        continue
+    tpot = (d.get("tpot_ms") or {}).get("median")
+    if anchor == 1:  # batch 1: the inter-token speed against the offline decode step
+        ratio = lat["results"]["decode_step_ms"] / tpot if lat and tpot else None
+    else:
+        ratio = d["output_throughput"] / anchors[anchor] if anchor in anchors else None
+    cpu = d.get("client_cpu_fraction")
+    failed = f", {d['failed']} failed" if d["failed"] else ""
+    rows.append((label, num(d["output_throughput"], 0), f"{d['total_output_tokens']}{failed}", num(ratio, 3),
+                 pair(d.get("ttft_ms")), pair(d.get("itl_ms"), 2), num(tpot, 2),
+                 "-" if cpu is None else f"{cpu:.2f} ({d.get('client_event_loop') or '?'})"))
+
+print()
+print("| " + " | ".join(rows[0]) + " |")
+print("|" + "---|" * len(rows[0]))
+for row in rows[1:]:
+    print("| " + " | ".join(row) + " |")
+print("\nserver / offline: output tok/s against offline's first batch at the same batch size; at concurrency 1, "
+      "offline's decode step over the server's median TPOT. Offline ITL: the step trace's decode gaps, per token. "
+      "Not streamed: no TTFT or ITL. Temperature 0.6 (seeded per request as offline) except at batch 1 (greedy).")
+EOF
 }
 
 tp_latency() {

@@ -18,7 +18,8 @@ from agent_infer.config import EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine, RequestError
 from agent_infer.engine.structs import Sequence
 from agent_infer.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams as SO
-from agent_infer.structured import Constraints, GrammarCompiler, GrammarError
+from agent_infer.structured.constraints import Constraints
+from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import statistics
@@ -46,6 +45,9 @@ from agent_infer.bench.monitor import GpuMonitor, format_monitor
 from agent_infer.bench.roofline import decode_roofline
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
 from agent_infer.bench.table import render_table
+from agent_infer.bench.workloads import (  # noqa: F401 - re-exported for existing callers
+    NANO_VLLM_MAX_TOKEN_ID, WORKLOADS, nano_vllm_workload, uniform_workload,
+)
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.sampling_params import SamplingParams
 
@@ -281,32 +283,6 @@ def latency_rows(results: dict, hf: dict | None, roof: dict, monitor: dict, B: i
 
 
 # ---- throughput -----------------------------------------------------------------------
-
-
-NANO_VLLM_MAX_TOKEN_ID = 10000
-
-
-def nano_vllm_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
-    """(prompts, output lengths) drawn exactly as nano-vllm's bench.py draws them: Python's
-    `random` seeded with `seed`; for each prompt a length randint(min_len, max_len), then
-    that many ids randint(0, 10000); after all prompts, each max_tokens randint(min_len,
-    max_len). (A vocabulary of 10,000 tokens or fewer draws ids below its size instead.)"""
-    rng = random.Random(seed)
-    top = min(NANO_VLLM_MAX_TOKEN_ID, vocab - 1)
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)]
-    return prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)]
-
-
-def uniform_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int):
-    """(prompts, output lengths): lengths uniform in [min_len, max_len] (NumPy), ids over
-    the whole vocabulary."""
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(min_len, max_len + 1, num_seqs)
-    out_lens = rng.integers(min_len, max_len + 1, num_seqs)
-    return random_prompts(rng, in_lens, vocab), [int(n) for n in out_lens]
-
-
-WORKLOADS = {"nano-vllm": nano_vllm_workload, "uniform": uniform_workload}
 
 
 def fresh_prompts(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:

@@ -89,3 +89,39 @@ def _fast_decoder(tokenizer):
     except ImportError:
         return None
     return backend.decode if isinstance(backend, Tokenizer) else None
+
+
+class RequestText:
+    """The text side of one request: incremental text with stop strings when the request
+    streams or has stop strings, else one decode at the end. Both the in-process engine
+    and the server's front ends (which do all text work for the engine core) use it."""
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "detok")
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params, stream: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.detok = None
+        if tokenizer is not None and (stream or params.stop):
+            self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                                                params.include_stop_str_in_output)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Feed one generated token; returns the stop string it completed, if any."""
+        return self.detok.add_token(token_id) if self.detok is not None else None
+
+    @property
+    def stopped_by(self) -> str | None:
+        return self.detok.stopped_by if self.detok is not None else None
+
+    def texts(self, token_ids: list[int], finished: bool) -> tuple[str, str]:
+        """(all text so far, the text not handed out before). Without incremental text,
+        nothing until the request finishes, then everything at once."""
+        detok = self.detok
+        if detok is not None:
+            delta = detok.take_delta(finished)
+            return (detok.text if finished else detok.text[: detok.emitted]), delta
+        if finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+            return text, text
+        return "", ""

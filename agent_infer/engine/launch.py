@@ -16,7 +16,7 @@ from agent_infer.distributed.group import torchrun_launch
 from agent_infer.engine.llm_engine import LLMEngine
 
 
-def launch_engine(config: EngineConfig) -> LLMEngine:
+def launch_engine(config: EngineConfig, detokenize: bool = True) -> LLMEngine:
     launch = torchrun_launch()
     if launch is not None and launch.rank != 0:
         from agent_infer.engine.worker import worker_main
@@ -24,4 +24,4 @@ def launch_engine(config: EngineConfig) -> LLMEngine:
         if config.tensor_parallel_size not in (1, launch.world_size):
             raise ConfigError(f"--tp {config.tensor_parallel_size} but torchrun started {launch.world_size} processes")
         sys.exit(worker_main(replace(config, tensor_parallel_size=launch.world_size), launch))
-    return LLMEngine(config)
+    return LLMEngine(config, detokenize=detokenize)

@@ -20,7 +20,7 @@ from agent_infer.distributed.group import torchrun_launch
 from agent_infer.distributed.state import SINGLE
 from agent_infer.distributed.workers import WorkerGroup, local_launch, rank_device
 from agent_infer.engine.block_manager import BlockManager, PrefixCacheStats
-from agent_infer.engine.detokenizer import IncrementalDetokenizer
+from agent_infer.engine.detokenizer import RequestText
 from agent_infer.engine.model_runner import StepOutput
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
 from agent_infer.engine.runner_setup import setup_runner
@@ -30,7 +30,8 @@ from agent_infer.engine.warmup import warm_up
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.models.registry import resolve_model_class
 from agent_infer.sampling_params import SamplingParams
-from agent_infer.structured import Constraints, GrammarCompiler, GrammarError
+from agent_infer.structured.constraints import Constraints
+from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +63,22 @@ def unpack_prompt(prompt: Prompt) -> str | list[int]:
 @dataclass
 class _Request:
     seq: Sequence
-    detok: IncrementalDetokenizer | None  # per-token text, when streaming or stop strings need it
+    text: RequestText | None  # None: the engine produces no text (see LLMEngine's `detokenize`)
     sent_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # grows with the output, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # built once the whole prompt has them
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
         """Rank 0's engine (the only one without tensor parallelism), which starts the other
         ranks as local worker processes; under torchrun it joins those the launcher
-        started, and ranks > 0 run `engine.launch.launch_engine` instead."""
+        started, and ranks > 0 run `engine.launch.launch_engine` instead.
+
+        `detokenize=False`: outputs carry token ids only (no text), and stop strings are
+        left to the caller, as the server's engine core leaves them to its front ends."""
         self.config = config
+        self.detokenize = detokenize
         self.model_config = ModelConfig.from_hf(config.model)
         launch = torchrun_launch()
         tp_size = config.tensor_parallel_size
@@ -197,11 +203,8 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
             prompt=prompt if isinstance(prompt, str) else None,
         )
-        detok = None
-        if self.tokenizer is not None and (stream or params.stop):
-            detok = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-            )
+        text = RequestText(self.tokenizer, ids, params, stream) if self.detokenize else None
+        req = _Request(seq, text, logprobs=[] if params.logprobs is not None else None)
         if params.constrained:
             try:
                 self.constraints.add(seq)
@@ -209,9 +212,9 @@ class LLMEngine:
                 raise RequestError(str(e)) from None
         if not self.scheduler.add(seq):
             self.constraints.remove(request_id)
-            self._pending.append(self._output(_Request(seq, detok)))
+            self._pending.append(self._output(req))
             return seq
-        self._requests[request_id] = _Request(seq, detok)
+        self._requests[request_id] = req
         if params.has_penalties:
             self._penalty_requests.add(request_id)
         return seq
@@ -347,8 +350,8 @@ class LLMEngine:
             if req is None:
                 continue
             token = seq.output_token_ids[seq.num_resolved - 1]
-            if req.detok is not None:
-                stop = req.detok.add_token(token)
+            if req.text is not None:
+                stop = req.text.add_token(token)
                 if stop is not None:
                     self.scheduler.finish(seq, FinishReason.STOP)
             if not seq.is_finished and seq.request_id in self.constraints and self.constraints.on_token(seq, token):
@@ -366,25 +369,20 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         finished = seq.is_finished
-        if req.detok is not None:
-            delta = req.detok.take_delta(finished)
-            text = req.detok.text if finished else req.detok.text[: req.detok.emitted]
-        elif finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
-            delta = text
-        else:
-            text, delta = "", ""
         done = seq.num_resolved
+        token_ids = seq.output_token_ids[:done]
+        text, delta = req.text.texts(token_ids, finished) if req.text is not None else ("", "")
         new_ids = seq.output_token_ids[req.sent_tokens : done]
         req.sent_tokens = done
-        logprobs = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = [TokenLogprob(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs)]
+        logprobs = req.logprobs
+        if logprobs is not None and len(logprobs) < len(seq.output_logprobs):
+            logprobs.extend(TokenLogprob(t, lp, top) for t, (lp, top) in
+                            zip(seq.output_token_ids[len(logprobs):], seq.output_logprobs[len(logprobs):]))
         stop_reason = None  # like vLLM: None for EOS, else the stop string or stop token
         if seq.finish_reason == FinishReason.STOP:
             last = seq.output_token_ids[done - 1] if done else None
-            if req.detok is not None and req.detok.stopped_by:
-                stop_reason = req.detok.stopped_by
+            if req.text is not None and req.text.stopped_by:
+                stop_reason = req.text.stopped_by
             elif last in seq.sampling_params.stop_token_ids:
                 stop_reason = last
         return RequestOutput(
@@ -392,7 +390,7 @@ class LLMEngine:
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             prompt_logprobs=self._prompt_logprobs(req),
-            token_ids=seq.output_token_ids[:done],
+            token_ids=token_ids,
             text=text,
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,

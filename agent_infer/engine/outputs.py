@@ -25,7 +25,9 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set when the request was rejected
     num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # all so far, when asked for
+    # All so far, when asked for: one list per request that grows as it runs (copy it to
+    # keep the state of one step).
+    logprobs: list[TokenLogprob] | None = None
     # With SamplingParams.prompt_logprobs, once the prompt is computed: None for the first
     # prompt token (nothing precedes it), then each token's logprob given those before.
     prompt_logprobs: list[TokenLogprob | None] | None = None

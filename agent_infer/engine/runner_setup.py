@@ -14,7 +14,7 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.all_reduce import choose_all_reduce
 from agent_infer.distributed.state import ParallelState
 from agent_infer.engine.model_runner import ModelRunner
-from agent_infer.kvcache.pool import KVMemoryPool
+from agent_infer.kvcache.pool import KVMemoryPool, kv_does_not_fit, kv_memory_available
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,18 @@ def setup_runner(
         runner.cache_bytes_per_token() * config.block_size, device, config.gpu_memory_utilization,
         config.kv_cache_bytes, config.num_kv_blocks, peak,
     )
-    num_blocks = _agree_min(budget.num_blocks, device, tp)
+    # Checked before allocating: a budget beyond the machine's memory would otherwise fail
+    # deep in the allocator, or on a CPU be granted lazily and swap or get the process
+    # killed while the zeros are written. Every rank takes the same decision, on the
+    # smallest room any rank has.
+    room, where = kv_memory_available(device)
+    num_blocks, room = _agree_min([budget.num_blocks, room], device, tp)
+    if tp.world_size > 1:
+        where = f"free on the rank with the least (of {tp.world_size})"
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache ({budget.source}); use a smaller model or a larger budget")
+    if num_blocks * budget.bytes_per_block > room:
+        raise kv_does_not_fit(budget.source, num_blocks, config.block_size, budget.bytes_per_block, room, where)
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:
         if config.max_model_len is not None:
@@ -68,9 +77,10 @@ def setup_runner(
     return runner, RunnerPlan(num_blocks, max_model_len)
 
 
-def _agree_min(value: int, device: torch.device, tp: ParallelState) -> int:
+def _agree_min(values: list[int], device: torch.device, tp: ParallelState) -> list[int]:
+    """Each value's minimum over the ranks."""
     if tp.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]

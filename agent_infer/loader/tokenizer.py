@@ -2,32 +2,67 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from agent_infer.config import ModelConfig
+from agent_infer.checkpoint_files import ConfigError, read_json_object, require_directory
+
+if TYPE_CHECKING:
+    from agent_infer.config import ModelConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# The JSON files a tokenizer directory may hold, each an object: when transformers fails
+# with a JSON error of its own ("Expecting value: line 1 column 1"), which names no file,
+# the first of these that does not parse is the one to name.
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json")
+
+
+def _require_tokenizer_directory(path: str) -> None:
+    require_directory(path, "tokenizer", "--tokenizer takes the directory holding tokenizer.json / "
+                      "tokenizer_config.json", "tokenizer.json")
 
 
 def has_tokenizer(path: str) -> bool:
+    """Whether the directory `path` holds tokenizer files. A path that is not a directory
+    is a ConfigError: a --tokenizer that points nowhere must not quietly mean "no tokenizer"."""
+    _require_tokenizer_directory(path)
     return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of the directory `path`; a damaged one is a ConfigError on one line
+    naming the file (or the directory) and what is wrong with it."""
+    _require_tokenizer_directory(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers and tokenizers raise many kinds; -v shows the traceback
+        raise _tokenizer_error(path, e) from e
+
+
+def _tokenizer_error(path: str, e: Exception) -> ConfigError:
+    """Why the tokenizer in `path` did not load: the first of its JSON files that is not a
+    JSON object, else what transformers said, on one line."""
+    for name in _TOKENIZER_JSON:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            try:
+                read_json_object(file)
+            except ConfigError as bad:
+                return ConfigError(f"cannot load the tokenizer: {bad}; restore it from the original checkpoint")
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return ConfigError(f"cannot load the tokenizer in {path}: {reason}")
 
 
 def generation_config(path: str) -> dict:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return {}
-    with open(file) as f:
-        return json.load(f)
+    return read_json_object(file)
 
 
 def _as_ids(value) -> set[int]:

@@ -1,4 +1,5 @@
-"""`agent-infer serve`: the OpenAI-compatible server on uvicorn.
+"""`agent-infer serve`: the OpenAI-compatible server (agent_infer/server/launcher.py
+starts its engine core and front ends).
 
 `agent_infer/cli.py` registers it with `add_serve_parser(sub, add_engine_args)`.
 `python -m agent_infer.server.cli [serve flags]` runs the same command on its own.
@@ -9,8 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
+
+from agent_infer.server.text_workers import TextLimits
 
 log = logging.getLogger(__name__)
 
@@ -33,47 +35,44 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                         "template, else the model family)")
     g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "qwen3", "deepseek_r1"],
                    help="split <think> blocks into reasoning_content (auto: when the chat template has them)")
-    g.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="Python's GIL switch interval in the server process, where the engine thread and the "
-                        "event loop share the GIL (sys.setswitchinterval; default: Python's, 5 ms)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes on the one port, all feeding the one engine core (more for "
+                        "many streaming clients: each does its own text work)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may still run after SIGTERM / SIGINT before they are aborted")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (code the server runs; refused by default)")
+    g.add_argument("--chat-template-timeout", type=float, default=TextLimits.template_timeout_s,
+                   help="wall-clock limit of one chat template rendering, seconds (the request then gets a 400)")
+    g.add_argument("--max-chat-template-output", type=int, default=TextLimits.max_template_output_chars,
+                   help="characters a chat template may write at most (the request then gets a 400)")
     p.set_defaults(handler=cmd_serve)
     return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from agent_infer.arguments import engine_config_from_args
-    from agent_infer.engine.async_engine import AsyncEngine, AsyncEngineConfig
-    from agent_infer.engine.launch import launch_engine
-    from agent_infer.server.openai_server import build_app
+    from agent_infer.core.engine_core import CoreConfig
+    from agent_infer.distributed.group import torchrun_launch
+    from agent_infer.server.launcher import ServeOptions, Supervisor
+    from agent_infer.server.serving import ServerConfig
 
     logging.getLogger("agent_infer").setLevel(getattr(logging, args.log_level.upper()))
-    async_config = AsyncEngineConfig(max_waiting=args.max_waiting)  # validate before loading a model
-    if args.switch_interval_ms is not None:
-        if not args.switch_interval_ms > 0:
-            raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    core_config = CoreConfig(max_waiting=args.max_waiting)  # validate before loading a model
+    limits = TextLimits(template_timeout_s=args.chat_template_timeout,
+                        max_template_output_chars=args.max_chat_template_output)
     config = engine_config_from_args(args)
-    name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
-    engine = launch_engine(config)
-    app = build_app(AsyncEngine(engine, async_config), name, retry_after_s=args.retry_after,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    launch = torchrun_launch()
+    if launch is not None and launch.rank != 0:
+        from agent_infer.engine.launch import launch_engine
 
-    # Bind here, so that --port 0 can report the port it got.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    host, port = sock.getsockname()[:2]
-    print(f"agent-infer: serving {name} on http://{host}:{port} (max_model_len {engine.max_model_len})",
-          file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        # uvicorn re-raises the Ctrl-C / SIGINT it handled, after a graceful shutdown.
-        pass
-    return 0
+        launch_engine(config)  # a TP worker of rank 0's engine core: does not return
+    name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
+    options = ServeOptions(args.host, args.port, name, args.api_server_count, args.shutdown_timeout, args.log_level)
+    server_config = ServerConfig(name, retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser,
+                                 reasoning_parser=args.reasoning_parser,
+                                 trust_request_chat_template=args.trust_request_chat_template)
+    return Supervisor(options).run(config, core_config, config=server_config, limits=limits)
 
 
 def main(argv: list[str] | None = None) -> int:

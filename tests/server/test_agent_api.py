@@ -211,7 +211,7 @@ def test_conversation_with_a_tool_result(oai, idle_server):
     assert second.choices[0].message.content
     with idle_server.client() as c:
         rendered = c.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()
-        text = idle_server.async_engine.tokenizer.decode(rendered["tokens"])
+        text = idle_server.tokenizer.decode(rendered["tokens"])
     assert '{"temperature": 19, "sky": "cloudy"}' in text and rendered["count"] == second.usage.prompt_tokens
 
 
@@ -219,7 +219,7 @@ def test_conversation_with_a_tool_result(oai, idle_server):
 
 
 def test_logit_bias_and_allowed_token_ids(oai, idle_server):
-    tok = idle_server.async_engine.tokenizer
+    tok = idle_server.tokenizer
     paris = tok.encode(" Paris", add_special_tokens=False)[0]
     r = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4, temperature=0,
                                logit_bias={str(paris): 100})
@@ -239,7 +239,7 @@ def test_min_tokens_masks_eos(oai, idle_server):
 
 
 def test_prompt_logprobs_and_token_ids_as_logprob_tokens(oai, idle_server):
-    tok = idle_server.async_engine.tokenizer
+    tok = idle_server.tokenizer
     ids = tok.encode("The three primary colors are")
     r = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=1,
                                extra_body={"prompt_logprobs": 2, "return_tokens_as_token_ids": True})
@@ -267,7 +267,7 @@ def test_truncate_prompt_tokens(oai, idle_server):
     r = oai.completions.create(model=MODEL_NAME, prompt=long, max_tokens=2, temperature=0,
                                extra_body={"truncate_prompt_tokens": 7})
     assert r.usage.prompt_tokens == 7
-    tail = idle_server.async_engine.tokenizer.encode(long)[-7:]
+    tail = idle_server.tokenizer.encode(long)[-7:]
     same = oai.completions.create(model=MODEL_NAME, prompt=tail, max_tokens=2, temperature=0)
     assert r.choices[0].text == same.choices[0].text
 
@@ -282,7 +282,7 @@ def test_continue_final_message(oai, idle_server):
     assert r.choices[0].message.content.strip().startswith("Paris")
     with idle_server.client() as c:
         tokens = c.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["tokens"]
-    text = idle_server.async_engine.tokenizer.decode(tokens)
+    text = idle_server.tokenizer.decode(tokens)
     assert text.endswith("The capital of France is") and r.usage.prompt_tokens == len(tokens)
 
 
@@ -301,7 +301,7 @@ def test_cached_tokens_are_reported(oai, idle_server):
     first = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
     again = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
     cached = again.usage.prompt_tokens_details.cached_tokens
-    block = idle_server.async_engine.block_size
+    block = idle_server.core.info.block_size
     assert first.usage.prompt_tokens_details.cached_tokens < cached
     assert cached >= block and cached % block == 0 and cached < again.usage.prompt_tokens
 

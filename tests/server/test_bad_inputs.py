@@ -12,6 +12,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 LONG_PROMPT_IDS = [100] * (MAX_MODEL_LEN + 10)
+BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": "five"}}}}}
 
 
 def _completion(**fields) -> dict:
@@ -117,6 +119,15 @@ CASES = [
      "stream_options", []),
     ("reserved-template-kwarg", "POST", CHAT, _chat(chat_template_kwargs={"tokenize": True}), 400,
      "chat_template_kwargs", ["tokenize"]),
+    # a request's own template is code: refused unless the server was started trusting them
+    ("request-chat-template", "POST", CHAT, _chat(chat_template="{{ 'hi' }}"), 400, "chat_template",
+     ["--trust-request-chat-template"]),
+    ("request-chat-template-tokenize", "POST", "/tokenize", {"messages": MSG, "chat_template": "{{ 'hi' }}"}, 400,
+     "chat_template", ["--trust-request-chat-template"]),
+    # a tool whose schema cannot be compiled is refused whatever the tool_choice
+    ("tool-bad-schema-auto", "POST", CHAT, _chat(tools=[BAD_SCHEMA_TOOL]), 400, "tools", []),
+    ("tool-bad-schema-required", "POST", CHAT, _chat(tools=[BAD_SCHEMA_TOOL], tool_choice="required"), 400, "tools",
+     []),
     ("lone-surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "prompt", ["surrogate"]),
     # overlong prompts: the message states both lengths
     ("overlong-prompt-ids", "POST", COMPLETIONS, _completion(prompt=LONG_PROMPT_IDS, max_tokens=None), 400, "prompt",

@@ -63,7 +63,7 @@ def test_16_streaming_clients_match_offline_and_share_batches(idle_server, smol_
     assert steps1 - steps0 < 120, "requests were not batched together"
     assert shared > 0.5 * (steps1 - steps0)
     # The largest decode batch really held many of the clients at once.
-    assert idle_server.async_engine.snapshot.max_decode_batch >= 8
+    assert idle_server.snapshot().max_decode_batch >= 8
 
 
 def test_disconnected_stream_is_aborted_and_frees_its_blocks(idle_server):
@@ -92,14 +92,14 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(idle_server):
                 if line.startswith("data: {"):
                     # All three are generating now; breaking out closes the connection mid-stream.
                     await asyncio.gather(*(e.wait() for e in started.values()))
-                    assert idle_server.async_engine.snapshot.num_running == 3
+                    assert idle_server.snapshot().num_running == 3
                     break
         for _ in range(250):  # the server lets go of the request while the others still run
-            snap = idle_server.async_engine.snapshot
+            snap = idle_server.snapshot()
             if snap.num_running == 2:
                 return snap.num_running
             await asyncio.sleep(0.02)
-        raise AssertionError(f"aborted request still running: {idle_server.async_engine.snapshot}")
+        raise AssertionError(f"aborted request still running: {idle_server.snapshot()}")
 
     async def main():
         async with httpx.AsyncClient(base_url=idle_server.url, trust_env=False, timeout=60) as client:

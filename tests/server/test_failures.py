@@ -1,18 +1,19 @@
 """Overload and failure: a full queue answers 503 + Retry-After; an engine exception fails
-the requests in flight with a clean 500 (no internals) and the server keeps serving; a dead
-engine makes /health fail."""
+the requests in flight with a clean 500 (no internals) and the server keeps serving; an
+engine core that cannot recover stops, and /health fails."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import time
 
 import httpx
 import pytest
 
 from tests.server.conftest import MODEL_NAME, running_server
-
-SECRET = "secret-internal-detail-4711"
+from tests.server.faults import SECRET, failing_engine
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,10 @@ def test_queue_full_is_503_with_retry_after(tiny_queue_server):
 
     async def wait_for(predicate, timeout: float = 20.0) -> None:
         for _ in range(int(timeout / 0.02)):
-            if predicate(srv.async_engine.snapshot):
+            if predicate(await asyncio.to_thread(srv.snapshot)):
                 return
             await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out: {srv.async_engine.snapshot}")
+        raise AssertionError("timed out")
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, trust_env=False, timeout=60) as client:
@@ -53,7 +54,7 @@ def test_queue_full_is_503_with_retry_after(tiny_queue_server):
                 refused_n = await client.post("/v1/chat/completions", json={
                     "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
                 health = await client.get("/health")
-                still_running = srv.async_engine.snapshot.num_running
+                still_running = (await asyncio.to_thread(srv.snapshot)).num_running
                 reader.cancel()
             # A's connection is closed: it is aborted, and B gets its turn.
             waited = await waiting
@@ -82,52 +83,38 @@ def test_more_choices_than_the_queue_can_ever_hold_is_400(tiny_queue_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
-class _FailingStep:
-    """Replaces LLMEngine.step on one instance: raises on the chosen calls."""
-
-    def __init__(self, engine, fail_on: set[int]):
-        self.engine = engine
-        self.real = engine.step
-        self.fail_on = fail_on
-        self.calls = 0
-
-    def __call__(self):
-        self.calls += 1
-        if self.calls in self.fail_on:
-            raise RuntimeError(f"CUDA went sideways: {SECRET}")
-        return self.real()
-
-    def __enter__(self):
-        self.engine.step = self
-        return self
-
-    def __exit__(self, *exc):
-        del self.engine.step
+FAIL_AT_ONCE = (7, 77, 777, 17)  # a request with this prompt makes the step fail at once
+FAIL_MID_STREAM = (8, 88, 888, 18)  # ... after 4 tokens
 
 
-def test_engine_exception_is_a_clean_500_and_the_server_recovers(idle_server):
+@pytest.fixture(scope="module")
+def failing_server(default_model_dir):
+    factory = functools.partial(failing_engine, fail_at={FAIL_AT_ONCE: 0, FAIL_MID_STREAM: 4})
+    with running_server(default_model_dir, engine_factory=factory) as handle:
+        yield handle
+
+
+def test_engine_exception_is_a_clean_500_and_the_server_recovers(failing_server):
     body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 8, "temperature": 0}
-    with idle_server.client() as c:
+    with failing_server.client() as c:
         ok_before = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        with _FailingStep(idle_server.engine, fail_on={1}):
-            r = c.post("/v1/completions", json=body)
+        r = c.post("/v1/completions", json={**body, "prompt": list(FAIL_AT_ONCE)})
         assert r.status_code == 500
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["type"] == "server_error" and err["code"] == "engine_error"
         assert SECRET not in r.text and "Traceback" not in r.text and "RuntimeError" not in r.text
-        idle_server.wait_idle()  # the failed request's blocks were freed
+        failing_server.wait_idle()  # the failed request's blocks were freed
         assert c.get("/health").status_code == 200
         again = c.post("/v1/completions", json=body)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == ok_before
 
 
-def test_engine_exception_mid_stream_ends_the_stream_with_an_error_event(idle_server):
-    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 20, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with idle_server.client() as c:
-        with _FailingStep(idle_server.engine, fail_on={4}):
-            r = c.post("/v1/completions", json=body)
+def test_engine_exception_mid_stream_ends_the_stream_with_an_error_event(failing_server):
+    body = {"model": MODEL_NAME, "prompt": list(FAIL_MID_STREAM), "max_tokens": 20, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with failing_server.client() as c:
+        r = c.post("/v1/completions", json=body)
     assert r.status_code == 200  # headers were sent before the failure
     events = [e[len("data: "):] for e in r.text.split("\n\n") if e.strip()]
     assert events[-1] == "[DONE]"
@@ -135,16 +122,16 @@ def test_engine_exception_mid_stream_ends_the_stream_with_an_error_event(idle_se
     assert any(ch.get("choices") and ch["choices"][0]["text"] for ch in chunks)  # tokens came first
     assert chunks[-1]["error"]["code"] == "engine_error"
     assert SECRET not in r.text and "Traceback" not in r.text
-    idle_server.wait_idle()
+    failing_server.wait_idle()
 
 
 def test_unexpected_exception_in_a_handler_is_a_bare_500(idle_server, monkeypatch):
-    serving = idle_server.app.state.serving
+    serving = idle_server.app.state.completions
 
     def broken(req):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr(serving, "_completion_prompts", broken)
+    monkeypatch.setattr(serving, "_prompts", broken)
     with idle_server.client() as c:
         r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 500
@@ -156,21 +143,20 @@ def test_unexpected_exception_in_a_handler_is_a_bare_500(idle_server, monkeypatc
 
 
 def test_unrecoverable_engine_makes_health_fail(default_model_dir):
-    """If the engine cannot even abort its requests after a failure, the loop stops:
-    in-flight and new requests get 503, /health turns 503."""
-    with running_server(default_model_dir, num_kv_blocks=64, max_model_len=256) as srv:
-        engine = srv.engine
-
-        def broken_abort(request_id):
-            raise RuntimeError(SECRET)
-
-        engine.abort = broken_abort
-        with srv.client() as c, _FailingStep(engine, fail_on={1}):
-            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3})
+    """If the engine cannot even abort its requests after a failure, the core stops: the
+    request in flight gets a 500, then /health and new requests get 503 and the metrics
+    say the engine is down."""
+    factory = functools.partial(failing_engine, fail_at={FAIL_AT_ONCE: 0}, break_abort=True)
+    with running_server(default_model_dir, engine_factory=factory, num_kv_blocks=64, max_model_len=256) as srv:
+        with srv.client() as c:
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": list(FAIL_AT_ONCE), "max_tokens": 3})
             assert r.status_code == 500 and SECRET not in r.text
-            health = c.get("/health")
+            deadline = time.monotonic() + 5
+            while (health := c.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert health.status_code == 503
             assert SECRET not in health.text and health.json()["error"]["code"] == "engine_unavailable"
             r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
             assert srv.metrics()["agent_infer_engine_healthy"] == 0.0
+        assert srv.core.proc.wait(10) == 1  # the core exited, saying it failed

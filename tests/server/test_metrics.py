@@ -32,7 +32,7 @@ def test_metrics_follow_a_request(idle_server):
     assert delta("agent_infer_prompt_tokens_total") + delta("agent_infer_prefix_cache_hits_total") == prompt_tokens
     assert delta("agent_infer_decode_batch_size_count") == 4
     assert delta("agent_infer_request_generation_tokens_sum") == 5
-    assert after["agent_infer_kv_cache_total_blocks"] == idle_server.async_engine.num_kv_blocks
+    assert after["agent_infer_kv_cache_total_blocks"] == idle_server.core.info.num_kv_blocks
     assert after["agent_infer_kv_cache_usage_ratio"] == 0.0
     assert after["agent_infer_engine_healthy"] == 1.0
 
@@ -67,7 +67,7 @@ def test_metrics_use_their_own_registry(idle_server):
 def test_vllm_names_and_request_phases(idle_server):
     """vLLM's metric names (from the same data), per-phase request histograms, the
     iteration-token histogram, the preemption counter and the cached-token counter."""
-    from agent_infer.server.metrics import VLLM_NAMES
+    from agent_infer.core.metrics import VLLM_NAMES
 
     prompt = "A shared preamble long enough to fill a couple of KV blocks, about tea and its history. " * 2
     before = idle_server.metrics()

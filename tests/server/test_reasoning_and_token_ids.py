@@ -61,7 +61,7 @@ def thinking_server(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def toks(thinking_server):
-    tok = thinking_server.async_engine.tokenizer
+    tok = thinking_server.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")}
     return tok, ids
 
@@ -161,7 +161,7 @@ def test_tool_calls_in_history_are_rendered(thinking_server):
                 {"role": "tool", "tool_call_id": "call_1", "content": "green"}]
     with thinking_server.client() as c:
         tokens = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
-    text = thinking_server.async_engine.tokenizer.decode(tokens)
+    text = thinking_server.tokenizer.decode(tokens)
     # The arguments reached the template as a mapping (it writes them with tojson).
     assert '<tool_call>\n{"name": "lookup", "arguments": {"q": "tea"}}\n</tool_call>' in text
     assert "<tool_response>\ngreen\n</tool_response>" in text

@@ -43,9 +43,11 @@ def test_serve_process_answers_and_stops_cleanly(default_model_dir):
         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
-        line = proc.stderr.readline()  # the first line names the address
-        match = re.search(r"serving cli-model on (http://[\d.]+:\d+)", line)
-        assert match, line + proc.stderr.read() if proc.poll() is not None else line
+        seen = ""
+        while not (match := re.search(r"serving cli-model on (http://[\d.]+:\d+)", seen)):
+            line = proc.stderr.readline()  # the supervisor names the address once every process is up
+            assert line, seen
+            seen += line
         url = match.group(1)
         deadline = time.monotonic() + 60
         while True:

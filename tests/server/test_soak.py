@@ -154,7 +154,7 @@ def test_soak_mixed_requests_with_cancellations(idle_server):
     assert counts["cancelled"] > 10 and counts["ok"] > 200
 
     idle_server.wait_idle(timeout=30)  # the whole KV pool is free again
-    assert idle_server.async_engine.snapshot.num_used_blocks == 0
+    assert idle_server.snapshot().num_used_blocks == 0
     after = idle_server.metrics()
 
     def delta(key: str) -> float:

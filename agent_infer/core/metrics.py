@@ -1,13 +1,15 @@
-"""Prometheus metrics of one server, in a registry of its own (never the process-global
-default registry, so several apps in one process — tests — do not collide).
+"""Prometheus metrics of the server, kept by the engine core, so that every front end
+serves the same totals (a front end's /metrics asks the core for this text).
 
 Two sources:
 * the engine's own counters and gauges (requests running/waiting, KV blocks, prefix-
-  cache lookups, tokens) are read from the AsyncEngine's latest snapshot at scrape
-  time, so they cannot drift from the engine;
-* latencies, batch sizes and request outcomes are observed as they happen, through the
-  AsyncEngine's observer hooks (called on the engine thread; prometheus_client's
-  metric objects are thread-safe).
+  cache lookups, tokens) are read from the engine at scrape time, so they cannot drift
+  from it;
+* latencies, batch sizes and request outcomes are observed as they happen: the core's
+  loop calls the `on_*` methods, and front ends report the HTTP errors they send.
+
+The metrics live in a registry of their own (never the process-global default one, so
+that several cores in one test process do not collide).
 
 Every metric that vLLM also has is exported a second time under vLLM's name (`VLLM_NAMES`:
 `vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), from the same
@@ -19,13 +21,15 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from agent_infer.engine.async_engine import AsyncEngine, EngineObserver, StepInfo
+from agent_infer.core.protocol import EngineSnapshot
 
 PREFIX = "agent_infer_"
 
@@ -65,24 +69,33 @@ _VLLM_LABELS = {"finish_reason": "finished_reason"}
 _VLLM_SUCCESS = {"stop", "length", "abort"}
 
 
-class _EngineCollector(Collector):
-    """Exports the engine snapshot as it is at scrape time."""
+@dataclass(frozen=True)
+class StepInfo:
+    is_prefill: bool
+    num_seqs: int  # prefill: prompts finished in this step; decode: the batch size
+    num_tokens: int  # tokens computed (prefill: prompt tokens; decode: one per sequence)
+    seconds: float
+    batch_tokens: int = 0  # every token the step computed (a mixed step's decode rows too)
 
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+
+class _EngineCollector(Collector):
+    """Exports the engine's state as it is at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self.snapshot = snapshot
 
     def describe(self):
         return []  # values come from the snapshot; nothing to check at registration
 
     def collect(self):
-        s = self.engine.snapshot
+        s = self.snapshot()
         yield _gauge("num_requests_running", "Requests holding KV blocks (prefilling or decoding).", s.num_running)
         yield _gauge("num_requests_waiting", "Requests queued in the scheduler, not yet admitted.", s.num_waiting)
         yield _gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use (prefix-cached free blocks count as free).",
                      s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0)
         yield _gauge("kv_cache_used_blocks", "KV blocks held by requests.", s.num_used_blocks)
         yield _gauge("kv_cache_total_blocks", "KV blocks in the pool.", s.num_blocks)
-        yield _gauge("engine_healthy", "1 while the engine loop runs.", 1.0 if self.engine.is_running else 0.0)
+        yield _gauge("engine_healthy", "1 while the engine loop runs.", 1.0)
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
         yield _counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens)
@@ -154,8 +167,8 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
-class ServerMetrics(EngineObserver):
-    def __init__(self, engine: AsyncEngine):
+class CoreMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Submit to first generated token.",
@@ -176,6 +189,8 @@ class ServerMetrics(EngineObserver):
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.requests_received = Counter(PREFIX + "requests_received", "Engine requests accepted (one per choice).",
                                          registry=r)
+        self.front_end_requests = Counter(PREFIX + "front_end_requests", "Engine requests accepted, by the front end "
+                                          "that sent them (--api-server-count).", ["front_end"], registry=r)
         self.requests_finished = Counter(PREFIX + "requests_finished", "Engine requests ended, by outcome.",
                                          ["finish_reason"], registry=r)
         self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt length per request.",
@@ -191,12 +206,11 @@ class ServerMetrics(EngineObserver):
                   "decode": "First token to finish, per request.",
                   "inference": "First admission to finish (prefill + decode), per request."}
         self.phase = {k: Histogram(PREFIX + f"request_{k}_time_seconds", doc, buckets=_PHASE_BUCKETS, registry=r) for k, doc in phases.items()}
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(snapshot))
         self.vllm_registry = CollectorRegistry(auto_describe=False)
         self.vllm_registry.register(_VllmNames(r))
-        engine.add_observer(self)
 
-    # ---- engine observer (engine thread) --------------------------------------------
+    # ---- what the core's loop reports ---------------------------------------------------
 
     def on_step(self, info: StepInfo) -> None:
         self.iteration_tokens.observe(info.batch_tokens or info.num_tokens)
@@ -209,14 +223,9 @@ class ServerMetrics(EngineObserver):
             self.decode_batch.observe(info.num_seqs)
             self.step_seconds.labels("decode").observe(info.seconds)
 
-    def on_request_submitted(self, count: int) -> None:
+    def on_requests_added(self, count: int, front_end: str) -> None:
         self.requests_received.inc(count)
-
-    def on_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def on_inter_token(self, seconds: float) -> None:
-        self.itl.observe_many((seconds,))
+        self.front_end_requests.labels(front_end).inc(count)
 
     def on_token_latencies(self, first_token: list[float], inter_token: list[float]) -> None:
         for seconds in first_token:
@@ -235,10 +244,17 @@ class ServerMetrics(EngineObserver):
             self.request_prompt_tokens.observe(num_prompt_tokens)
             self.request_generation_tokens.observe(num_output_tokens)
 
-    # ---- HTTP side ---------------------------------------------------------------------
-
-    def count_error(self, status: int) -> None:
+    def on_http_error(self, status: int) -> None:  # reported by a front end
         self.http_errors.labels(str(status)).inc()
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry) + generate_latest(self.vllm_registry), CONTENT_TYPE_LATEST
+    def render(self) -> bytes:
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
+
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def unavailable_text() -> bytes:
+    """What a front end serves on /metrics while the core cannot answer: the health gauge at 0."""
+    return (f"# HELP {PREFIX}engine_healthy 1 while the engine loop runs.\n"
+            f"# TYPE {PREFIX}engine_healthy gauge\n{PREFIX}engine_healthy 0.0\n").encode()
