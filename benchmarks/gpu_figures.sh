@@ -319,8 +319,10 @@ cmd_server() {
   done
   if serve_up server_api1 100 --max-num-seqs 256; then
     fits serve_c64 40 && serve_run serve_c64 120 "${load[@]}" --max-concurrency 64
-    fits serve_c256 30 && serve_run serve_c256 90 "${load[@]}" --max-concurrency 256
-    fits serve_c256_nostream 30 && serve_run serve_c256_nostream 90 "${load[@]}" --max-concurrency 256 --no-stream
+    # Later runs on this server get new ids of the same lengths: its prefix cache holds the first's.
+    fits serve_c256 30 && serve_run serve_c256 90 "${load[@]}" --max-concurrency 256 --redraw-ids 1
+    fits serve_c256_nostream 30 && serve_run serve_c256_nostream 90 "${load[@]}" --max-concurrency 256 --no-stream \
+      --redraw-ids 2
     fits serve_c1 25 && serve_run serve_c1 60 --max-concurrency 1 --num-prompts 8 --random-input-len 256 \
       --random-output-len 256 --temperature 0
     stop_server

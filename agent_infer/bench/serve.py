@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from agent_infer.bench.workloads import nano_vllm_workload
+from agent_infer.bench.workloads import nano_vllm_workload, redraw_ids
 
 # Common English words; each is one token (with its leading space) in most BPE vocabularies.
 _WORDS = (
@@ -88,6 +88,7 @@ class BenchConfig:
     temperature: float = 0.0
     seed: int = 0
     seed_per_request: bool = False  # request i samples with seed + i, as `bench throughput` seeds them
+    redraw_ids: int | None = None  # nano-vllm: the draw's lengths, new ids from this seed (a fresh prefix cache)
     timeout_s: float = 600.0
     api_key: str | None = None
 
@@ -163,6 +164,8 @@ def workload_prompts(cfg: BenchConfig) -> list[PromptSpec]:
     """nano-vllm's draw, as `bench throughput --workload nano-vllm --num-seqs N --seed S`
     makes it: the same token ids and max_tokens, in the same order."""
     prompts, out_lens = nano_vllm_workload(cfg.num_prompts, cfg.min_len, cfg.max_len, cfg.vocab_size, cfg.seed)
+    if cfg.redraw_ids is not None:
+        prompts = redraw_ids(prompts, cfg.vocab_size, cfg.redraw_ids)
     return [PromptSpec(p, n) for p, n in zip(prompts, out_lens)]
 
 
@@ -504,6 +507,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed-per-request", action="store_true",
                    help="send request i the sampling seed --seed + i, as bench throughput seeds its requests "
                         "(with the engine's --seed)")
+    p.add_argument("--redraw-ids", type=int, default=None, metavar="SEED",
+                   help="nano-vllm: keep the draw's lengths and max_tokens, draw new token ids with this seed, so "
+                        "that a server which ran the workload before serves nothing from its prefix cache")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-json", default=None, help="write the results as JSON to this path")
@@ -520,7 +526,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         min_len=args.min_len, max_len=args.max_len, vocab_size=args.vocab_size,
         dataset_path=args.dataset_path, tokenizer=args.tokenizer, ignore_eos=args.ignore_eos, stream=args.stream,
         temperature=args.temperature, seed=args.seed, seed_per_request=args.seed_per_request,
-        timeout_s=args.timeout, api_key=args.api_key,
+        redraw_ids=args.redraw_ids, timeout_s=args.timeout, api_key=args.api_key,
     )
 
 

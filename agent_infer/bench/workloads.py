@@ -37,4 +37,13 @@ def uniform_workload(num_seqs: int, min_len: int, max_len: int, vocab: int,
     return prompts, [int(n) for n in out_lens]
 
 
+def redraw_ids(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths with new random ids (Python's `random`, ids below
+    min(10000, vocab - 1) + 1, as the draw's): a later run of the same shape that a
+    server's prefix cache cannot serve from an earlier one."""
+    rng = random.Random(seed)
+    top = min(NANO_VLLM_MAX_TOKEN_ID, vocab - 1)
+    return [[rng.randint(0, top) for _ in p] for p in prompts]
+
+
 WORKLOADS = {"nano-vllm": nano_vllm_workload, "uniform": uniform_workload}
