@@ -40,8 +40,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn whose SIGTERM / SIGINT drains the front end instead of closing at once."""
 
     def __init__(self, config: uvicorn.Config, state: FrontEndState, client: CoreClient, shutdown_timeout_s: float,
-                 on_ready=None):
+                 on_ready=None, name: str = "0"):
         super().__init__(config)
+        self.name = name
         self.state = state
         self.client = client
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -72,8 +73,8 @@ class DrainingServer(uvicorn.Server):
     async def drain(self, why: str) -> None:
         self.state.draining = True
         timeout = self.shutdown_timeout_s
-        log.info("shutdown (%s): admitting no new requests; %d in flight may finish within %.0f s", why,
-                 self.client.num_in_flight, timeout)
+        log.info("front end %s, shutdown (%s): admitting no new requests; %d in flight may finish within %.0f s",
+                 self.name, why, self.client.num_in_flight, timeout)
         deadline = time.monotonic() + timeout
         while self.client.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -81,13 +82,14 @@ class DrainingServer(uvicorn.Server):
         if left:
             self.client.abort_all(ShuttingDownError(f"the server is shutting down; this request was stopped "
                                                     f"after {timeout:.0f} s"))
-            log.warning("shutdown: %d request(s) still running after %.0f s were aborted", left, timeout)
+            log.warning("front end %s, shutdown: %d request(s) still running after %.0f s were aborted", self.name,
+                        left, timeout)
         else:
-            log.info("shutdown: every request in flight finished")
+            log.info("front end %s, shutdown: every request in flight finished", self.name)
         self.should_exit = True
 
     def _core_gone(self, reason: str) -> None:
-        log.error("the engine core is gone (%s); this front end answers 503 and stops", reason)
+        log.error("front end %s: the engine core is gone (%s); answering 503 and stopping", self.name, reason)
         self.exit_code = 1
         self._loop.call_later(_CORE_GONE_GRACE_S, setattr, self, "should_exit", True)
 
@@ -108,7 +110,7 @@ def front_end_main() -> None:
         report_status(status_fd, "ready", os.getpid())
 
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    server = DrainingServer(config, state, app.state.client, shutdown_timeout_s, on_ready=ready)
+    server = DrainingServer(config, state, app.state.client, shutdown_timeout_s, on_ready=ready, name=str(index))
     server.run(sockets=[sock])
     log.info("front end %d stopped", index)
     sys.exit(server.exit_code)
