@@ -527,6 +527,9 @@ def test_throughput_step_trace_matches_the_engine(tiny_model_dirs, mixed):
     assert trace["t_s"][-1] <= r["wall_s"] and r["wall_s"] - trace["t_s"][-1] < max(0.05 * r["wall_s"], 0.005)
     bands = summarise_step_trace(trace)
     assert bands[-1].steps == stats.steps and bands[0].steps == stats.prefill_steps
+    # Times to first token: every request queued at once waits at least for the first step.
+    first_step_ms = trace["t_s"][0] * 1e3
+    assert first_step_ms * 0.5 <= r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"] <= r["wall_s"] * 1e3
     print("\n" + format_step_summary(bands, r["wall_s"]))
 
 

@@ -329,6 +329,7 @@ def run_throughput(engine, prompts: list[list[int]], out_lens: list[int], temper
         "decode_steps": stats["decode_steps"],
         "max_decode_batch": engine.stats.max_decode_batch,
         "kernel_compiles": None if watch is None else [c.kernel for c in watch.compiles],
+        "ttft_ms": ttft_stats(outs),
         "step_trace": trace_for_json(trace.columns()),
     }
 
@@ -421,6 +422,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def ttft_stats(outs) -> dict[str, float]:
+    """Median and p99 of the requests' times to first token (arrival, when `generate`
+    queued them all, to the first token), in ms: what a server's clients would see."""
+    waits = sorted((o.first_token_time - o.arrival_time) * 1e3 for o in outs if o.first_token_time is not None)
+    if not waits:
+        return {"median": 0.0, "p99": 0.0}
+    return {"median": statistics.median(waits), "p99": waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]}
+
+
 def throughput_rows(results: dict, hf: dict | None, monitor: dict) -> list[tuple]:
     rows = [
         ("output tok/s, first batch", results["output_tok_s"], hf["output_tok_s"] if hf else None, "rate", None),
@@ -435,6 +445,8 @@ def throughput_rows(results: dict, hf: dict | None, monitor: dict) -> list[tuple
         ("total tok/s (input + output), first batch", results["total_tok_s"], None, "rate", None),
         ("requests/s, first batch", results["requests_s"], None, "rate", None),
         ("wall s, first batch", results["wall_s"], None, "time", None),
+        ("TTFT ms, first batch, median", results["ttft_ms"]["median"], None, "info", None),
+        ("TTFT ms, first batch, p99", results["ttft_ms"]["p99"], None, "info", None),
     ]
     if results.get("kernel_compiles") is not None:
         rows.append(("Triton kernel compiles, first batch", len(results["kernel_compiles"]), None, "info", None))

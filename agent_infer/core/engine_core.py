@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from agent_infer.core import protocol as P
+from agent_infer.core.config import CoreConfig
 from agent_infer.core.metrics import CoreMetrics, StepInfo
 from agent_infer.core.watch import ProcessWatch
 from agent_infer.distributed.control import WorkerError
@@ -42,17 +43,6 @@ log = logging.getLogger(__name__)
 _NO_PROGRESS_BACKOFF_MS = 5
 # With a watched process that has no pidfd (old kernels), how often to look at it.
 _WATCH_POLL_MS = 500
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    # Requests accepted but not yet admitted by the scheduler, over every front end;
-    # beyond it a group is refused (the front end answers 503 + Retry-After).
-    max_waiting: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
 
 @dataclass
@@ -320,7 +310,8 @@ class EngineCore:
         """One engine step; False when it neither ran a batch nor reported anything."""
         engine = self.engine
         before = engine.stats
-        prefill0, prompt0, gen0, steps0 = before.prefill_steps, before.prompt_tokens, before.generation_tokens, before.steps
+        prefill0, prompt0, gen0 = before.prefill_steps, before.prompt_tokens, before.generation_tokens
+        steps0 = before.steps
         launches0 = self._launches
         t0 = time.perf_counter()
         try:

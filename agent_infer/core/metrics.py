@@ -130,7 +130,7 @@ class _VllmNames(Collector):
 class _BulkHistogram(Collector):
     """A histogram that takes a whole engine step's observations in one call (one gap per
     request of a decode batch, every step), for a fraction of what as many
-    `Histogram.observe` calls cost the engine thread. Exported like a Histogram."""
+    `Histogram.observe` calls cost the core's loop. Exported like a Histogram."""
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
         self.name, self.doc = name, doc

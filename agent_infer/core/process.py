@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent_infer.config import ConfigError, EngineConfig
-from agent_infer.core.engine_core import CoreConfig, EngineCore
+from agent_infer.core.config import CoreConfig
+from agent_infer.core.engine_core import EngineCore
 from agent_infer.core.protocol import CoreInfo
 from agent_infer.core.spawn import LOG_FORMAT, ChildFailed, read_spec, report_status, start_child, wait_status
 

@@ -5,8 +5,8 @@ Text grows one token at a time; a piece that ends in an incomplete UTF-8 charact
 Deltas also hold back the last `len(longest stop string) - 1` characters until the
 request ends, so a stop string is never half-emitted.
 
-This runs for every streamed token of every request on the engine thread, between two
-step launches, so it calls the Rust tokenizer directly when that gives the same text
+This runs for every streamed token of every request (in the server's front ends; offline,
+in the engine between two step launches), so it calls the Rust tokenizer directly when that gives the same text
 as the Hugging Face wrapper (which costs several times more per call).
 """
 

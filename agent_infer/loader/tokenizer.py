@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,17 @@ _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def _require_tokenizer_directory(path: str) -> None:
     require_directory(path, "tokenizer", "--tokenizer takes the directory holding tokenizer.json / "
                       "tokenizer_config.json", "tokenizer.json")
+
+
+def tokenizers_only() -> None:
+    """Declare torch absent in this process, before transformers is first imported: loading
+    a tokenizer then does not import it (transformers imports torch whenever it is installed,
+    seconds of CPU and a few hundred MB in every process that only tokenizes, as the
+    server's front ends and their text workers do). Does nothing once either is imported."""
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None  # importlib's "not installed" marker: `import torch` fails, find_spec is None
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its "PyTorch was not found" notice
 
 
 def has_tokenizer(path: str) -> bool:

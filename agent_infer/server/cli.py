@@ -52,15 +52,17 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from agent_infer.arguments import engine_config_from_args
-    from agent_infer.core.engine_core import CoreConfig
+    from agent_infer.core.config import CoreConfig
     from agent_infer.distributed.group import torchrun_launch
     from agent_infer.server.launcher import ServeOptions, Supervisor
     from agent_infer.server.serving import ServerConfig
 
     logging.getLogger("agent_infer").setLevel(getattr(logging, args.log_level.upper()))
-    core_config = CoreConfig(max_waiting=args.max_waiting)  # validate before loading a model
+    # The server's own settings first: a bad one is refused before anything heavy is imported.
+    core_config = CoreConfig(max_waiting=args.max_waiting)
     limits = TextLimits(template_timeout_s=args.chat_template_timeout,
                         max_template_output_chars=args.max_chat_template_output)
+    options = ServeOptions(args.host, args.port, args.api_server_count, args.shutdown_timeout, args.log_level)
     config = engine_config_from_args(args)
     launch = torchrun_launch()
     if launch is not None and launch.rank != 0:
@@ -68,7 +70,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         launch_engine(config)  # a TP worker of rank 0's engine core: does not return
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
-    options = ServeOptions(args.host, args.port, name, args.api_server_count, args.shutdown_timeout, args.log_level)
     server_config = ServerConfig(name, retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser,
                                  reasoning_parser=args.reasoning_parser,
                                  trust_request_chat_template=args.trust_request_chat_template)

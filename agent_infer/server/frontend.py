@@ -27,6 +27,7 @@ import uvicorn
 from agent_infer.core.client import CoreClient
 from agent_infer.core.spawn import LOG_FORMAT, read_spec, report_status
 from agent_infer.core.watch import signal_on_parent_death
+from agent_infer.loader.tokenizer import tokenizers_only
 from agent_infer.server.app import build_front_end
 from agent_infer.server.errors import ShuttingDownError
 from agent_infer.server.serving import FrontEndState
@@ -96,6 +97,7 @@ class DrainingServer(uvicorn.Server):
 
 def front_end_main() -> None:
     """The front-end process's entry."""
+    tokenizers_only()
     (spec, sock_fd, index, shutdown_timeout_s, log_level), status_fd = read_spec()
     logging.basicConfig(level=getattr(logging, log_level.upper()), format=LOG_FORMAT)
     logging.getLogger("agent_infer").setLevel(getattr(logging, log_level.upper()))

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 
 from agent_infer.config import ConfigError, EngineConfig
-from agent_infer.core.engine_core import CoreConfig
+from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
 from agent_infer.core.spawn import ChildFailed, start_child, wait_status
 from agent_infer.core.watch import ProcessWatch
@@ -45,7 +45,6 @@ _EXIT_GRACE_S = 10.0  # beyond the drain: uvicorn's own close, the last writes
 class ServeOptions:
     host: str
     port: int
-    served_model_name: str
     api_server_count: int = 1
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
@@ -89,7 +88,7 @@ class Supervisor:
                 raise
         finally:
             sock.close()  # the front ends hold it now (or nobody does)
-        print(f"agent-infer: serving {opts.served_model_name} on http://{host}:{port} (max_model_len "
+        print(f"agent-infer: serving {spec_fields['config'].served_model_name} on http://{host}:{port} (max_model_len "
               f"{core.info.max_model_len}, {len(front_ends)} front end{'s' * (len(front_ends) > 1)})",
               file=sys.stderr, flush=True)
         self._install_signal_handlers()
@@ -100,7 +99,8 @@ class Supervisor:
     def _start_front_ends(self, spec: FrontEndSpec, sock: socket.socket) -> list[_FrontEnd]:
         started = []
         for index in range(self.options.api_server_count):
-            settings = (replace(spec, name=str(index)), sock.fileno(), index, self.options.shutdown_timeout_s, self.options.log_level)
+            settings = (replace(spec, name=str(index)), sock.fileno(), index, self.options.shutdown_timeout_s,
+                        self.options.log_level)
             proc, status = start_child("agent_infer.server.frontend", settings, pass_fds=(sock.fileno(),))
             started.append((index, proc, status))
         front_ends = []

@@ -14,10 +14,11 @@ from fastapi.responses import Response
 from agent_infer.core.client import RequestGroup
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
 from agent_infer.server import protocol as P
-from agent_infer.server.errors import ApiError, ShuttingDownError, sse_error
+from agent_infer.server.errors import ApiError
 from agent_infer.server.serving import OpenAIServing, Prompt
 from agent_infer.server.streaming import (
-    DISCONNECTED, DONE, MARK, TextTemplate, UsageTracker, coalesce, finite, json_response, sse, sse_response,
+    DISCONNECTED, MARK, TextTemplate, UsageTracker, coalesce, finite, is_shutdown, json_response, last_write, sse,
+    sse_response,
 )
 
 
@@ -210,8 +211,8 @@ class CompletionView:
             if self.req.include_usage:
                 tail.append(self._chunk(None, usage.usage()))
         except Exception as e:
-            if isinstance(e, ShuttingDownError):  # every open choice ends, saying why
-                tail += [self._chunk(P.CompletionChoice(index=k, text="", finish_reason="abort")) for k in range(total) if k not in ended]
-            tail.append(sse_error(e))
-        tail.append(DONE)
-        yield "".join(tail)
+            ending = [self._chunk(P.CompletionChoice(index=k, text="", finish_reason="abort"))
+                      for k in range(total) if k not in ended] if is_shutdown(e) else []
+            yield last_write(tail, e, ending)
+            return
+        yield last_write(tail)

@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 from agent_infer.core.client import RequestGroup
 from agent_infer.engine.outputs import RequestOutput
 from agent_infer.server import protocol as P
+from agent_infer.server.errors import ShuttingDownError, sse_error
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,19 @@ class TextTemplate:
 
     def fill(self, text: str) -> str:
         return self.head + _encode_json_str(text) + self.tail
+
+
+def is_shutdown(error: Exception) -> bool:
+    return isinstance(error, ShuttingDownError)
+
+
+def last_write(tail: list[str], error: Exception | None = None, abort_chunks: list[str] = ()) -> str:
+    """A stream's last write: its last chunks, then, after an error, the chunks that end
+    the choices still open (a shutdown ends them with finish_reason "abort") and the error
+    event, then [DONE]."""
+    if error is not None:
+        tail = [*tail, *abort_chunks, sse_error(error)]
+    return "".join([*tail, DONE])
 
 
 def sse_response(body: AsyncIterator[str], group: RequestGroup) -> StreamingResponse:

@@ -475,8 +475,9 @@ def _worker_main(sock: socket.socket, tokenizer_path: str, max_output_chars: int
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned(parent_pid)
     try:
-        from agent_infer.loader.tokenizer import load_tokenizer
+        from agent_infer.loader.tokenizer import load_tokenizer, tokenizers_only
 
+        tokenizers_only()
         tokenizer = load_tokenizer(tokenizer_path)
         _bound_template_output(max_output_chars)
     except Exception as e:

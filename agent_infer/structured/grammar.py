@@ -6,9 +6,9 @@ schema ~10x faster (it builds masks lazily from a token trie instead of precompu
 them), which matters when every agent request brings its own tool schemas, and fills a
 batch of masks faster on a 152k vocabulary.
 
-A `GrammarCompiler` is shared by the server's threads (validation, so that a bad schema is
-a 400 before anything is queued) and the engine thread (one matcher per sequence), so
-its cache is guarded by a lock. The tokenizer side (LLTokenizer, ~0.3-0.5 s to build) is
+A `GrammarCompiler` may be shared by threads (a front end validates in a worker thread, so
+that a bad schema is a 400 before anything is queued; the engine keeps one matcher per
+sequence), so its cache is guarded by a lock. The tokenizer side (LLTokenizer, ~0.3-0.5 s to build) is
 built on first use: engines that never see a constraint never pay for it.
 
 Sequences get copies of a compiled template, but copies of one llguidance matcher share

@@ -18,7 +18,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_infer.config import EngineConfig
-from agent_infer.core.engine_core import CoreConfig
+from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
 from agent_infer.core.protocol import EngineSnapshot
 from agent_infer.server.app import FrontEndSpec, build_front_end

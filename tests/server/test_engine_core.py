@@ -18,7 +18,8 @@ import zmq
 
 from agent_infer.config import EngineConfig
 from agent_infer.core import protocol as P
-from agent_infer.core.engine_core import CoreConfig, EngineCore
+from agent_infer.core.config import CoreConfig
+from agent_infer.core.engine_core import EngineCore
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.sampling_params import SamplingParams
 

@@ -1,17 +1,11 @@
-"""`serve` on the command line: flags, the default model, a real process on a free port,
-and a clean stop on SIGINT."""
+"""`serve` on the command line: flags and their defaults, and a bad one as a one-line
+error (the running process tree, its signals and exit codes: test_lifecycle.py)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import signal
 import subprocess
 import sys
-import time
-
-import httpx
 
 from agent_infer.arguments import add_engine_args
 from agent_infer.server.cli import add_serve_parser, cmd_serve
@@ -32,46 +26,13 @@ def test_serve_flags_and_defaults():
                   "--dtype", "float32")
     assert (args.port, args.max_waiting, args.served_model_name, args.max_num_seqs, args.dtype) == (0, 7, "m", 3,
                                                                                                     "float32")
-
-
-def test_serve_process_answers_and_stops_cleanly(default_model_dir):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NO_PROXY="*")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agent_infer.server.cli", "--port", "0", "--device", "cpu", "--dtype", "float32",
-         "--max-model-len", "256", "--kv-cache-gib", "0.05", "--served-model-name", "cli-model",
-         "--log-level", "warning"],
-        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        seen = ""
-        while not (match := re.search(r"serving cli-model on (http://[\d.]+:\d+)", seen)):
-            line = proc.stderr.readline()  # the supervisor names the address once every process is up
-            assert line, seen
-            seen += line
-        url = match.group(1)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", trust_env=False, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not come up"
-            time.sleep(0.1)
-        r = httpx.post(url + "/v1/completions", trust_env=False, timeout=60,
-                       json={"model": "cli-model", "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        models = httpx.get(url + "/v1/models", trust_env=False).json()
-        assert models["data"][0]["id"] == "cli-model" and models["data"][0]["max_model_len"] == 256
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
+    defaults = _parse()
+    assert (defaults.api_server_count, defaults.shutdown_timeout, defaults.trust_request_chat_template,
+            defaults.chat_template_timeout) == (1, 30.0, False, 5.0)
+    args = _parse("--api-server-count", "4", "--shutdown-timeout", "2.5", "--trust-request-chat-template",
+                  "--chat-template-timeout", "1", "--max-chat-template-output", "1000")
+    assert (args.api_server_count, args.shutdown_timeout, args.trust_request_chat_template, args.chat_template_timeout,
+            args.max_chat_template_output) == (4, 2.5, True, 1.0, 1000)
 
 
 def test_serve_bad_config_is_one_line_error():
