@@ -35,3 +35,20 @@ def smol_engine(default_model_dir):
     from agent_infer.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=default_model_dir, device="cpu", dtype="float32", num_kv_blocks=2048))
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the Triton interpreter checks (a child pytest, minutes of one core) as soon
+    as they are known to be selected, so they run beside the rest of the suite."""
+    from tests import test_triton_interpreter as interpreter
+
+    if not interpreter.IN_CHILD and any(item.name == interpreter.TEST_NAME for item in session.items):
+        interpreter.start_child()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A session cut short (Ctrl-C, -x) leaves no interpreter child behind."""
+    from tests import test_triton_interpreter as interpreter
+
+    if not interpreter.IN_CHILD:
+        interpreter.stop_child()

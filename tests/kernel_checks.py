@@ -124,6 +124,49 @@ def patch_interpreter_scalar_index() -> None:
     _interpreter._patch_lang_tensor = patched
 
 
+def patch_interpreter_device_calls() -> None:
+    """Triton's interpreter patches triton.language for a launch, and then again at every
+    call of a @triton.jit helper inside it (a scan of every module member, ~2 ms), though
+    the launch's patch is still in place: in the whole-model checks that was a third of the
+    time. Inside a launch, a helper whose language modules are patched already skips the
+    repeat; one that sees another module (triton's own helpers see triton.language.core)
+    is patched as before. Launches never nest. Interpreter only."""
+    from triton.runtime import interpreter as _interpreter
+
+    original = getattr(_interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_agent_infer_patched", False):
+        return
+    patched_now: set[int] = set()  # ids of the modules patched during the launch in progress
+    launching = [False]
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def patched(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is _interpreter.tl or v is _interpreter.tl.core}
+        if launching[0]:  # a helper called inside a launch: its scope is never restored
+            if langs and langs <= patched_now:
+                return _Nothing()
+            patched_now.update(langs)
+            return original(fn)
+        scope = original(fn)
+        launching[0] = True
+        patched_now.update(langs)
+        restore = scope.restore
+
+        def restore_and_end() -> None:
+            restore()
+            patched_now.clear()
+            launching[0] = False
+
+        scope.restore = restore_and_end
+        return scope
+
+    patched._agent_infer_patched = True
+    _interpreter._patch_lang = patched
+
+
 # ---- norms, activation, rotary ----------------------------------------------------------
 
 

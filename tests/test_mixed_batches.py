@@ -6,6 +6,7 @@ must really be mixed and stay inside the token budget."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -43,12 +44,18 @@ def _arrivals(seed: int = 11) -> dict[int, list[tuple[list[int], SamplingParams]
     }
 
 
-def _run(path: str, mixed: bool, async_scheduling: bool) -> tuple[list[tuple], list[ScheduledBatch]]:
+def _run(path: str, mixed: bool, async_scheduling: bool,
+         max_tokens: int | None = None) -> tuple[list[tuple], list[ScheduledBatch]]:
+    """Every request's (tokens, finish reason, logprob ids) in arrival order, and the steps
+    run. `max_tokens` caps each request's (the arrivals and the mixed steps stay)."""
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=96, block_size=16,
                                  max_num_batched_tokens=BUDGET, mixed_batches=mixed,
                                  async_scheduling=async_scheduling))
     batches = record_batches(eng)
     pending = _arrivals()
+    if max_tokens is not None:
+        pending = {step: [(p, replace(sp, max_tokens=min(sp.max_tokens, max_tokens))) for p, sp in reqs]
+                   for step, reqs in pending.items()}
     order: list[str] = []
     final: dict[str, tuple] = {}
     step = 0
