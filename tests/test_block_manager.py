@@ -104,6 +104,29 @@ def test_chained_hash_requires_the_same_prefix():
     assert bm.match_prefix(b) == []
 
 
+def test_cache_salt_shares_blocks_only_under_the_same_salt():
+    bm = BlockManager(32, BS)
+    prompt = list(range(100, 113))  # three full blocks before the last token
+
+    def run(salt, rid):
+        s = Sequence(rid, list(prompt), SamplingParams(), max_tokens=8, seed=0, cache_salt=salt)
+        hits = admit(bm, s)
+        s.num_computed_tokens = s.num_tokens
+        bm.commit_full_blocks(s)
+        bm.free(s)
+        return len(hits)
+
+    assert run("tenant-a", "a1") == 0
+    assert run("tenant-a", "a2") == 3  # same salt: every full block
+    assert run("tenant-b", "b1") == 0  # another salt: not even the first block
+    assert run(None, "n1") == 0  # unsalted requests share only with each other
+    assert run(None, "n2") == 3 and run("tenant-b", "b2") == 3
+    # The salt seeds the chain, so the keys of later blocks differ too (not just the first).
+    a = Sequence("ka", list(prompt), SamplingParams(), max_tokens=8, seed=0, cache_salt="tenant-a")
+    b = Sequence("kb", list(prompt), SamplingParams(), max_tokens=8, seed=0, cache_salt="tenant-b")
+    assert not set(bm.prompt_block_keys(a, 0, 3)) & set(bm.prompt_block_keys(b, 0, 3))
+
+
 def test_decode_growth_and_generated_blocks_are_cached():
     bm = BlockManager(8, BS)
     a = seq([1, 2, 3], "a")

@@ -135,6 +135,14 @@ def test_vllm_prompt_dicts(default_model_dir, smol_engine):
     assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids == expected  # one dict
     with pytest.raises(RequestError, match=r"either 'prompt' \(text\) or 'prompt_token_ids'.*'multi_modal_data'"):
         llm.generate([{"prompt": "x", "multi_modal_data": {}}], params, use_tqdm=False)
+    # A dict's cache_salt keeps its prefix-cache blocks apart from other salts'.
+    long = PROMPTS[2] * 10  # two full blocks
+    salted = [llm.generate({"prompt": long, "cache_salt": salt}, params, use_tqdm=False)[0]
+              for salt in ("a", "a", "b")]
+    assert [o.num_cached_tokens > 0 for o in salted] == [False, True, False]
+    assert salted[0].token_ids == salted[1].token_ids == salted[2].token_ids
+    with pytest.raises(RequestError, match="cache_salt"):
+        llm.generate({"prompt": long, "cache_salt": ""}, params, use_tqdm=False)
 
 
 def test_abort_frees_blocks(default_model_dir):

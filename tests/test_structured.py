@@ -229,3 +229,17 @@ def test_grammar_shards_are_independent_templates_with_the_same_masks(smol_engin
             assert torch.isfinite(logits[k, t])  # the text is valid JSON for the schema so far
         for s in seqs:
             assert not constraints.on_token(s, t)
+
+
+def test_rebased_refs_resolve_inside_their_own_schema():
+    from agent_infer.structured.grammar import rebase_refs
+
+    part = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}, "self": {"$ref": "#"},
+                                             "named": {"$ref": "#anchor"}, "$ref": {"type": "string"}},
+            "$defs": {"A": {"type": "integer"}}}
+    out = rebase_refs(part, "/items/anyOf/1/properties/parameters")
+    assert out["properties"]["a"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/A"}
+    assert out["properties"]["self"] == {"$ref": "#/items/anyOf/1/properties/parameters"}
+    assert out["properties"]["named"] == {"$ref": "#anchor"}  # anchors are found wherever they live
+    assert out["properties"]["$ref"] == {"type": "string"}  # a property named $ref is not a reference
+    assert part["properties"]["a"] == {"$ref": "#/$defs/A"}  # the input is left as it was

@@ -70,6 +70,7 @@ class EngineRequest:
     prompt: str | None = None  # the text, when the prompt was text (reported back in outputs)
     request_id: str | None = None  # reported back in outputs; drawn when None
     stream: bool = True  # text per token (False: decoded once at the end)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
 
 class _Stream:
@@ -311,10 +312,10 @@ class CoreClient:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+    def submit(self, requests: list[EngineRequest], tag: str | None = None) -> RequestGroup:
         """Send requests as one group, all or none; from the client's loop. Await the
         group's `admitted()` before reading it. Raises EngineDeadError at once when the
-        core is known to be gone."""
+        core is known to be gone. `tag`: the stored response the group runs for."""
         if not requests:
             raise ValueError("submit() needs at least one request")
         if self._dead_reason is not None:
@@ -326,8 +327,9 @@ class CoreClient:
             self._streams[fe_id] = _Stream(group, index, name, req, self.tokenizer)
         group_id = ids[0]
         self._admitting[group_id] = group
-        items = [P.AddItem(fe_id, req.prompt_token_ids, req.params) for fe_id, req in zip(ids, requests)]
-        self._send(P.Add(group_id, items, time.monotonic()))
+        items = [P.AddItem(fe_id, req.prompt_token_ids, req.params, req.cache_salt)
+                 for fe_id, req in zip(ids, requests)]
+        self._send(P.Add(group_id, items, time.monotonic(), tag))
         return group
 
     def _abort(self, ids: list[int]) -> None:

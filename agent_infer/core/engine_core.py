@@ -33,6 +33,7 @@ import zmq
 from agent_infer.core import protocol as P
 from agent_infer.core.config import CoreConfig
 from agent_infer.core.metrics import CoreMetrics, StepInfo
+from agent_infer.core.response_store import RUNNING, ResponseStore
 from agent_infer.core.watch import ProcessWatch
 from agent_infer.distributed.control import WorkerError
 from agent_infer.engine.llm_engine import LLMEngine, RequestError
@@ -76,6 +77,7 @@ class _Live:
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
     finish_reason: str | None = None  # how it ended, when its front end ended it
+    tag: str | None = None  # the stored response it runs for (see response_cancel)
 
 
 class _Fatal(Exception):
@@ -87,6 +89,7 @@ class EngineCore:
         self.engine = engine
         self.config = config
         self.metrics = CoreMetrics(self.snapshot)
+        self.responses = ResponseStore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         # No high-water mark: a message is never dropped (a ROUTER drops at the mark), and
@@ -247,7 +250,7 @@ class EngineCore:
         for item in items:
             rid = _engine_id(client, item.id)
             try:
-                self.engine.add_request(item.prompt_token_ids, item.params, request_id=rid)
+                self.engine.add_request(item.prompt_token_ids, item.params, request_id=rid, cache_salt=item.cache_salt)
             except RequestError as e:
                 client.outbox.deltas.append(P.Delta(item.id, [], error=str(e)))
                 self.metrics.on_request_finished("rejected", 0.0, len(item.prompt_token_ids), 0)
@@ -258,7 +261,7 @@ class EngineCore:
                                                                  f"({type(e).__name__})"))
                 self.metrics.on_request_finished("error", 0.0, len(item.prompt_token_ids), 0)
                 continue
-            self._live[rid] = _Live(client, item.id, message.submit_time, len(item.prompt_token_ids))
+            self._live[rid] = _Live(client, item.id, message.submit_time, len(item.prompt_token_ids), tag=message.tag)
             client.live.add(rid)
 
     def _call(self, client: _Client, call: P.Call) -> None:
@@ -270,6 +273,8 @@ class EngineCore:
             elif call.method == "http_error":
                 self.metrics.on_http_error(int(call.args[0]))
                 result = None
+            elif call.method.startswith("response_"):
+                result = self._response_call(call.method, call.args)
             else:
                 raise ValueError(f"unknown call {call.method!r}")
         except Exception as e:
@@ -279,6 +284,28 @@ class EngineCore:
             reply = P.Reply(call.call_id, result)
         if call.call_id:  # 0: the caller wants no answer
             self._send(client, reply)
+
+    def _response_call(self, method: str, args: list):
+        """The stored responses: put (-> the status kept), get and cancel (-> [status, blob]
+        or None), delete (-> bool). Cancelling a running response aborts its requests."""
+        store = self.responses
+        if method == "response_put":
+            key, status, blob = args
+            return store.put(key, status, blob)
+        if method == "response_get":
+            entry = store.get(args[0])
+            return None if entry is None else [entry.status, entry.blob]
+        if method == "response_cancel":
+            entry = store.cancel(args[0])
+            if entry is not None and entry.status in RUNNING:
+                for rid, live in list(self._live.items()):
+                    if live.tag == args[0]:
+                        live.finish_reason = "abort"
+                        self.engine.abort(rid)
+            return None if entry is None else [entry.status, entry.blob]
+        if method == "response_delete":
+            return store.delete(args[0])
+        raise ValueError(f"unknown call {method!r}")
 
     def _check_processes(self) -> None:
         if self._parent is not None and self._parent.exited():
@@ -327,7 +354,7 @@ class EngineCore:
             if is_prefill:
                 num_seqs -= stats.last_batch_decode_rows  # count the prompts that finished only
             num_tokens = stats.prompt_tokens - prompt0 if is_prefill else num_seqs
-            self.metrics.on_step(StepInfo(is_prefill, num_seqs, num_tokens, seconds, stats.last_batch_tokens))
+            self.metrics.on_step(StepInfo(is_prefill, num_seqs, num_tokens, seconds))
         self._route(outputs)
         # These outputs go out right after the next launch (see _after_launch), unless this
         # step launched nothing (then the next one may not either) or nothing follows.
@@ -336,17 +363,21 @@ class EngineCore:
         return bool(outputs) or stats.steps != steps0
 
     def _route(self, outputs: list[RequestOutput]) -> None:
-        """Turn outputs into deltas in their front ends' outboxes; time the tokens."""
+        """Turn outputs into deltas in their front ends' outboxes; time the tokens, and
+        count them as vLLM's iteration histogram does (a first token brings its prompt)."""
         now = time.monotonic()
         first_token: list[float] = []
         inter_token: list[float] = []
+        iteration_tokens = 0
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # e.g. the abort output of a request its front end dropped
             if out.delta_token_ids:
+                iteration_tokens += len(out.delta_token_ids)
                 if live.last_token_time is None:
                     first_token.append(now - live.submit_time)
+                    iteration_tokens += live.num_prompt_tokens
                 else:
                     inter_token.append(now - live.last_token_time)
                 live.last_token_time = now
@@ -357,6 +388,8 @@ class EngineCore:
                 self._finished(live, out, now)
         if first_token or inter_token:
             self.metrics.on_token_latencies(first_token, inter_token)
+        if iteration_tokens:
+            self.metrics.on_iteration(iteration_tokens)
 
     @staticmethod
     def _delta(live: _Live, out: RequestOutput) -> P.Delta:

@@ -75,7 +75,6 @@ class StepInfo:
     num_seqs: int  # prefill: prompts finished in this step; decode: the batch size
     num_tokens: int  # tokens computed (prefill: prompt tokens; decode: one per sequence)
     seconds: float
-    batch_tokens: int = 0  # every token the step computed (a mixed step's decode rows too)
 
 
 class _EngineCollector(Collector):
@@ -199,8 +198,10 @@ class CoreMetrics:
                                                    buckets=_TOKEN_BUCKETS, registry=r)
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses sent, by status code.", ["status"],
                                    registry=r)
-        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens computed in one engine step.",
-                                          buckets=_ITERATION_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens", "Tokens of one engine step's outputs, as vLLM counts them: the whole prompt "
+            "of each request that got its first token, and every token generated.", buckets=_ITERATION_BUCKETS,
+            registry=r)
         phases = {"queue": "Arrival to first admission (waiting in the queue), per request.",
                   "prefill": "First admission to first token, per request.",
                   "decode": "First token to finish, per request.",
@@ -213,7 +214,6 @@ class CoreMetrics:
     # ---- what the core's loop reports ---------------------------------------------------
 
     def on_step(self, info: StepInfo) -> None:
-        self.iteration_tokens.observe(info.batch_tokens or info.num_tokens)
         if info.is_prefill:
             self.prefill_tokens.observe(info.num_tokens)
             if info.num_seqs:
@@ -226,6 +226,9 @@ class CoreMetrics:
     def on_requests_added(self, count: int, front_end: str) -> None:
         self.requests_received.inc(count)
         self.front_end_requests.labels(front_end).inc(count)
+
+    def on_iteration(self, num_tokens: int) -> None:
+        self.iteration_tokens.observe(num_tokens)
 
     def on_token_latencies(self, first_token: list[float], inter_token: list[float]) -> None:
         for seconds in first_token:

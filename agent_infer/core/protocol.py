@@ -67,6 +67,7 @@ class AddItem(msgspec.Struct, array_like=True):
     id: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class Add(msgspec.Struct, tag="add"):
@@ -76,6 +77,7 @@ class Add(msgspec.Struct, tag="add"):
     group: int
     items: list[AddItem]
     submit_time: float  # time.monotonic() in the front end (one clock per host)
+    tag: str | None = None  # a stored response's id: cancelling it (from any front end) aborts the group
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -2,7 +2,9 @@
 
 A block holds `block_size` consecutive tokens of one sequence. Full blocks are keyed by
 a chained hash (hash of the parent block's key and this block's tokens), so two prompts
-that share a prefix share its blocks. Freed blocks keep their contents and their key
+that share a prefix share its blocks. A request's cache salt seeds the chain, so prompts
+share blocks only with prompts of the same salt (tenants' caches stay apart: no timing
+side channel across them). Freed blocks keep their contents and their key
 until they are reused, least recently freed first: a later request with the same prefix
 can still hit them.
 
@@ -12,6 +14,7 @@ its last prompt token, so the token it computes first always lands in a block of
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,6 +27,15 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     # Python's hash of a tuple of ints is the same in every process (PYTHONHASHSEED only
     # affects str/bytes). Collisions are harmless: a hit is confirmed by comparing tokens.
     return hash((parent, tokens))
+
+
+def chain_root(cache_salt: str | None) -> int:
+    """The parent key of a sequence's first block: the salt's digest (the same in every
+    process, unlike Python's hash of a str), or no parent when unsalted."""
+    if cache_salt is None:
+        return _NO_HASH
+    digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 @dataclass
@@ -71,7 +83,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs
         tokens = seq.all_token_ids
         hits: list[int] = []
-        parent = _NO_HASH
+        parent = chain_root(seq.cache_salt)
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = chain_hash(parent, chunk)
@@ -89,7 +101,7 @@ class BlockManager:
         bs, tokens = self.block_size, seq.prompt_token_ids
         known = self._seq_keys.get(seq.request_id, [])
         first = start_block if len(known) >= start_block else 0
-        parent = known[first - 1] if first else _NO_HASH
+        parent = known[first - 1] if first else chain_root(seq.cache_salt)
         keys = []
         for i in range(first, end_block):
             parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
@@ -105,7 +117,7 @@ class BlockManager:
         i = len(hits)
         if i >= (seq.num_tokens - 1) // self.block_size:
             return None
-        parent = self.block_key[hits[-1]] if hits else _NO_HASH
+        parent = self.block_key[hits[-1]] if hits else chain_root(seq.cache_salt)
         bs = self.block_size
         return chain_hash(parent, tuple(seq.all_token_ids[i * bs : (i + 1) * bs]))
 
@@ -160,7 +172,7 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = (seq.num_computed_tokens if limit is None else min(limit, seq.num_computed_tokens)) // bs
-        parent = keys[-1] if keys else _NO_HASH
+        parent = keys[-1] if keys else chain_root(seq.cache_salt)
         for i in range(len(keys), num_full):
             chunk = tuple(seq.token_at(j) for j in range(i * bs, (i + 1) * bs))
             key = chain_hash(parent, chunk)

@@ -47,17 +47,26 @@ class RequestError(ValueError):
 
 
 def unpack_prompt(prompt: Prompt) -> str | list[int]:
-    """The text or token ids of a prompt, vLLM's prompt dicts included."""
+    """The text or token ids of a prompt, vLLM's prompt dicts included (which may also
+    hold a `cache_salt`: see `prompt_cache_salt`)."""
     if not isinstance(prompt, dict):
         return prompt
-    keys = set(prompt)
+    keys = set(prompt) - {"cache_salt"}
     if keys == {"prompt_token_ids"}:
         return prompt["prompt_token_ids"]
     if keys == {"prompt"}:
         return prompt["prompt"]
     raise RequestError(
-        f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (a list of ids); got keys {sorted(keys)}"
+        f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (a list of ids), and optionally "
+        f"'cache_salt'; got keys {sorted(set(prompt))}"
     )
+
+
+def check_cache_salt(cache_salt) -> str | None:
+    """A cache salt is a non-empty string (or None: no salt). Raises RequestError."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise RequestError("cache_salt must be a non-empty string")
+    return cache_salt
 
 
 @dataclass
@@ -182,10 +191,16 @@ class LLMEngine:
         request_id: str | None = None,
         stream: bool = False,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a request. An empty or invalid prompt raises RequestError; one longer than
-        the context is REJECTED (reported by the next step) and never queued."""
+        the context is REJECTED (reported by the next step) and never queued. With a
+        `cache_salt` (or a prompt dict's), the request shares prefix-cache blocks only
+        with requests of the same salt."""
         params = params or SamplingParams()
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        cache_salt = check_cache_salt(cache_salt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -202,6 +217,7 @@ class LLMEngine:
             max_tokens=max(1, max_tokens),
             seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
             prompt=prompt if isinstance(prompt, str) else None,
+            cache_salt=cache_salt,
         )
         text = RequestText(self.tokenizer, ids, params, stream) if self.detokenize else None
         req = _Request(seq, text, logprobs=[] if params.logprobs is not None else None)

@@ -63,6 +63,7 @@ class Sequence:
     max_tokens: int  # resolved: never None, and never past the context length
     seed: int
     prompt: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only under the same salt
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: SequenceStatus = SequenceStatus.WAITING

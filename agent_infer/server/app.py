@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of one front end (FastAPI + any ASGI server).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models,
 GET /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
 
 The app holds no engine: it talks to the engine core through a CoreClient, and its
@@ -25,6 +26,7 @@ from agent_infer.server.errors import ApiError, guarded
 from agent_infer.server.serving import FrontEndState, ServerConfig
 from agent_infer.server.serving_chat import ChatServing
 from agent_infer.server.serving_completions import CompletionServing
+from agent_infer.server.serving_responses import ResponsesServing
 from agent_infer.server.text_workers import TextLimits, TextWorkers
 from agent_infer.structured.grammar import GrammarCompiler
 
@@ -61,6 +63,7 @@ def build_app(client: CoreClient, config: ServerConfig, *, text: TextWorkers | N
     state = state or FrontEndState()
     completions = CompletionServing(client, config, text, grammar, state)
     chat = ChatServing(client, config, text, grammar, state)
+    responses = ResponsesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,11 +80,16 @@ def build_app(client: CoreClient, config: ServerConfig, *, text: TextWorkers | N
     app = FastAPI(title="agent-infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.completions = completions
     app.state.chat = chat
+    app.state.responses = responses
     app.state.client = client
     app.state.front_end = state
 
     app.add_api_route("/v1/completions", guarded(completions.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/responses", guarded(responses.create), methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", guarded(responses.retrieve), methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", guarded(responses.cancel), methods=["POST"])
     app.add_api_route("/v1/models", guarded(chat.models), methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", guarded(chat.model), methods=["GET"])
     app.add_api_route("/health", guarded(chat.health), methods=["GET"])

@@ -71,14 +71,23 @@ REFUSED: dict[str, tuple[object, str]] = {
     "best_of": (1, "best_of > 1 is not supported"),
     "audio": (None, "audio output is not supported"),
     "prediction": (None, "predicted outputs are not supported"),
+    # vLLM's fields that we do not implement, whose absence a client would not notice
+    "logprob_token_ids": (None, "logprob_token_ids (logprobs of chosen token ids) is not supported; "
+                                "use logprobs with top_logprobs"),
+    "truncation_side": ("left", "only truncation_side 'left' (keep the last tokens) is supported"),
+    "use_beam_search": (False, "beam search is not supported"),
+    "bad_words": (None, "bad_words is not supported; use logit_bias to ban tokens"),
+    "logits_processors": (None, "custom logits processors are not supported"),
+    "prompt_embeds": (None, "prompt embeddings are not supported"),
 }
 
 
 def refusal(body: dict) -> tuple[str, str] | None:
-    """(param, message) for the first field of a raw body that we cannot honour."""
+    """(param, message) for the first field of a raw body that we cannot honour (set to
+    anything but its default or an empty value)."""
     for name, (default, message) in REFUSED.items():
         value = body.get(name)
-        if value is not None and value != default and not (name == "suffix" and value == ""):
+        if value is not None and value != default and value not in ("", [], {}):
             return name, message
     modalities = body.get("modalities")
     if isinstance(modalities, list) and any(m != "text" for m in modalities):
@@ -118,36 +127,44 @@ class StructuredOutputsRequest(_Request):
     structural_tag: Any = None  # refused: not supported
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
+class SamplingExtras(_Request):
+    """vLLM's sampling fields beyond OpenAI's, on every endpoint that generates (the
+    Responses API passes them to the chat path as they are)."""
 
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = Field(None, description="stop must be a string or a list of strings")
     stop_token_ids: list[int] | None = None
     ignore_eos: Bool = False
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: Bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
-    user: str | None = None  # accepted for compatibility; not used
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, description="cache_salt must be a non-empty string")
+
+
+class _SamplingFields(SamplingExtras):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: Bool = False  # logprob tokens as "token_id:<id>"
     return_token_ids: Bool = False  # choices carry token_ids (and prompt_token_ids)
-    allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: the context)
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -221,12 +238,13 @@ class _SamplingFields(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage
-                                             or self.stream_options.continuous_usage_stats))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's rule: usage in every chunk only when both include_usage and
+        continuous_usage_stats are set."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):

@@ -307,10 +307,11 @@ class OpenAIServing:
     # ---- running requests --------------------------------------------------------------------
 
     def fan_out(self, prompts: list[Prompt], params: SamplingParams, n: int, rid: str,
-                stream: bool) -> list[EngineRequest]:
+                stream: bool, cache_salt: str | None = None) -> list[EngineRequest]:
         """`n` engine requests per prompt; choice k = prompt_index * n + j. With a seed,
         choice j samples with seed + j (wrapped within int64): reproducible, and distinct
-        across choices and from any other seed's."""
+        across choices and from any other seed's. A `cache_salt` keeps their prefix-cache
+        blocks apart from every other salt's."""
         total = len(prompts) * n
         if total > self.client.max_waiting:
             raise ApiError(400, f"the request asks for {total} completions but the server queues at most "
@@ -319,17 +320,17 @@ class OpenAIServing:
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 sp = params if params.seed is None else replace(params, seed=_wrap_int64(params.seed + j))
-                requests.append(EngineRequest(prompt.ids, sp, prompt.text, f"{rid}-{i * n + j}", stream))
+                requests.append(EngineRequest(prompt.ids, sp, prompt.text, f"{rid}-{i * n + j}", stream, cache_salt))
         return requests
 
-    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+    async def submit(self, requests: list[EngineRequest], tag: str | None = None) -> RequestGroup:
         """Queue the requests in the core; a full queue, a dead core or a server that is
-        shutting down is a 503."""
+        shutting down is a 503. `tag`: the stored response they run for."""
         if self.state.draining:
             raise engine_error(ShuttingDownError("the server is shutting down; retry on another instance"),
                                self.config.retry_after_s)
         try:
-            group = self.client.submit(requests)
+            group = self.client.submit(requests, tag)
         except Exception as e:
             raise engine_error(e, self.config.retry_after_s) from None
         try:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from agent_infer.core.client import RequestGroup
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
-from agent_infer.sampling_params import StructuredOutputsParams
+from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
 from agent_infer.server import protocol as P
 from agent_infer.server.chat_output import ChoiceParser, message_of
 from agent_infer.server.errors import ApiError
@@ -25,7 +25,7 @@ from agent_infer.server.streaming import (
     sse_response,
 )
 from agent_infer.server.tool_parsers import JsonArrayToolParser, NamedToolParser, ToolParser, tool_parser_for
-from agent_infer.structured.grammar import close_objects
+from agent_infer.structured.grammar import close_objects, rebase_refs
 
 
 class ChatServing(OpenAIServing):
@@ -41,6 +41,22 @@ class ChatServing(OpenAIServing):
         req = await self.parse(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         self.check_stream_options(req)
+        chat = await self.prepare(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        group = await self.submit(self.fan_out([Prompt(None, chat.ids)], chat.params, req.n, rid, req.stream,
+                                               req.cache_salt))
+        view = ChatView(self, req, rid, int(time.time()), chat.ids, chat.choice_parser, chat.forced_call)
+        if req.stream:
+            return sse_response(view.stream(group), group)
+        finals = await self.collect_unless_disconnected(request, group)
+        if finals is None:
+            return Response(status_code=DISCONNECTED)
+        return json_response(view.response(finals))
+
+    async def prepare(self, req: P.ChatCompletionRequest) -> "PreparedChat":
+        """A chat request made ready to run (every other endpoint that speaks in messages
+        goes through here too): its prompt rendered and checked, its tools and output
+        constraint compiled, its sampling settings, and how to parse its output."""
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
         tools = ToolSetup.of(req)
@@ -77,21 +93,22 @@ class ChatServing(OpenAIServing):
                 await self.compile(StructuredOutputsParams(json=schema), "tools")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, constraint)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.fan_out([Prompt(None, ids)], params, req.n, rid, req.stream))
 
-        def choice_parser() -> ChoiceParser | None:
+        def choice_parser(with_tools: bool = True) -> ChoiceParser | None:
             reasoning = reasoning_cls(prompt_in_reasoning) if reasoning_cls is not None else None
-            parser = tools.parser(tool_parser_cls)
+            parser = tools.parser(tool_parser_cls) if with_tools else None
             return ChoiceParser(reasoning, parser) if reasoning is not None or parser is not None else None
 
-        view = ChatView(self, req, rid, int(time.time()), ids, choice_parser)
-        if req.stream:
-            return sse_response(view.stream(group), group)
-        finals = await self.collect_unless_disconnected(request, group)
-        if finals is None:
-            return Response(status_code=DISCONNECTED)
-        return json_response(view.response(finals))
+        return PreparedChat(text, ids, params, choice_parser, tools.forced)
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    prompt_text: str
+    ids: list[int]
+    params: SamplingParams
+    choice_parser: Callable[..., ChoiceParser | None]  # (with_tools=True): one per choice; None: plain text
+    forced_call: bool  # the grammar forces a tool call (a named or required tool_choice)
 
 
 @dataclass
@@ -104,6 +121,11 @@ class ToolSetup:
     named: str | None = None
     constraint: StructuredOutputsParams | None = None
     schemas: list[dict] | None = None  # each tool's arguments schema, as a forced call would be held to it
+
+    @property
+    def forced(self) -> bool:
+        """The grammar forces a call (a named or required choice)."""
+        return self.constraint is not None
 
     @property
     def choice_label(self) -> str:
@@ -155,13 +177,21 @@ def _parameters_schema(function: P.FunctionDefinition) -> dict:
 def _required_calls_schema(tools: list[P.ChatTool], parallel: bool) -> dict:
     """tool_choice "required": a JSON array of one or more calls, each one of the tools
     with arguments that satisfy its schema (one call only without parallel_tool_calls)."""
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": t.function.name}, "parameters": _parameters_schema(t.function)},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    } for t in tools]
-    schema = {"type": "array", "items": options[0] if len(options) == 1 else {"anyOf": options}, "minItems": 1}
+    def option(t: P.ChatTool, at: str) -> dict:
+        # Each tool's schema keeps its own $defs: its references are rebased to where it sits.
+        return {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name},
+                           "parameters": rebase_refs(_parameters_schema(t.function), f"{at}/properties/parameters")},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+
+    if len(tools) == 1:
+        items = option(tools[0], "/items")
+    else:
+        items = {"anyOf": [option(t, f"/items/anyOf/{i}") for i, t in enumerate(tools)]}
+    schema = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -171,20 +201,21 @@ class ChatView:
     """Builds /v1/chat/completions responses and stream chunks for one request."""
 
     def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, rid: str, created: int,
-                 prompt_ids: list[int], choice_parser):
+                 prompt_ids: list[int], choice_parser, forced_call: bool = False):
         self.s = serving
         self.req = req
         self.rid = rid
         self.created = created
         self.prompt_ids = prompt_ids
-        self.choice_parser = choice_parser  # () -> ChoiceParser | None (reasoning, tool calls)
+        self.choice_parser = choice_parser  # (with_tools=True) -> ChoiceParser | None (reasoning, tool calls)
+        self.forced_call = forced_call
         self.model = serving.config.served_model_name
         self._templates: dict[int, TextTemplate] = {}
 
     def _tracker(self) -> UsageTracker:
         return UsageTracker([len(self.prompt_ids)], self.req.n)
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> P.ChatLogprobs:
+    def logprobs_of(self, lps: list[TokenLogprob]) -> P.ChatLogprobs:
         as_ids = self.req.return_tokens_as_token_ids
         content = []
         for lp in lps:
@@ -205,7 +236,10 @@ class ChatView:
         usage = self._tracker()
         for k, out in enumerate(finals):
             usage.update(k, out)
-            parser = self.choice_parser()
+            # A forced call that max_tokens cut short is no call: its text goes to content
+            # (vLLM's rule), so no client runs a tool on broken arguments.
+            cut_call = self.forced_call and out.finish_reason == "length"
+            parser = self.choice_parser(with_tools=not cut_call)
             if parser is None:
                 message, num_calls = P.ChatResponseMessage(content=out.text), 0
             else:
@@ -213,7 +247,7 @@ class ChatView:
                 message, num_calls = message_of(reasoning, content, calls), len(calls)
             choices.append(P.ChatChoice(
                 index=k, message=message,
-                logprobs=self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs is not None else None,
+                logprobs=self.logprobs_of(out.logprobs) if self.req.logprobs and out.logprobs is not None else None,
                 finish_reason=self._finish_reason(out, num_calls), stop_reason=out.stop_reason,
                 token_ids=list(out.token_ids) if self.req.return_token_ids else None))
         first = finals[0] if finals else None
@@ -246,7 +280,8 @@ class ChatView:
         try:
             async with group:
                 for k in range(total):  # OpenAI's first chunk of each choice carries the role
-                    yield self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(role="assistant", content="")))
+                    yield self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(role="assistant", content="")),
+                                      usage.usage() if continuous else None)
                 while batch := await group.next_batch():
                     events = []
                     for k, text, out, ids in coalesce(batch):
@@ -255,7 +290,7 @@ class ChatView:
                             ended.add(k)
                         logprobs = None
                         if self.req.logprobs and out.logprobs is not None and len(out.logprobs) > sent_logprobs[k]:
-                            logprobs = self._logprobs(out.logprobs[sent_logprobs[k]:])
+                            logprobs = self.logprobs_of(out.logprobs[sent_logprobs[k]:])
                             sent_logprobs[k] = len(out.logprobs)
                         parser = parsers[k]
                         if parser is None:

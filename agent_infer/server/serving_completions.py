@@ -38,7 +38,7 @@ class CompletionServing(OpenAIServing):
         if req.echo and req.logprobs is not None:  # OpenAI's echo + logprobs covers the prompt too
             params = replace(params, prompt_logprobs=max(req.logprobs, params.prompt_logprobs or 0))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.fan_out(prompts, params, req.n, rid, req.stream))
+        group = await self.submit(self.fan_out(prompts, params, req.n, rid, req.stream, req.cache_salt))
         view = CompletionView(self, req, rid, int(time.time()), prompts)
         if req.stream:
             return sse_response(view.stream(group), group)
@@ -167,7 +167,7 @@ class CompletionView:
                     for k in range(total):
                         text = self.s.prompt_text(self._prompt_of(k))
                         offsets[k] = len(text)
-                        yield self._chunk(P.CompletionChoice(index=k, text=text))
+                        yield self._chunk(P.CompletionChoice(index=k, text=text), usage.usage() if continuous else None)
                     echo_pending.clear()
                 while batch := await group.next_batch():
                     events = []
@@ -181,7 +181,8 @@ class CompletionView:
                             prompt_text = self.s.prompt_text(self._prompt_of(k))
                             offsets[k] = len(prompt_text)
                             events.append(self._chunk(P.CompletionChoice(
-                                index=k, text=prompt_text, logprobs=self._echo_logprobs(k, out))))
+                                index=k, text=prompt_text, logprobs=self._echo_logprobs(k, out)),
+                                usage.usage() if continuous else None))
                         if self.req.prompt_logprobs is not None and out.prompt_logprobs is not None and \
                                 k not in sent_prompt_lp:
                             sent_prompt_lp.add(k)

@@ -82,6 +82,21 @@ def close_objects(schema):
     return out
 
 
+def rebase_refs(schema, pointer: str):
+    """`schema` placed at JSON pointer `pointer` inside a larger document: its local
+    references ("#", "#/$defs/X") rewritten to point where they now live, so that each
+    part resolves inside itself and not against the new root. Returns a copy."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, pointer) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rebase_refs(v, pointer) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):  # a named anchor needs no rebasing
+        out["$ref"] = "#" + pointer + ref[1:]
+    return out
+
+
 def _lark_literal(text: str) -> str:
     return json.dumps(text)  # Lark string literals take JSON's escapes
 

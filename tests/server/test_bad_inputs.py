@@ -10,6 +10,7 @@ from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
 LONG_PROMPT_IDS = [100] * (MAX_MODEL_LEN + 10)
 BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
@@ -22,6 +23,10 @@ def _completion(**fields) -> dict:
 
 def _chat(**fields) -> dict:
     return {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2, **fields}
+
+
+def _response(**fields) -> dict:
+    return {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2, **fields}
 
 
 # (case id, method, path, body: dict -> JSON, bytes -> sent as is, status, param, words in the message)
@@ -69,6 +74,53 @@ CASES = [
     ("audio-modality", "POST", CHAT, _chat(modalities=["text", "audio"]), 400, "modalities", ["text"]),
     ("image-part", "POST", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, "messages", ["content"]),
+    ("logprob_token_ids", "POST", CHAT, _chat(logprobs=True, logprob_token_ids=[5, 7]), 400, "logprob_token_ids",
+     ["top_logprobs"]),
+    ("truncation_side-right", "POST", COMPLETIONS, _completion(truncate_prompt_tokens=3, truncation_side="right"), 400,
+     "truncation_side", ["left"]),
+    ("beam-search", "POST", COMPLETIONS, _completion(use_beam_search=True), 400, "use_beam_search", ["beam"]),
+    ("bad_words", "POST", CHAT, _chat(bad_words=["no"]), 400, "bad_words", ["logit_bias"]),
+    # cache_salt keeps tenants apart; an empty one would silently share
+    ("cache_salt-empty", "POST", COMPLETIONS, _completion(cache_salt=""), 400, "cache_salt", []),
+    ("cache_salt-empty-chat", "POST", CHAT, _chat(cache_salt=""), 400, "cache_salt", []),
+    ("cache_salt-number", "POST", CHAT, _chat(cache_salt=5), 400, "cache_salt", []),
+    # the Responses API
+    ("responses-missing-input", "POST", RESPONSES, {"model": MODEL_NAME}, 400, "input", ["required"]),
+    ("responses-empty-input", "POST", RESPONSES, _response(input=[]), 400, "input", ["empty"]),
+    ("responses-web-search", "POST", RESPONSES, _response(tools=[{"type": "web_search"}]), 400, "tools[0].type",
+     ["function", "web_search"]),
+    ("responses-image", "POST", RESPONSES, _response(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]), 400, "input[0].content[0]", ["input_image"]),
+    ("responses-item-reference", "POST", RESPONSES, _response(input=[{"type": "item_reference", "id": "msg_1"}]),
+     400, "input[0]", ["reference"]),
+    ("responses-unknown-item", "POST", RESPONSES, _response(input=[{"type": "computer_call", "id": "c"}]), 400,
+     "input[0].type", ["computer_call"]),
+    ("responses-call-without-id", "POST", RESPONSES, _response(input=[
+        {"type": "function_call_output", "output": "4"}]), 400, "input[0].call_id", ["call_id"]),
+    ("responses-conversation", "POST", RESPONSES, _response(conversation="conv_1"), 400, "conversation",
+     ["previous_response_id"]),
+    ("responses-truncation-auto", "POST", RESPONSES, _response(truncation="auto"), 400, "truncation", ["auto"]),
+    ("responses-background-unstored", "POST", RESPONSES, _response(background=True, store=False), 400, "background",
+     ["store"]),
+    ("responses-background-stream", "POST", RESPONSES, _response(background=True, stream=True), 400, "stream", []),
+    ("responses-include", "POST", RESPONSES, _response(include=["code_interpreter_call.outputs", "x.y"]), 400,
+     "include", ["x.y"]),
+    ("responses-tool-choice", "POST", RESPONSES, _response(tools=[{"type": "function", "name": "f"}],
+                                                           tool_choice={"type": "allowed_tools", "tools": []}), 400,
+     "tool_choice", ["allowed_tools"]),
+    ("responses-json-schema-missing", "POST", RESPONSES, _response(text={"format": {"type": "json_schema",
+                                                                                    "name": "x"}}), 400,
+     "text.format.schema", ["schema"]),
+    ("responses-bad-schema", "POST", RESPONSES, _response(text={"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}), 400, "text.format", ["strin"]),
+    ("responses-overlong", "POST", RESPONSES, _response(input=" hello" * MAX_MODEL_LEN), 400, "input",
+     [str(MAX_MODEL_LEN)]),
+    ("responses-unknown-previous", "POST", RESPONSES, _response(previous_response_id="resp_nope"), 404,
+     "previous_response_id", ["resp_nope"]),
+    ("responses-get-unknown", "GET", RESPONSES + "/resp_nope", None, 404, "response_id", ["resp_nope"]),
+    ("responses-cancel-unknown", "POST", RESPONSES + "/resp_nope/cancel", None, 404, "response_id", []),
+    ("responses-delete-unknown", "DELETE", RESPONSES + "/resp_nope", None, 404, "response_id", []),
+    ("responses-unknown-model", "POST", RESPONSES, _response(model="gpt-9"), 404, "model", ["gpt-9"]),
     # int64 seeds; token ids inside the vocabulary
     ("seed-2**63", "POST", COMPLETIONS, _completion(seed=2**63), 400, "seed", ["seed"]),
     ("stop-token-outside-vocab", "POST", COMPLETIONS, _completion(stop_token_ids=[10**7]), 400, "stop_token_ids",
