@@ -108,6 +108,21 @@ def default_engine(config: EngineConfig):
     return launch_engine(config, detokenize=False)
 
 
+def leave_a_cpu_to_the_loop(config: EngineConfig) -> None:
+    """On a CPU, the model's forward passes and the core's host work (scheduling, grammar
+    masks built during the forward pass, messages) share the cores. torch's spinning
+    intra-op threads must not take them all: with every core in the thread pool, one more
+    busy thread anywhere on the machine stalls each parallel region until the preempted
+    thread runs again (structured decoding ran many times slower next to a single niced
+    busy process). So torch gets one thread fewer than the CPUs, as vLLM's CPU backend
+    reserves one; an OMP_NUM_THREADS in the environment is left to decide."""
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or config.resolve_device().type != "cpu":
+        return
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+
+
 def core_main() -> None:
     """The core process's entry (`python -m agent_infer.core`)."""
     spec, status_fd = read_spec()
@@ -116,6 +131,7 @@ def core_main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops the core, after the front ends
     try:
+        leave_a_cpu_to_the_loop(spec.engine_config)
         engine = (spec.engine_factory or default_engine)(spec.engine_config)
         core = EngineCore(engine, spec.core_config, spec.address, spec.parent_pid)
     except (ConfigError, ValueError, FileNotFoundError, NotImplementedError) as e:

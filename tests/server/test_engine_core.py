@@ -265,3 +265,34 @@ def test_a_front_end_that_goes_away_has_its_requests_aborted(core, front):
     finally:
         stand_in.kill()
         other.close()
+
+
+def test_on_a_cpu_the_core_leaves_one_cpu_to_its_loop(monkeypatch):
+    """torch's intra-op threads take all CPUs but one (host work runs beside the forward
+    pass); OMP_NUM_THREADS, when set, decides instead; a GPU engine leaves torch alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from agent_infer.core.process import leave_a_cpu_to_the_loop
+
+    on = {"cpu": SimpleNamespace(resolve_device=lambda: torch.device("cpu")),
+          "cuda": SimpleNamespace(resolve_device=lambda: torch.device("cuda"))}
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        leave_a_cpu_to_the_loop(on["cpu"])
+        assert torch.get_num_threads() == 5
+        torch.set_num_threads(3)
+        leave_a_cpu_to_the_loop(on["cuda"])
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        leave_a_cpu_to_the_loop(on["cpu"])
+        assert torch.get_num_threads() == 3
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        leave_a_cpu_to_the_loop(on["cpu"])
+        assert torch.get_num_threads() == 1  # never fewer than one
+    finally:
+        torch.set_num_threads(before)
