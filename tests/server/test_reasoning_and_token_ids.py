@@ -1,8 +1,9 @@
 """A tiny random Qwen3 behind the server, with SmolLM2's tokenizer plus Qwen3's added
 tokens and a Qwen3-style template (tools, <tool_call>, thinking opened by the generation
 prompt): reasoning_content is split from the content, a constraint starts only once the
-reasoning block has ended, enable_thinking is honoured, a tool call right after </think>
-is parsed, tool calls in the history are rendered; and, without a tokenizer, a token-id
+reasoning block has ended, the Responses API returns the block as a reasoning item,
+enable_thinking is honoured, a tool call right after </think> is parsed, tool calls in
+the history are rendered; and, without a tokenizer, a token-id
 stream sends every step's ids as they come.
 
 A random model does not close a reasoning block by itself: logit_bias pushes </think>
@@ -105,6 +106,41 @@ def test_reasoning_split_and_constraint_after_the_block(thinking_server, toks):
                 content += d.delta.content or ""
         assert (reasoning, content) == (c.message.model_extra["reasoning_content"], c.message.content)
     assert seen_free_tokens
+
+
+def test_responses_api_returns_reasoning_items(thinking_server, toks):
+    """The Responses API: the <think> block is a reasoning item before the message, its
+    tokens counted as reasoning tokens; streamed as reasoning_text events into the same
+    items."""
+    tok, ids = toks
+    end = ids["</think>"]
+    client = _client(thinking_server)
+    for seed in range(6):
+        kw = dict(model=MODEL_NAME, input="Pick a word.", max_output_tokens=40, temperature=1.0,
+                  extra_body={"seed": seed, "logit_bias": {str(end): 9}, "structured_outputs": {"regex": WORD}})
+        r = client.responses.create(**kw)
+        if r.status != "completed":
+            continue  # the block never closed within max_output_tokens
+        reasoning, message = r.output
+        assert reasoning.type == "reasoning" and message.type == "message"
+        text = reasoning.content[0].text
+        assert reasoning.content[0].type == "reasoning_text" and text and "</think>" not in text
+        assert re.fullmatch(WORD, r.output_text)
+        ids_out = tok.encode(text, add_special_tokens=False)
+        assert r.usage.output_tokens_details.reasoning_tokens >= 1
+        assert r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+        assert abs(r.usage.output_tokens_details.reasoning_tokens - (len(ids_out) + 1)) <= 2  # + the </think>
+        events = list(client.responses.create(stream=True, **kw))
+        streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert streamed == text
+        final = events[-1].response
+        assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == r.output_text
+        # The next turn carries the first (the template renders the answer, not the reasoning).
+        follow = client.responses.create(model=MODEL_NAME, input="Another.", max_output_tokens=2,
+                                         previous_response_id=r.id)
+        assert follow.usage.input_tokens > r.usage.input_tokens + 2
+        return
+    pytest.fail("no seed closed the reasoning block within max_output_tokens")
 
 
 def test_enable_thinking_false(thinking_server, toks):
