@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from agent_infer.checkpoint_files import ConfigError, read_json_object, require_directory  # noqa: F401 (re-exported)
+from agent_infer.quantization.fp8 import Fp8Config
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -152,6 +153,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     family: Any
+    quantization: Fp8Config | None = None  # the checkpoint's fp8 scheme (its weights are dequantized on load)
     hf: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
@@ -191,6 +193,7 @@ class ModelConfig:
                 bos_token_id=text.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 family=family,
+                quantization=Fp8Config.from_hf(hf.get("quantization_config") or text.get("quantization_config")),
                 hf=text,
             )
         except KeyError as e:

@@ -183,10 +183,13 @@ def _config_with(path: str, tmp_path, **changes) -> str:
     return str(dst)
 
 
-def test_fp8_checkpoint_is_refused_by_name(ds_dirs, tmp_path):
-    path = _config_with(ds_dirs["v3"], tmp_path, quantization_config={"quant_method": "fp8", "fmt": "e4m3"})
-    with pytest.raises(ConfigError, match=r"quantization_config \(fp8\) is not supported"):
+def test_unsupported_quantization_is_refused_by_name(ds_dirs, tmp_path):
+    path = _config_with(ds_dirs["v3"], tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ConfigError, match=r"quant_method 'awq' is not supported"):
         ModelConfig.from_hf(path)
+    per_tensor = _config_with(ds_dirs["v3"], tmp_path / "t", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ConfigError, match=r"weight_block_size"):
+        ModelConfig.from_hf(per_tensor)
 
 
 def test_fp8_kv_cache_is_refused_for_mla(ds_dirs):

@@ -32,6 +32,7 @@ from agent_infer.kernels import ops
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
 from agent_infer.kvcache.slots import ragged_slots
 from agent_infer.loader.weights import iter_weights
+from agent_infer.quantization.fp8 import dequantized
 from agent_infer.models.registry import resolve_model_class
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,10 @@ class ModelRunner:
         cls = resolve_model_class(self.model_config.architecture)
         with build_context(self.device, self.dtype):
             model = cls(self.model_config, self.tp, self.max_model_len)
-        model.load_weights(iter_weights(self.model_config.path))
+        weights = iter_weights(self.model_config.path)
+        if self.model_config.quantization is not None:
+            weights = dequantized(weights, self.model_config.quantization)
+        model.load_weights(weights)
         return model.eval()
 
     def _make_backend(self) -> AttentionBackend:

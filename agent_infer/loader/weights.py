@@ -42,6 +42,7 @@ class LazyWeight:
         self._counter = counter
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.stored_dtype = self._slice.get_dtype()  # safetensors' name: "BF16", "F8_E4M3", ...
 
     def load(self) -> torch.Tensor:
         return self._count(self._read(lambda: self._handle.get_tensor(self.name)))
@@ -65,6 +66,8 @@ class LazyWeight:
         return t
 
 
+# A checkpoint tensor: in memory, or anything with `shape`, `load()` and `narrow()` that
+# reads it when asked (LazyWeight; quantization/fp8.py's Fp8Weight, which dequantizes).
 Weight = torch.Tensor | LazyWeight
 
 
@@ -79,7 +82,7 @@ def narrow(w: Weight, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def materialize(w: Weight) -> torch.Tensor:
-    return w.load() if isinstance(w, LazyWeight) else w
+    return w if isinstance(w, torch.Tensor) else w.load()
 
 
 def checkpoint_files(path: str) -> list[str]:

@@ -76,10 +76,6 @@ class DeepseekFamilyConfig:
     @staticmethod
     def from_hf(hf: dict[str, Any]) -> "DeepseekFamilyConfig":
         arch = (hf.get("architectures") or [""])[0]
-        quant = hf.get("quantization_config")
-        if quant:
-            kind = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ConfigError(f"quantization_config ({kind}) is not supported: serve the checkpoint in bf16/fp16/fp32")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported for DeepSeek (silu only)")
         scoring = hf.get("scoring_func") or _SCORING[arch]

@@ -1,0 +1,1 @@
+"""Quantized weight formats: how checkpoints store them and their reference arithmetic."""

@@ -1,0 +1,156 @@
+"""fp8 checkpoints as they are published load and run: a tiny dense model and a tiny
+DeepSeek-V3 in the block layout (e4m3 projections, `weight_scale_inv` per block, router
+gates, embeddings, norms and lm_head left in full precision), and a tiny dense model in
+compressed-tensors' per-channel layout. fp32 greedy tokens equal transformers run on the
+same weights dequantized, and tensor parallelism splits them as it splits any weight."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from agent_infer.config import ConfigError, EngineConfig
+from agent_infer.engine.llm_engine import LLMEngine
+from agent_infer.quantization import fp8 as F
+from agent_infer.sampling_params import SamplingParams
+from tests.deepseek_models import write_deepseek_model
+from tests.hf_reference import check_greedy_close, hf_greedy, load_hf_model
+from tests.tiny_models import write_tiny_model
+
+NEW_TOKENS = 16
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+BLOCK = (16, 8)  # small enough that the tiny shapes hold several blocks, and partial ones
+DEEPSEEK_V3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+COMPRESSED_TENSORS_FP8 = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True}}},
+}
+
+
+def _quantized_pair(src: str, fp8_dir: str, ref_dir: str, layout: str) -> None:
+    """Write `src` as an fp8 checkpoint (every projection quantized as the layout stores
+    it) and, as the reference, the same model holding the dequantized weights."""
+    for d in (fp8_dir, ref_dir):
+        shutil.copytree(src, d)
+        for f in os.listdir(d):
+            if f.endswith(".safetensors") or f.endswith(".index.json"):
+                os.remove(os.path.join(d, f))
+    tensors = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    quantized, reference = {}, {}
+    for name, t in tensors.items():
+        if not (name.endswith("_proj.weight") and t.dim() == 2):
+            quantized[name] = reference[name] = t  # embeddings, norms, router gates, lm_head
+            continue
+        if layout == "block":
+            q, scale = F.quantize_block(t, BLOCK)
+            quantized[name], quantized[name + "_scale_inv"] = q, scale
+            reference[name] = F.dequantize_block(q, scale, BLOCK)
+        else:
+            q, scale = F.quantize_channel(t)
+            quantized[name], quantized[name + "_scale"] = q, scale
+            reference[name] = F.dequantize_channel(q, scale)
+    save_file(quantized, os.path.join(fp8_dir, "model.safetensors"))
+    save_file(reference, os.path.join(ref_dir, "model.safetensors"))
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = (dict(DEEPSEEK_V3_FP8, weight_block_size=list(BLOCK)) if layout == "block"
+                                     else COMPRESSED_TENSORS_FP8)
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _deepseek_v3(path: str) -> str:
+    """A tiny V3 whose heads and experts divide by 2, its experts one tensor each as the
+    published checkpoints store them."""
+    from tests import deepseek_models as dm
+
+    dm.DEEPSEEK_SPECS["v3_fp8"] = dict(dm.DEEPSEEK_SPECS["v3"], num_attention_heads=4, num_key_value_heads=4,
+                                       n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=2)
+    try:
+        return write_deepseek_model("v3_fp8", path, hub_spelling=True)
+    finally:
+        del dm.DEEPSEEK_SPECS["v3_fp8"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    made = {}
+    sources = {
+        "qwen3-block": (write_tiny_model("qwen3", str(root / "qwen3")), "block"),
+        "llama-channel": (write_tiny_model("llama", str(root / "llama")), "channel"),
+        "deepseek-v3-block": (_deepseek_v3(str(root / "v3")), "block"),
+    }
+    for name, (src, layout) in sources.items():
+        made[name] = (str(root / f"{name}-fp8"), str(root / f"{name}-ref"))
+        _quantized_pair(src, *made[name], layout)
+    return made
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (4, 19, 37)]
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=128, block_size=16, **kw))
+
+
+@pytest.mark.parametrize("name", ["qwen3-block", "llama-channel", "deepseek-v3-block"])
+def test_fp8_checkpoint_equals_transformers_on_the_dequantized_weights(checkpoints, name):
+    fp8_dir, ref_dir = checkpoints[name]
+    engine = _engine(fp8_dir)
+    assert engine.model_config.quantization.layout == name.rsplit("-", 1)[1]
+    prompts = _prompts(engine.model_config.vocab_size)
+    outs = engine.generate(prompts, PARAMS)
+    hf = load_hf_model(ref_dir)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ref = hf_greedy(hf, prompt, NEW_TOKENS)
+        check_greedy_close(out.token_ids, [dict(t.top) for t in out.logprobs], ref, 1e-4, f"{name}[{i}]")
+    # The same weights as the reference checkpoint, value for value.
+    plain = _engine(ref_dir).generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for o, p in zip(outs, plain) for a, b in zip(o.logprobs, p.logprobs))
+
+
+@pytest.mark.parametrize("name", ["qwen3-block", "deepseek-v3-block"])
+def test_tensor_parallel_fp8_equals_one_rank(checkpoints, name):
+    fp8_dir, _ = checkpoints[name]
+    reference = _engine(fp8_dir, async_scheduling=False)
+    prompts = _prompts(reference.model_config.vocab_size)
+    one = reference.generate(prompts, PARAMS)
+    two = _engine(fp8_dir, tensor_parallel_size=2)
+    try:
+        got = two.generate(prompts, PARAMS)
+    finally:
+        two.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in one]
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for o, p in zip(got, one) for a, b in zip(o.logprobs, p.logprobs))
+
+
+def test_missing_or_misshapen_scales_are_named(checkpoints, tmp_path):
+    fp8_dir, _ = checkpoints["qwen3-block"]
+    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("q_proj.weight_scale_inv"))
+    for case, change in (("missing", lambda t: t.pop(name)),
+                         ("misshapen", lambda t: t.__setitem__(name, t[name][:1]))):
+        broken = tmp_path / case
+        shutil.copytree(fp8_dir, broken)
+        edited = dict(tensors)
+        change(edited)
+        save_file(edited, str(broken / "model.safetensors"))
+        with pytest.raises((ConfigError, ValueError), match=name.removesuffix("_scale_inv")):
+            _engine(str(broken))
