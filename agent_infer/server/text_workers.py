@@ -57,6 +57,7 @@ _STREAM_LIMIT = 1 << 20
 # one message never holds the event loop for long, however long the prompt.
 _TEXT_CHARS_PER_MESSAGE = 1 << 16
 _IDS_PER_MESSAGE = 1 << 14
+WORKER_NICENESS = 10  # added to the front end's: see _worker_main
 # Error messages cross to clients; some (transformers' continue_final_message check)
 # quote the whole rendered chat.
 _MAX_MESSAGE_CHARS = 2_000
@@ -474,6 +475,9 @@ def _worker_main(sock: socket.socket, tokenizer_path: str, max_output_chars: int
     # Ctrl-C reaches the whole process group: the parent decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned(parent_pid)
+    # Bulk work (a long template, a huge text) yields the CPU to the front end's event
+    # loop and the engine core, which answer every other client meanwhile.
+    os.nice(WORKER_NICENESS)
     try:
         from agent_infer.loader.tokenizer import load_tokenizer, tokenizers_only
 

@@ -239,6 +239,16 @@ def test_template_errors_name_the_problem(loop, pool, template, kwargs, message)
     assert str(error).startswith(message), str(error)
 
 
+def test_workers_run_below_the_front_ends_priority(loop, pool):
+    """Bulk text work yields the CPU to the event loop and the engine core."""
+    from agent_infer.server.text_workers import WORKER_NICENESS
+
+    loop.run_until_complete(wait_full(pool))
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert pool.pids and all(os.getpriority(os.PRIO_PROCESS, pid) == min(19, own + WORKER_NICENESS)
+                             for pid in pool.pids)
+
+
 # --- tokenizing -------------------------------------------------------------------------
 
 def test_long_text_is_encoded_in_a_worker_and_short_inline(loop, pool, tokenizer, monkeypatch):
