@@ -30,7 +30,7 @@ from agent_infer.sampling_params import SamplingParams, SamplingParamsError, Str
 from agent_infer.server import protocol as P
 from agent_infer.server.errors import ApiError, ShuttingDownError, engine_error
 from agent_infer.server.reasoning import ThinkParser
-from agent_infer.server.streaming import finite, json_response, unless_disconnected
+from agent_infer.server.streaming import DISCONNECTED, finite, json_response, sse_response, unless_disconnected
 from agent_infer.server.text_workers import TemplateError, TextWorkers
 from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
@@ -352,6 +352,16 @@ class OpenAIServing:
         except Exception as e:
             raise engine_error(e, self.config.retry_after_s) from None
         return finals  # type: ignore[return-value]
+
+    async def respond(self, request: Request, view, group: RequestGroup, stream: bool) -> Response:
+        """A request's answer from its view (its `stream(group)` and `response(finals)`):
+        the stream, or the whole response unless the client went away first."""
+        if stream:
+            return sse_response(view.stream(group), group)
+        finals = await self.collect_unless_disconnected(request, group)
+        if finals is None:
+            return Response(status_code=DISCONNECTED)
+        return json_response(view.response(finals))
 
     async def collect_unless_disconnected(self, request: Request, group: RequestGroup) -> list[RequestOutput] | None:
         """Collect a non-streaming result; None if the client went away first (the group

@@ -21,8 +21,7 @@ from agent_infer.server.errors import ApiError
 from agent_infer.server.reasoning import ThinkParser, reasoning_parser_for
 from agent_infer.server.serving import OpenAIServing, Prompt, template_text
 from agent_infer.server.streaming import (
-    DISCONNECTED, MARK, TextTemplate, UsageTracker, coalesce, finite, is_shutdown, json_response, last_write, sse,
-    sse_response,
+    MARK, TextTemplate, UsageTracker, coalesce, finite, is_shutdown, last_write, sse,
 )
 from agent_infer.server.tool_parsers import JsonArrayToolParser, NamedToolParser, ToolParser, tool_parser_for
 from agent_infer.structured.grammar import close_objects, rebase_refs
@@ -46,12 +45,7 @@ class ChatServing(OpenAIServing):
         group = await self.submit(self.fan_out([Prompt(None, chat.ids)], chat.params, req.n, rid, req.stream,
                                                req.cache_salt))
         view = ChatView(self, req, rid, int(time.time()), chat.ids, chat.choice_parser, chat.forced_call)
-        if req.stream:
-            return sse_response(view.stream(group), group)
-        finals = await self.collect_unless_disconnected(request, group)
-        if finals is None:
-            return Response(status_code=DISCONNECTED)
-        return json_response(view.response(finals))
+        return await self.respond(request, view, group, req.stream)
 
     async def prepare(self, req: P.ChatCompletionRequest) -> "PreparedChat":
         """A chat request made ready to run (every other endpoint that speaks in messages
@@ -99,12 +93,11 @@ class ChatServing(OpenAIServing):
             parser = tools.parser(tool_parser_cls) if with_tools else None
             return ChoiceParser(reasoning, parser) if reasoning is not None or parser is not None else None
 
-        return PreparedChat(text, ids, params, choice_parser, tools.forced)
+        return PreparedChat(ids, params, choice_parser, tools.forced)
 
 
 @dataclass(frozen=True)
 class PreparedChat:
-    prompt_text: str
     ids: list[int]
     params: SamplingParams
     choice_parser: Callable[..., ChoiceParser | None]  # (with_tools=True): one per choice; None: plain text

@@ -17,8 +17,7 @@ from agent_infer.server import protocol as P
 from agent_infer.server.errors import ApiError
 from agent_infer.server.serving import OpenAIServing, Prompt
 from agent_infer.server.streaming import (
-    DISCONNECTED, MARK, TextTemplate, UsageTracker, coalesce, finite, is_shutdown, json_response, last_write, sse,
-    sse_response,
+    MARK, TextTemplate, UsageTracker, coalesce, finite, is_shutdown, last_write, sse,
 )
 
 
@@ -40,12 +39,7 @@ class CompletionServing(OpenAIServing):
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = await self.submit(self.fan_out(prompts, params, req.n, rid, req.stream, req.cache_salt))
         view = CompletionView(self, req, rid, int(time.time()), prompts)
-        if req.stream:
-            return sse_response(view.stream(group), group)
-        finals = await self.collect_unless_disconnected(request, group)
-        if finals is None:
-            return Response(status_code=DISCONNECTED)
-        return json_response(view.response(finals))
+        return await self.respond(request, view, group, req.stream)
 
     async def _prompts(self, req: P.CompletionRequest) -> list[Prompt]:
         p = req.prompt
