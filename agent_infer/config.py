@@ -222,7 +222,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size in blocks; overrides both
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "none"
-    # False: the blueprint's policy, a step is a prefill batch or a decode batch. True:
+    # False: a step is a prefill batch or a decode batch. True:
     # while prompts wait, a step carries every running decode as well (one token each,
     # first) and fills the rest of the token budget with prefill, so decodes never
     # stall behind a prefill step (decodes come first: a budget no larger than the number

@@ -19,7 +19,7 @@ def test_mla_latent_and_dense_layouts_in_one_pool():
     mla, dense = LatentLayout(kv_lora_rank=512, rope_dim=64), DenseKVLayout(num_kv_heads=4, head_dim=128)
     layouts = [mla] * 27 + [dense] * 2
     assert mla.values_per_token == 576 and dense.values_per_token == 1024
-    # bf16: 27 x 576 x 2 = 31,104 B per token for the latent layers (DESIGN §7) + 2 x 1024 x 2.
+    # bf16: 27 x 576 x 2 = 31,104 B per token for the latent layers + 2 x 1024 x 2.
     assert bytes_per_token([mla] * 27, torch.bfloat16) == 31104
     per_token = bytes_per_token(layouts, torch.bfloat16)
     assert per_token == 31104 + 2 * 1024 * 2

@@ -1,4 +1,5 @@
-"""Imports point down the package list of DESIGN.md §3, and the engine is layout-blind.
+"""Imports point down (kernels and layers below the engine, the engine below the server),
+and the engine is layout-blind.
 Read from the source (every import, function-level ones included), so a lazy import that
 breaks the layering fails here too."""
 

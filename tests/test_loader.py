@@ -86,7 +86,7 @@ def test_tied_embeddings_share_one_tensor(tiny_model_dirs):
 
 
 def test_missing_norm_weight_is_an_error_not_silent_ones(tiny_model_dirs, tmp_path):
-    # Blueprint FM-003: q_norm/k_norm silently left at ones.
+    # q_norm/k_norm silently left at ones would be an accuracy bug no error shows.
     src = tiny_model_dirs["qwen3"]
     dst = tmp_path / "broken"
     dst.mkdir()
@@ -99,7 +99,7 @@ def test_missing_norm_weight_is_an_error_not_silent_ones(tiny_model_dirs, tmp_pa
 
 
 def test_pre_sliced_weights_are_not_sliced_twice():
-    # Blueprint FM-001: a rank that receives its own shard must copy it as is.
+    # A rank that receives its own shard must copy it as is (a pre-sliced checkpoint).
     tp = ParallelState(rank=1, world_size=2)
     col = ColumnParallelLinear(8, 6, bias=False, tp=tp)
     full = torch.randn(6, 8)
@@ -247,7 +247,7 @@ def test_weight_map_matches_whole_names():
 
 def test_a_missing_shard_of_a_merged_projection_is_an_error(tiny_model_dirs, tmp_path):
     """Loading k_proj alone into the merged QKV is not enough: its q and v parts would stay
-    uninitialised (blueprint FM-003)."""
+    uninitialised."""
     src = tiny_model_dirs["llama"]
     dst = tmp_path / "no_v"
     dst.mkdir()

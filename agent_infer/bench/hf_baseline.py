@@ -3,7 +3,7 @@ figure is compared with.
 
 How it runs: `AutoModelForCausalLM` in the engine's dtype (bf16 on GPU, fp32 on CPU)
 with SDPA attention, `model.generate` greedy with its default dynamic KV cache (its
-static cache + compile measured slower on the GPU machine, DESIGN §6), and
+static cache + compile measured slower on the GPU machine), and
 `min_new_tokens = max_new_tokens` so every row generates exactly the asked length.
 All rows of a batch have one shape: prompts are left-padded to the longest.
 """

@@ -1,5 +1,5 @@
-"""Per-GPU memory and utilisation sampled in the background during a timed region
-(the blueprint's monitoring evidence).
+"""Per-GPU memory and utilisation sampled in the background during a timed region,
+the evidence beside every GPU figure.
 
 Every GPU the driver shows is sampled, through NVML (`pynvml`, package nvidia-ml-py)
 or, without it, one long-running `nvidia-smi -lms` process whose lines are parsed.

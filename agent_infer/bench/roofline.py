@@ -1,5 +1,5 @@
 """The batch-1 decode roofline: every step reads all weights once, so tokens/s can be at
-most bandwidth / bytes of weights read per token (DESIGN §6)."""
+most bandwidth / bytes of weights read per token."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from agent_infer.config import ModelConfig
 
-DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured (DESIGN §6)
+DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured
 
 
 def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:

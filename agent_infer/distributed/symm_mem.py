@@ -1,4 +1,4 @@
-"""All-reduce through PyTorch symmetric memory (the blueprint's custom all-reduce).
+"""All-reduce through PyTorch symmetric memory.
 
 Every rank owns a buffer mapped into its peers' address spaces (over NVLink). A
 one-shot all-reduce has each rank read every peer's buffer and sum (lowest latency for

@@ -1,6 +1,6 @@
 """Continuous batching: which sequences run in the next step, and what their results mean.
 
-Policy (from the blueprint): prefill first; a step is either a prefill batch (several
+Policy: prefill first; a step is either a prefill batch (several
 prompts, ragged, up to `max_num_batched_tokens`; a prompt larger than the budget is cut
 into chunks) or a decode batch of every running sequence. With `mixed_batches` a step
 that prefills also carries every running decode, one token each and first in the batch,

@@ -1,7 +1,7 @@
 """Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded,
 shard_id=None, expert_id=None)` (loader/load.py) that takes the checkpoint's full tensor
 (or a lazy handle to it) and copies in the part this rank owns. A tensor that already
-has the shard's shape was sliced before (blueprint FM-001) and is copied as is, never
+has the shard's shape was sliced before and is copied as is, never
 sliced twice. Merged projections list their shards in `expected_pieces`, so a checkpoint
 that lacks one fails to load."""
 

@@ -21,12 +21,11 @@ With every expert on one rank, the shared experts join the routed ones (`num_sha
 an MLP of intermediate size S x I is S experts of size I whose outputs add up, so they
 are stored after the routed experts and every token is routed to them at weight 1.0.
 A decode step then streams all the experts it touches in the fused MoE's two grouped
-GEMMs, instead of two more GEMVs and an add (DeepSeek-V2-Lite at batch 1 on an H200:
-the shared experts' GEMVs ran at 1.4-2.3 TB/s against the grouped GEMMs' 3.2-3.6).
-Steps of more than `FUSED_SHARED_MAX_TOKENS` tokens (prefill) run them as dense GEMMs:
-a shared expert's slots are then every token, a compute-bound GEMM, where cuBLAS sustains
-~680 TFLOP/s on an H200 and the grouped GEMM reached 345 at 1,024 tokens
-(docs/PERFORMANCE.md).
+GEMMs, instead of two more GEMVs and an add (separate GEMVs stream a small weight
+well below the bandwidth the grouped GEMMs reach). Steps of more than
+`FUSED_SHARED_MAX_TOKENS` tokens (prefill) run them as dense GEMMs: a shared expert's
+slots are then every token, a compute-bound GEMM, where cuBLAS beats the grouped GEMM
+(the measurements are in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -174,7 +173,7 @@ class RoutedExperts(nn.Module):
 
 def _slice(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
     """This rank's `size` rows or columns of an expert's tensor; one that already has that
-    extent is the shard itself (TP = 1, EP, or pre-sliced: blueprint FM-001)."""
+    extent is the shard itself (TP = 1, EP, or a pre-sliced checkpoint)."""
     if shape_of(loaded)[dim] == size:
         return materialize(loaded)
     return narrow(loaded, dim, start, size)

@@ -12,7 +12,7 @@ in the part of `loaded` this rank owns; `loaded` may be a lazy handle (loader/we
 so a tensor, or an expert, the rank does not own is never read. A parameter built from
 several checkpoint tensors says which in `expected_pieces` ((shard, expert) pairs); the
 loader fails when any piece of any parameter is missing, since a weight left at its
-initial value is a silent accuracy bug (blueprint FM-003).
+initial value is a silent accuracy bug.
 """
 
 from __future__ import annotations

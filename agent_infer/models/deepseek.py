@@ -1,7 +1,7 @@
 """DeepSeek-V2 and V3: multi-head latent attention (layers/mla.py) and a mixture of experts
 (layers/moe.py) after the first `first_k_dense_replace` dense layers.
 
-Tensor parallelism (the blueprint's hybrid routing): q_a_proj and kv_a_proj_with_mqa are
+Tensor parallelism, hybrid: q_a_proj and kv_a_proj_with_mqa are
 replicated, q_proj / q_b_proj and kv_b_proj split by heads, o_proj row-parallel; the
 latent cache is whole on every rank. The dense layers and the shared experts are
 tensor-parallel MLPs; the routed experts are split by expert (EP, each rank builds and

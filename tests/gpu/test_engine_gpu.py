@@ -27,6 +27,7 @@ SMOL_PROMPTS = ["The capital of France is", "Write a haiku about autumn:", "def 
 def check_logprobs_close(ours_tokens, ours_top, ref, name):
     """vLLM's rule: identical until the first difference; there each engine's token must be
     among the other's top-5; afterwards the continuations are not compared."""
+    assert len(ours_tokens) == len(ref.tokens), f"{name}: {len(ours_tokens)} tokens against {len(ref.tokens)}"
     for i, (a, b) in enumerate(zip(ours_tokens, ref.tokens)):
         if a != b:
             assert a in ref.top[i], f"{name} step {i}: ours {a} not in transformers' top {ref.top[i]}"

@@ -2,8 +2,8 @@
 
 The PyTorch path is five to nine small kernels per layer (the fp32 cast of x, the
 logits GEMM, softmax or sigmoid, the group scores and mask, top-k, the scaling, the
-shared experts' columns), a few µs each and all latency: at batch 1 on an H200 ~12 µs
-of a ~108 µs DeepSeek-V2-Lite MoE layer, against 5.1 µs for one kernel.
+shared experts' columns), a few µs each and all latency at batch 1; one kernel takes
+about as long as one of them (docs/PERFORMANCE.md has the figures).
 
 - One token (`moe_route_m1`): every program computes BLOCK_N fp32 logits (the GEMV form
   of `gemv.row_dot`, its weight tiles loaded before the PDL wait since the router's
