@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The figures of docs/PERFORMANCE.md, reproduced on a lent GPU machine (one or more H200s).
+# The figures of docs/PERFORMANCE.md, reproduced on a GPU host (one or more H200s).
 #
-# Run from the repository root on the GPU machine, one sub-command per call; each fits in
-# a 10-minute call (`bash benchmarks/gpu_figures.sh help` lists them):
+# Run from the repository root on the GPU host, one sub-command at a time; each finishes
+# within ten minutes (`bash benchmarks/gpu_figures.sh help` lists them):
 #
 #     COMMIT=$(git rev-parse --short HEAD)       # here; pass it literally: the copy has no .git
 #     COMMIT=<sha> bash benchmarks/gpu_figures.sh latency
 #
 # Raw outputs (the JSON files `agent-infer bench` writes, logs, profiles) go under
-# $FIGURES_DIR, else $OUT (the device tool's folder that comes back), else /tmp/figures.
+# $FIGURES_DIR (default /tmp/figures; point it at a folder you keep).
 # They are not committed: docs/PERFORMANCE.md names the sub-command behind every figure.
 # Each sub-command ends with a short table of what it measured.
 #
@@ -16,8 +16,8 @@
 # that run a model write its random checkpoint first if the machine has none yet (~60 s for
 # Qwen3-8B; a warm machine keeps /tmp between calls).
 #
-# What the GPU machine lacks travels with the call as ignored paths (the device tool's
-# `carry`, 64 MiB in all):
+# What a fresh GPU host lacks goes into the working tree beside the repository, in these
+# git-ignored folders (64 MiB in all):
 #   .whl/          wheels of fastapi, uvicorn and openai (the server, `bench serve`, the server
 #                  tests), pyzmq, msgspec, uvloop and httptools (the server's front ends and
 #                  engine core; msgspec and uvloop also make `bench serve` cheaper per chunk),
@@ -50,13 +50,13 @@
 #                    mv /tmp/gguf_part00 .carry_gguf_a/part00 && mv /tmp/gguf_part01 .carry_gguf_b/part01
 #   .carry_ab/base.tar   for `ab`: `git archive -o .carry_ab/base.tar <base commit>`.
 #
-# The environment: NVLink multicast off, as the lent machines require (NCCL_NVLS_ENABLE=0,
+# The environment: NVLink multicast off, as these hosts require (NCCL_NVLS_ENABLE=0,
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), unbuffered Python output, the
 # checkpoints and the converted default model under AGENT_INFER_CACHE=/tmp/aic.
 
 set -uo pipefail
 
-FIG=${FIGURES_DIR:-${OUT:-/tmp/figures}}
+FIG=${FIGURES_DIR:-/tmp/figures}
 SITE=/tmp/site
 CACHE=/tmp/aic
 M8=$CACHE/random/qwen3-8b
@@ -99,7 +99,7 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, tp (2 GPUs)
 
-Outputs: $FIGURES_DIR, else $OUT, else /tmp/figures. COMMIT=<sha> names the tree in the JSON.
+Outputs: $FIGURES_DIR, default /tmp/figures. COMMIT=<sha> names the tree in the JSON.
 EOF
 }
 
@@ -505,7 +505,7 @@ cmd_structured() {
 }
 
 # Base and head alternate, each run a fresh process, the base first in odd rounds and last
-# in even ones: the first run of a call has repeatedly been the slowest.
+# in even ones: the first run after start-up has repeatedly been the slowest.
 cmd_ab() {
   local tar=${1:-}
   [ -f "$tar" ] || { echo "ab needs the base tree: git archive -o .carry_ab/base.tar <commit>, carried"; return 1; }
