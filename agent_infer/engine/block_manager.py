@@ -14,6 +14,7 @@ its last prompt token, so the token it computes first always lands in a block of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_root(cache_salt: str | None) -> int:
     """The parent key of a sequence's first block: the salt's digest (the same in every
-    process, unlike Python's hash of a str), or no parent when unsalted."""
+    process, unlike Python's hash of a str), or no parent when unsalted. Cached: the
+    scheduler asks for it at every admission attempt and block commit."""
     if cache_salt is None:
         return _NO_HASH
     digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()

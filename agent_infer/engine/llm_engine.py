@@ -48,7 +48,7 @@ class RequestError(ValueError):
 
 def unpack_prompt(prompt: Prompt) -> str | list[int]:
     """The text or token ids of a prompt, vLLM's prompt dicts included (which may also
-    hold a `cache_salt`: see `prompt_cache_salt`)."""
+    hold a `cache_salt`, which `add_request` reads)."""
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt) - {"cache_salt"}

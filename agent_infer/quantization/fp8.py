@@ -112,14 +112,7 @@ def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
 def dequantize_block(w_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight a block-fp8 tensor stands for: each element times its block's scale."""
-    rows, cols = block
-    n, k = w_fp8.shape
-    expected = (-(-n // rows), -(-k // cols))
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"a [{n}, {k}] weight in {rows} x {cols} blocks needs scales of shape {list(expected)}, "
-                         f"got {list(scale.shape)}")
-    full = scale.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
-    return (w_fp8.float() * full).to(dtype)
+    return Fp8Weight("weight", w_fp8, scale, Fp8Config("block", block)).load().to(dtype)
 
 
 def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,10 +122,7 @@ def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_channel(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if tuple(scale.shape) not in ((w_fp8.shape[0], 1), (w_fp8.shape[0],)):
-        raise ValueError(f"a weight of {w_fp8.shape[0]} rows needs [{w_fp8.shape[0]}, 1] scales, "
-                         f"got {list(scale.shape)}")
-    return (w_fp8.float() * scale.float().view(-1, 1)).to(dtype)
+    return Fp8Weight("weight", w_fp8, scale, Fp8Config("channel", None)).load().to(dtype)
 
 
 def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +173,8 @@ class Fp8Weight:
         rows, cols = self.block = config.block if config.layout == "block" else (1, k)
         expected = (-(-n // rows), -(-k // cols))
         if tuple(scale.shape) not in (expected, expected[:1]):  # [N, 1] or [N] per channel
-            raise ValueError(f"fp8 weight {name} of shape {[n, k]} in {rows} x {cols} blocks needs scales of "
-                             f"shape {list(expected)}, the checkpoint has {list(scale.shape)}")
+            raise ValueError(f"fp8 weight {name} of shape {[n, k]} needs scales of shape {list(expected)} (one per "
+                             f"block of {rows} rows x {cols} columns), got {list(scale.shape)}")
 
     def load(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])

@@ -224,20 +224,21 @@ class ChatView:
     def _finish_reason(out: RequestOutput, num_calls: int) -> str | None:
         return "tool_calls" if num_calls and out.finish_reason == "stop" else out.finish_reason
 
+    def parts(self, out: RequestOutput) -> tuple[str | None, str | None, list]:
+        """(reasoning, content, tool calls) of a finished choice. A forced call that
+        max_tokens cut short is no call: its text goes to content (vLLM's rule), so no
+        client runs a tool on broken arguments."""
+        cut_call = self.forced_call and out.finish_reason == "length"
+        parser = self.choice_parser(with_tools=not cut_call)
+        return parser.parse(out.text) if parser is not None else (None, out.text, [])
+
     def response(self, finals: list[RequestOutput]) -> P.ChatCompletionResponse:
         choices = []
         usage = self._tracker()
         for k, out in enumerate(finals):
             usage.update(k, out)
-            # A forced call that max_tokens cut short is no call: its text goes to content
-            # (vLLM's rule), so no client runs a tool on broken arguments.
-            cut_call = self.forced_call and out.finish_reason == "length"
-            parser = self.choice_parser(with_tools=not cut_call)
-            if parser is None:
-                message, num_calls = P.ChatResponseMessage(content=out.text), 0
-            else:
-                reasoning, content, calls = parser.parse(out.text)
-                message, num_calls = message_of(reasoning, content, calls), len(calls)
+            reasoning, content, calls = self.parts(out)
+            message, num_calls = message_of(reasoning, content, calls), len(calls)
             choices.append(P.ChatChoice(
                 index=k, message=message,
                 logprobs=self.logprobs_of(out.logprobs) if self.req.logprobs and out.logprobs is not None else None,

@@ -160,13 +160,12 @@ class ResponsesServing:
 
     def _whole(self, run: _Run, out: RequestOutput) -> R.ResponseObject:
         """The finished response of one output, parsed as a chat choice is."""
-        cut_call = run.chat.forced_call and out.finish_reason == "length"
-        parser = run.chat.choice_parser(with_tools=not cut_call)
-        reasoning, content, calls = parser.parse(out.text) if parser is not None else (None, out.text, [])
+        view = self._view(run)
+        reasoning, content, calls = view.parts(out)
         status = _STATUS.get(out.finish_reason or "stop", "completed")
         logprobs = None
         if run.chat_req.logprobs and out.logprobs is not None:
-            logprobs = self._view(run).logprobs_of(out.logprobs).content
+            logprobs = view.logprobs_of(out.logprobs).content
         items = output_items(reasoning, content, calls, "incomplete" if status == "incomplete" else "completed",
                              logprobs)
         return run.response(status, items, out, self._reasoning_tokens(out, bool(reasoning)))

@@ -82,6 +82,9 @@ def close_objects(schema):
     return out
 
 
+_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
 def rebase_refs(schema, pointer: str):
     """`schema` placed at JSON pointer `pointer` inside a larger document: its local
     references ("#", "#/$defs/X") rewritten to point where they now live, so that each
@@ -90,7 +93,7 @@ def rebase_refs(schema, pointer: str):
         return [rebase_refs(s, pointer) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: rebase_refs(v, pointer) for k, v in schema.items()}
+    out = {k: v if k in _LITERAL_KEYWORDS else rebase_refs(v, pointer) for k, v in schema.items()}
     ref = out.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):  # a named anchor needs no rebasing
         out["$ref"] = "#" + pointer + ref[1:]
