@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8 e4m3 K/V, scale 1, saturating at +-448 "
                         "(half the bytes per cached token)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: quantize a bf16/fp32 checkpoint's projections as they load (e4m3 weights, one scale "
+                        "per output row, activations per token at run time); fp8 checkpoints need no flag")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--preemption", default="none", choices=["none", "recompute"])
     g.add_argument("--mixed-batches", action="store_true",
@@ -83,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=kv_cache_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,
         mixed_batches=args.mixed_batches,

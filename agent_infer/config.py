@@ -153,7 +153,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     family: Any
-    quantization: Fp8Config | None = None  # the checkpoint's fp8 scheme (its weights are dequantized on load)
+    quantization: Fp8Config | None = None  # the checkpoint's fp8 scheme
     hf: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
@@ -211,6 +211,9 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8 (e4m3, see KV_CACHE_DTYPES)
+    # "fp8": a full-precision checkpoint's projections quantized as they load (e4m3, one
+    # scale per output row, activations per token); None: as the checkpoint stores them.
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tokenizer: str | None = None
     block_size: int = 16
@@ -272,6 +275,8 @@ class EngineConfig:
             raise ConfigError(f"moe_parallel must be ep or tp, got {self.moe_parallel!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
@@ -287,6 +292,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return parse_dtype(self.dtype)
+
+    def resolve_quantization(self, checkpoint: Fp8Config | None) -> Fp8Config | None:
+        """The weights' fp8 scheme: the checkpoint's own, or the one `quantization` asks
+        for on a full-precision checkpoint (an fp8 checkpoint already is fp8)."""
+        if checkpoint is not None or self.quantization is None:
+            return checkpoint
+        return Fp8Config.online_channel()
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype

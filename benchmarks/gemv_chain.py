@@ -5,6 +5,7 @@ programmatic dependent launch (PDL).
 
     python benchmarks/gemv_chain.py                 # Qwen3-8B shapes, TP = 1 and TP = 2 shards
     python benchmarks/gemv_chain.py --no-sweep      # default configs only
+    python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
 
 Per shape: 36 GEMVs of that shape (one per layer) in a graph, µs per GEMV and the weight
 read rate. Then the whole per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) x 36
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
 from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
+from agent_infer.quantization import fp8 as F8  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -64,32 +66,56 @@ def graph_time_us(fn, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / replays
 
 
+class Weight:
+    """One layer's weight as the GEMV reads it: bf16, or e4m3 with its scales (--fp8)."""
+
+    layout: str | None = None  # None | "channel" | "block"
+
+    def __init__(self, n: int, k: int):
+        w = torch.randn(n, k, dtype=DT, device=DEV) * k**-0.5
+        self.block = (128, 128) if Weight.layout == "block" else None
+        if Weight.layout is None:
+            self.w, self.scale = w, None
+        else:
+            self.w, self.scale = F8.quantize(w.float(), F8.Fp8Config(Weight.layout, self.block))
+        self.ref = w if Weight.layout is None else F8.dequantize(self.w, self.scale, F8.Fp8Config(Weight.layout, self.block), DT)
+        self.nbytes = self.w.numel() * self.w.element_size()
+
+    def __call__(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        return linear_m1(x, self.w, scale=self.scale, block=self.block, **kw)
+
+
 def sweep() -> list[RowConfig]:
     out = []
-    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4)):
-        if bn * bk <= 16384:
-            out.append(RowConfig(bn, bk, warps, stages))
+    fp8 = Weight.layout is not None
+    if fp8:  # half the bytes per element: longer rows per load
+        grid = itertools.product((4, 8), (2048, 4096, 8192), (4, 8), (2,), (2,))
+    else:
+        grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4), (1,))
+    for bn, bk, warps, stages, prefetch in grid:
+        if bn * bk <= (32768 if fp8 else 16384):
+            out.append(RowConfig(bn, bk, warps, stages, prefetch))
     return out
 
 
 def bench_shape(name: str, n: int, k: int, do_sweep: bool) -> RowConfig:
-    ws = [torch.randn(n, k, dtype=DT, device=DEV) * k**-0.5 for _ in range(LAYERS)]
+    ws = [Weight(n, k) for _ in range(LAYERS)]
     x = torch.randn(1, k, dtype=DT, device=DEV)
-    gbytes = n * k * 2 / 1e9
-    ref = F.linear(x.float(), ws[0].float())
-    t_cublas = graph_time_us(lambda: [F.linear(x, w) for w in ws]) / LAYERS
+    gbytes = ws[0].nbytes / 1e9
+    ref = F.linear(x.float(), ws[0].ref.float())
+    t_cublas = graph_time_us(lambda: [F.linear(x, w.ref) for w in ws]) / LAYERS
     default = row_config(n, k, torch.device(DEV))
     configs = [default] + ([c for c in sweep() if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []
     for cfg in configs:
-        err = ((linear_m1(x, ws[0], config=cfg).float() - ref).norm() / ref.norm()).item()
-        t = graph_time_us(lambda cfg=cfg: [linear_m1(x, w, config=cfg) for w in ws]) / LAYERS
+        err = ((ws[0](x, config=cfg).float() - ref).norm() / ref.norm()).item()
+        t = graph_time_us(lambda cfg=cfg: [w(x, config=cfg) for w in ws]) / LAYERS
         timed.append((t, cfg, err))
     t_def = timed[0][0]
     t_best, best, err = min(timed, key=lambda e: e[0])
-    t_pdl = graph_time_us(lambda: [linear_m1(x, w, config=best, pdl=True) for w in ws]) / LAYERS
+    t_pdl = graph_time_us(lambda: [w(x, config=best, pdl=True) for w in ws]) / LAYERS
     print(
-        f"{name:8s} N={n:6d} K={k:6d} | cuBLAS {t_cublas:6.1f} us {gbytes / t_cublas * 1e3:5.2f} TB/s | "
+        f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e3:5.2f} TB/s | "
         f"triton default {t_def:6.1f} | best {t_best:6.1f} us {gbytes / t_best * 1e3:5.2f} TB/s "
         f"(n{best.block_n} k{best.block_k} w{best.num_warps} s{best.num_stages}, err {err:.1e}) | "
         f"+PDL {t_pdl:6.1f} us {gbytes / t_pdl * 1e3:5.2f} TB/s",
@@ -102,26 +128,26 @@ def bench_shape(name: str, n: int, k: int, do_sweep: bool) -> RowConfig:
 
 def bench_chain(tp: int, best: dict[str, RowConfig]) -> None:
     sh = shapes(tp)
-    layers = [{name: torch.randn(n, k, dtype=DT, device=DEV) * k**-0.5 for name, (n, k) in sh.items()} for _ in range(LAYERS)]
-    head = torch.randn(VOCAB // tp, HIDDEN, dtype=DT, device=DEV) * HIDDEN**-0.5
+    layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(LAYERS)]
+    head = torch.randn(VOCAB // tp, HIDDEN, dtype=DT, device=DEV) * HIDDEN**-0.5  # bf16 in every format
     x = torch.randn(1, HIDDEN, dtype=DT, device=DEV)
     x_o = torch.randn(1, Q // tp, dtype=DT, device=DEV)
-    total = (sum(n * k for n, k in sh.values()) * LAYERS + head.numel()) * 2 / 1e9
+    total = (sum(w.nbytes for w in layers[0].values()) * LAYERS + head.numel() * 2) / 1e9
 
     def cublas():
         for w in layers:
-            F.linear(x, w["qkv"])
-            F.linear(x_o, w["o"])
-            F.linear(silu_and_mul(F.linear(x, w["gate_up"])), w["down"])
+            F.linear(x, w["qkv"].ref)
+            F.linear(x_o, w["o"].ref)
+            F.linear(silu_and_mul(F.linear(x, w["gate_up"].ref)), w["down"].ref)
         F.linear(x, head)
 
     def triton_chain(pdl: bool):
         def run():
             for w in layers:
-                linear_m1(x, w["qkv"], config=best["qkv"], pdl=pdl)
-                linear_m1(x_o, w["o"], config=best["o"], pdl=pdl)
-                h = linear_m1(x, w["gate_up"], silu_mul=True, config=best["gate_up_silu"], pdl=pdl)
-                linear_m1(h, w["down"], config=best["down"], pdl=pdl)
+                w["qkv"](x, config=best["qkv"], pdl=pdl)
+                w["o"](x_o, config=best["o"], pdl=pdl)
+                h = w["gate_up"](x, silu_mul=True, config=best["gate_up_silu"], pdl=pdl)
+                w["down"](h, config=best["down"], pdl=pdl)
             linear_m1(x, head, config=best["head"], pdl=pdl)
         return run
 
@@ -139,14 +165,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--fp8", choices=["channel", "block"], default=None,
+                    help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__)
+    print(torch.cuda.get_device_name(), torch.__version__, f"weights: {args.fp8 or 'bf16'}")
     for tp in args.tp:
         best = {}
+        Weight.layout = args.fp8
         for name, (n, k) in shapes(tp).items():
             best[name] = bench_shape(f"{name}/tp{tp}", n, k, not args.no_sweep)
         best["gate_up_silu"] = best["gate_up"]
-        best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, HIDDEN, not args.no_sweep)
+        Weight.layout = None
+        best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, HIDDEN, False)
+        Weight.layout = args.fp8
         bench_chain(tp, best)
 
 

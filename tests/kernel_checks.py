@@ -264,31 +264,70 @@ def check_norm_rope_store(
     assert same(flat[untouched], ref_flat[untouched]), "K cache written outside the step's slots"
 
 
-def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_mul: bool, config=None) -> None:
+def fp8_weight(w: torch.Tensor, fp8) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None, torch.Tensor]:
+    """(weight, scale, block, the values it stands for in fp32) for a GEMV test: w as it
+    is (fp8 None), or quantized per block (`fp8` a (rows, columns) pair) or per row
+    (`fp8` "channel")."""
+    from agent_infer.quantization import fp8 as F
+
+    if fp8 is None:
+        return w, None, None, w.float()
+    block = None if fp8 == "channel" else tuple(fp8)
+    q, scale = F.quantize_channel(w.float()) if block is None else F.quantize_block(w.float(), block)
+    scale = scale.to(w.device)
+    return q, scale, block, reference.fp8_linear(torch.eye(w.shape[1], device=w.device), q, scale, block).t()
+
+
+def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_mul: bool, config=None,
+                  fp8=None) -> None:
     """The batch-1 GEMV (optionally with the SiLU-and-mul epilogue over [gate | up] rows)
-    against F.linear (and the reference silu_and_mul on its rounded output)."""
+    against F.linear (and the reference silu_and_mul on its rounded output); `fp8` (see
+    fp8_weight): the weight in e4m3 with its scales, against its dequantized values."""
     from agent_infer.kernels.triton.gemv import linear_m1
 
     rows = 2 * n if silu_mul else n
     x = randn(1, k, dtype=dtype, device=device, seed=31)
-    w = randn(rows, k, dtype=dtype, device=device, seed=32, scale=k**-0.5)
+    w, scale, block, w_ref = fp8_weight(randn(rows, k, dtype=dtype, device=device, seed=32, scale=k**-0.5), fp8)
     b = randn(rows, dtype=dtype, device=device, seed=33) if bias else None
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    ref = torch.nn.functional.linear(x.float(), w_ref, None if b is None else b.float())
     if silu_mul:
         ref = reference.silu_and_mul(ref.to(dtype)).float()
     with poisoned_empty():
-        out = linear_m1(x, w, b, silu_mul=silu_mul, config=config)
+        out = linear_m1(x, w, b, silu_mul=silu_mul, config=config, scale=scale, block=block)
     assert out.dtype == dtype and out.shape == (1, n)
-    assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config}", dtype)
+    assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config} fp8={fp8}", dtype)
 
 
-def check_gemv_m1_add_norm(device, dtype: torch.dtype, n: int, k: int, bias: bool, config=None, calls: int = 3) -> None:
+def check_gemv_m1_every_e4m3_value(device, config=None) -> None:
+    """The fp8 GEMV converts e4m3 bytes with integer operations (gemv_fp8.py): every one
+    of the 254 finite values (both zeros, the subnormals, +-448), in every byte position
+    of its word, must come out as the value torch's conversion gives, in fp32."""
+    from agent_infer.kernels.triton.gemv import linear_m1
+
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    k = 512
+    rows = []
+    for shift in range(4):  # each value at each byte position of its word
+        rows.append(finite.roll(shift).repeat(k // len(finite) + 1)[:k])
+        rows.append(finite.flip(0).roll(shift).repeat(k // len(finite) + 1)[:k])
+    w = torch.stack(rows).view(torch.float8_e4m3fn).to(device)
+    scale = (0.5 + torch.rand(w.shape[0], 1, generator=torch.Generator().manual_seed(7))).to(device)
+    x = randn(1, k, dtype=torch.float32, device=device, seed=71)
+    ref = x.double() @ (w.double() * scale.double()).t()
+    out = linear_m1(x, w, scale=scale, config=config)
+    err = ((out.double() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item()
+    assert err < 1e-5, f"fp8 GEMV over every e4m3 value: relative error {err:.2e}"
+
+
+def check_gemv_m1_add_norm(device, dtype: torch.dtype, n: int, k: int, bias: bool, config=None, calls: int = 3,
+                           fp8=None) -> None:
     """The batch-1 GEMV with the residual add + RMSNorm done by its last program, against
     F.linear then the reference fused_add_rms_norm, several calls in a row on one counter
-    (which must come back to zero each time: the next call, or graph replay, relies on it)."""
+    (which must come back to zero each time: the next call, or graph replay, relies on it).
+    `fp8` as in check_gemv_m1."""
     from agent_infer.kernels.triton.gemv import linear_m1_add_rms_norm
 
-    w = randn(n, k, dtype=dtype, device=device, seed=34, scale=k**-0.5)
+    w, scale, block, w_ref = fp8_weight(randn(n, k, dtype=dtype, device=device, seed=34, scale=k**-0.5), fp8)
     b = randn(n, dtype=dtype, device=device, seed=35) if bias else None
     norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=36)).to(dtype)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -296,10 +335,11 @@ def check_gemv_m1_add_norm(device, dtype: torch.dtype, n: int, k: int, bias: boo
     ref_res = residual.clone()
     for i in range(calls):
         x = randn(1, k, dtype=dtype, device=device, seed=38 + i)
-        y = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        y = torch.nn.functional.linear(x.float(), w_ref, None if b is None else b.float()).to(dtype)
         ref_out, ref_res = reference.fused_add_rms_norm(y, ref_res, norm_w, 1e-6)
         with poisoned_empty():
-            out, res = linear_m1_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counter, config=config)
+            out, res = linear_m1_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counter, config=config, scale=scale,
+                                              block=block)
         assert res.data_ptr() == residual.data_ptr(), "the residual must be updated in place"
         assert out.dtype == dtype and out.shape == (1, n)
         assert int(counter.item()) == 0, "the last program must re-arm the counter"

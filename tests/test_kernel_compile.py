@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None,
@@ -55,20 +56,47 @@ def test_all_reduce_add_rms_norm_compiles_for_sm90(block_n, num_warps, add):
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
 
 
+def _gemv_row_signature(weight: str) -> dict[str, str]:
+    return {
+        "x_ptr": "*bf16", "w_ptr": weight, "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
+        "nw_ptr": "*bf16", "count_ptr": "*i32", "s_ptr": "*fp32", "N": "i32", "K": "i32", "swn": "i32",
+        "up_offset": "i32", "eps": "fp32", "s_stride": "i32", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
+        "ADD_NORM": "constexpr", "PDL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "BLOCK_H": "constexpr", "PREFETCH": "constexpr", "SCALE": "constexpr", "S_ROWS": "constexpr",
+        "S_COLS": "constexpr",
+    }
+
+
 def test_gemv_add_rms_norm_compiles_for_sm90():
     from agent_infer.kernels.triton.gemv import _gemv_row_kernel
 
-    signature = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
-        "nw_ptr": "*bf16", "count_ptr": "*i32", "N": "i32", "K": "i32", "swn": "i32", "up_offset": "i32",
-        "eps": "fp32", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr", "ADD_NORM": "constexpr", "PDL": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr", "PREFETCH": "constexpr",
-    }
-    constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True,
-                  "BLOCK_N": 4, "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2}
-    ptx = _compile_sm90(_gemv_row_kernel, signature, constexprs).asm["ptx"]
+    constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True, "BLOCK_N": 4,
+                  "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1}
+    ptx = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
+
+
+@pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
+def test_fp8_gemv_compiles_for_sm90(scale, block):
+    """The batch-1 GEMV over e4m3 weights (read as int32 words) in its default launch
+    shape, for each variant the engine runs (plain, gate/up with SiLU, with the add +
+    norm): the bytes become fp32 by integer operations, not the hardware conversion; no
+    FMA flushes subnormals to zero (e4m3 subnormals become fp32 subnormals there); and
+    nothing spills."""
+    from agent_infer.kernels.triton.gemv import _gemv_row_kernel, row_config
+
+    cfg = row_config(24576, 4096, torch.device("cuda"))
+    for silu, add_norm in ((False, False), (True, False), (False, True)):
+        constexprs = {"HAS_BIAS": False, "SILU_MUL": silu, "ADD_NORM": add_norm, "PDL": True,
+                      "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_H": 4096 if add_norm else 1,
+                      "PREFETCH": cfg.prefetch, "SCALE": scale, "S_ROWS": block[0], "S_COLS": block[1]}
+        kernel = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*i32"), constexprs, num_warps=cfg.num_warps)
+        ptx = kernel.asm["ptx"]
+        assert not re.search(r"cvt\S*e4m3", ptx) and "fma.rn.f32" in ptx, (silu, add_norm)
+        assert not re.search(r"(fma|mul|add)\.rn\.ftz", ptx), (silu, add_norm)
+        _, stack = _registers_per_thread(kernel)
+        assert stack == 0, f"the fp8 GEMV (silu={silu}, add_norm={add_norm}) spills {stack} bytes per thread"
 
 
 def _registers_per_thread(kernel) -> tuple[int, int]:

@@ -261,6 +261,24 @@ else:
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
+    # fp8 weights: blocks of (rows, columns) with a partial last row of blocks, and per row.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("fp8", [(16, 32), (8, 64), "channel"], ids=str)
+    @pytest.mark.parametrize(
+        "n,k,bias,silu_mul,config",
+        [(40, 192, True, False, RowConfig(4, 64, prefetch=2)), (48, 256, False, True, RowConfig(4, 64)),
+         (48, 256, True, True, RowConfig(8, 64, prefetch=2))],
+    )
+    def test_gemv_m1_fp8(dtype, fp8, n, k, bias, silu_mul, config):
+        kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config, fp8=fp8)
+
+    def test_gemv_m1_every_e4m3_value():
+        kc.check_gemv_m1_every_e4m3_value(DEV, RowConfig(4, 128, prefetch=2))
+
+    @pytest.mark.parametrize("fp8", [(16, 32), "channel"], ids=str)
+    def test_gemv_m1_add_norm_fp8(fp8):
+        kc.check_gemv_m1_add_norm(DEV, torch.bfloat16, 48, 256, True, RowConfig(8, 64), fp8=fp8)
+
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize(
         "n,k,bias,config", [(100, 256, True, RowConfig(8, 64)), (64, 128, False, None), (33, 192, False, RowConfig(2, 64)),
@@ -491,6 +509,17 @@ else:
         run again with new lengths, tables and inputs (tests/gpu captures the same step)."""
         mc.check_mla_decode_step(DEV, torch.float32, 16, batch, splits, merged, heads=3, rank=48, rope_dim=16,
                                  max_context=150, capture=False)
+
+    # ---- fp8 W8A8 GEMM and activation quantization: tests/fp8_kernel_checks.py ------------
+
+    from tests import fp8_kernel_checks as fp8c
+
+    @pytest.mark.parametrize("case", fp8c.INTERPRETER_CASES, ids=lambda c: c[0])
+    def test_fp8_gemm_kernels(case):
+        _, check, args = case
+        check(DEV, *args)
+
+    # ---- (end of the fp8 checks) --------------------------------------------------------
 
     # ---- fused MoE (routed experts): tests/moe_checks.py -------------------------------
 

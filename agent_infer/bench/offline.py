@@ -249,7 +249,7 @@ def time_latency(engine, fresh, params: SamplingParams, warmup: int, iters: int,
 
 def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: int) -> dict:
     roof = decode_roofline(setup.model_config, dtype_bytes(setup.dtype), bandwidth_tbs, setup.config.tensor_parallel_size,
-                           batch)
+                           batch, setup.config.resolve_quantization(setup.model_config.quantization))
     return {
         "bytes_per_token": roof.bytes_per_token,
         "bandwidth_tbs": roof.bandwidth_tbs,

@@ -3,11 +3,12 @@ most bandwidth / bytes of weights read per token."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from agent_infer.config import ModelConfig
+from agent_infer.quantization.fp8 import Fp8Config
 
 DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured
 
@@ -57,8 +58,28 @@ class Roofline:
         return batch / self.step_seconds
 
 
+def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config) -> tuple[int, int]:
+    """(e4m3 elements, float32 scales) of the projections that fp8 weights put in fp8:
+    every linear layer that can be (an fp8 checkpoint quantizes them all; the routed
+    experts stay in the model's dtype)."""
+    from agent_infer.distributed.state import SINGLE
+    from agent_infer.models.registry import resolve_model_class
+
+    with torch.device("meta"):
+        model = resolve_model_class(cfg.architecture)(cfg, SINGLE, 2)
+        layers = dict(model.named_modules())
+        names = model.use_fp8(replace(quant, online=True), ())
+    return (sum(layers[n].weight.numel() for n in names), sum(layers[n].weight_scale.numel() for n in names))
+
+
 def decode_roofline(
     cfg: ModelConfig, dtype_bytes: int, bandwidth_tbs: float = DEFAULT_BANDWIDTH_TBS, tp: int = 1, batch: int = 1,
+    quant: Fp8Config | None = None,
 ) -> Roofline:
-    """The roofline of decode steps of `batch` sequences (which experts they read depends on it)."""
-    return Roofline(round(decode_weight_params(cfg, batch) * dtype_bytes), bandwidth_tbs, tp)
+    """The roofline of decode steps of `batch` sequences (which experts they read depends
+    on it); with `quant`, the fp8 projections read one byte per weight and their scales."""
+    params = decode_weight_params(cfg, batch)
+    if quant is None:
+        return Roofline(round(params * dtype_bytes), bandwidth_tbs, tp)
+    fp8, scales = fp8_weight_params(cfg, quant)
+    return Roofline(round((params - fp8) * dtype_bytes + fp8 + 4 * scales), bandwidth_tbs, tp)

@@ -32,7 +32,7 @@ from agent_infer.kernels import ops
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
 from agent_infer.kvcache.slots import ragged_slots
 from agent_infer.loader.weights import iter_weights
-from agent_infer.quantization.fp8 import dequantized
+from agent_infer.quantization.fp8 import dequantized, is_fp8
 from agent_infer.models.registry import resolve_model_class
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,10 @@ class ModelRunner:
         with build_context(self.device, self.dtype):
             model = cls(self.model_config, self.tp, self.max_model_len)
         weights = iter_weights(self.model_config.path)
+        quant = self.config.resolve_quantization(self.model_config.quantization)
+        if quant is not None:
+            stored = [name for name, w in iter_weights(self.model_config.path) if is_fp8(w)]
+            model.use_fp8(quant, stored)
         if self.model_config.quantization is not None:
             weights = dequantized(weights, self.model_config.quantization)
         model.load_weights(weights)

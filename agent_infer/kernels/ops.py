@@ -78,37 +78,65 @@ def norm_rope_store(
     return q, k
 
 
+def fp8_kernels(device: torch.device) -> bool:
+    """Whether fp8 weights run as fp8 on `device`: the Triton kernels on a GPU of compute
+    capability 8.9 or later (e4m3 conversions in hardware). Elsewhere they are dequantized
+    once after loading."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
-    cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear."""
+    cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
+    weights: the W8A8 GEMM)."""
     return (
         _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
-        and x.dtype == weight.dtype and x.shape[1] % 16 == 0
+        and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn) and x.shape[1] % 16 == 0
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias)."""
+def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+              block: tuple[int, int] | None) -> torch.Tensor:
+    """x [M, K] @ the fp8 weight's values^T: activations quantized per token (and group of
+    block[1] features), the W8A8 GEMM; on CPU the reference, x times the dequantized weight."""
+    if _use_triton(x):
+        from agent_infer.kernels.triton import fp8_gemm
+
+        return fp8_gemm.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale, block, bias).view(*x.shape[:-1], -1)
+    return reference.fp8_linear(x, weight, scale, block, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
+    `block` (rows, columns) or, without a block, per row."""
     if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
-        return gemv.linear_m1(x, weight, bias)
+        return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
+    if scale is not None:
+        return _fp8_gemm(x, weight, bias, scale, block)
     return F.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
     one kernel on the batch-1 GEMV path."""
     if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
-        return gemv.linear_m1(x, weight, bias, silu_mul=True)
-    return silu_and_mul(F.linear(x, weight, bias))
+        if gemv.fuses_scale(weight.shape[0] // 2, block):
+            return gemv.linear_m1(x, weight, bias, silu_mul=True, scale=scale, block=block)
+    return silu_and_mul(linear(x, weight, bias, scale, block))
 
 
 def linear_add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
@@ -117,8 +145,9 @@ def linear_add_rms_norm(
         from agent_infer.kernels.triton import gemv
 
         if weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
-            return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter)
-    return fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps)
+            return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter,
+                                               scale=scale, block=block)
+    return fused_add_rms_norm(linear(x, weight, bias, scale, block), residual, norm_weight, eps)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

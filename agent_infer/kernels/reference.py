@@ -48,6 +48,21 @@ def apply_rotary(
     return torch.cat((out, rest), dim=-1) if rest.numel() else out
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for an fp8 weight: its values (each e4m3 element times the scale of its
+    block, or of its row without a block) in x's dtype. Activations stay as they are:
+    the weights' exact values are the format; quantizing activations is a kernel's choice."""
+    w = weight.float()
+    if block is None:
+        w = w * scale.float().view(-1, 1)
+    else:
+        rows, cols = block
+        s = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+        w = w * s
+    return F.linear(x, w.to(x.dtype), bias)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

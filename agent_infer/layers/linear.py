@@ -3,9 +3,18 @@ shard_id=None, expert_id=None)` (loader/load.py) that takes the checkpoint's ful
 (or a lazy handle to it) and copies in the part this rank owns. A tensor that already
 has the shard's shape was sliced before and is copied as is, never
 sliced twice. Merged projections list their shards in `expected_pieces`, so a checkpoint
-that lacks one fails to load."""
+that lacks one fails to load.
+
+Any of them can hold its weight in fp8 (`to_fp8`, before loading): e4m3 values and a
+float32 `weight_scale` per block or per row (quantization/fp8.py). An fp8 checkpoint's
+values are copied as stored; a full-precision one is quantized piece by piece as it
+loads. Every piece (a rank's slice, a merged projection's part) must then cover whole
+blocks, else loading stops naming the weight. Where there are no fp8 kernels (CPU) the
+weight is dequantized once after loading: the model runs the format's exact values."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,6 +22,7 @@ from torch import nn
 from agent_infer.distributed.state import ParallelState, all_reduce_sum, divide
 from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
+from agent_infer.quantization.fp8 import FP8, Fp8Config, Fp8Weight, check_block_slice, dequantize, quantize
 
 
 def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
@@ -24,14 +34,87 @@ def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
     return narrow(loaded, dim, start, size)
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What the linear layers share: `weight` [N, K] (this rank's part), an optional
+    bias, and the fp8 form of the weight (`to_fp8`)."""
+
+    # False for a layer whose weight another module reads in the model's dtype (MLA's
+    # kv_b_proj, absorbed into the attention): it stays in full precision.
+    quantizable = True
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.fp8: Fp8Config | None = None
+        self.register_parameter("weight_scale", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
+        raise NotImplementedError
+
+    def to_fp8(self, config: Fp8Config) -> None:
+        """Hold the weight as e4m3 values and their scales from now on (before loading)."""
+        old = self.weight
+        weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
+        weight.weight_loader = old.weight_loader
+        if hasattr(old, "expected_pieces"):
+            weight.expected_pieces = old.expected_pieces
+        scale = nn.Parameter(torch.ones(config.scale_shape(*old.shape), device=old.device), requires_grad=False)
+        scale.expected_pieces = set()  # loaded with the weight, never on its own
+        self.weight, self.weight_scale, self.fp8 = weight, scale, config
+        self.full_dtype = old.dtype
+
+    def finish_loading(self) -> None:
+        """Without fp8 kernels on this device, the dequantized weight in the model's dtype."""
+        if self.fp8 is not None and not ops.fp8_kernels(self.weight.device):
+            full = dequantize(self.weight.data, self.weight_scale.data, self.fp8, self.full_dtype)
+            self.weight = nn.Parameter(full, requires_grad=False)
+            self.weight_scale, self.fp8 = None, None
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        return self.fp8.block if self.fp8 is not None else None
+
+    def _load(self, param: nn.Parameter, loaded: Weight, dim: int, start: int, size: int, offset: int = 0) -> None:
+        """Copy rows (dim 0) or columns (dim 1) [start, start + size) of the checkpoint
+        tensor into `param`, a row slice at `offset` (merged projections' parts stack by
+        rows); a column slice fills the whole parameter."""
+        if param is not self.weight or self.fp8 is None:
+            part = _shard(loaded, dim, start, size)
+            copy_into(param.data if dim == 1 else param.data.narrow(0, offset, part.shape[0]), part)
+            return
+        cfg = self.fp8
+        full = shape_of(loaded)[dim]
+        start = 0 if full == size else start
+        if dim == 0:  # the part's place in this weight's block grid
+            check_block_slice(cfg, tuple(param.shape), 0, offset, size, "share")
+        if isinstance(loaded, Fp8Weight) and loaded.config.layout == cfg.layout and loaded.config.block == cfg.block:
+            q, scale = loaded.raw(dim, start, size)
+        elif dim == 1 and cfg.layout == "channel":
+            # A row's scale covers the whole row: quantize all of it, keep this rank's columns
+            # (so any tensor-parallel size holds the values one rank holds).
+            q, scale = quantize(materialize(loaded).to(param.device, torch.float32), cfg)
+            q = q.narrow(1, start, size)
+        else:  # a full-precision tensor (or another fp8 layout): quantized where it will live
+            q, scale = quantize(_shard(loaded, dim, start, size).to(param.device, torch.float32), cfg)
+        if dim == 1:
+            copy_into(param, q)
+            copy_into(self.weight_scale, scale.view(self.weight_scale.shape))
+            return
+        copy_into(param.data.narrow(0, offset, size), q)
+        rows = cfg.block[0] if cfg.layout == "block" else 1
+        copy_into(self.weight_scale.data.narrow(0, offset // rows, scale.shape[0]), scale.view(-1, self.weight_scale.shape[1]))
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops.linear(x, self.weight, bias, self.weight_scale, self.block)
+
+
+class ReplicatedLinear(LinearBase):
     """y = x W^T with the whole W on every rank (DeepSeek's q_a and kv_a projections: small,
     and every rank needs their full output)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        super().__init__(out_features, in_features)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -39,38 +122,57 @@ class ReplicatedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
-        copy_into(param, materialize(loaded))
+        self._load(param, loaded, 0, 0, param.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
-def stack_weights(*layers: nn.Module) -> torch.Tensor | None:
-    """Make the weights of `layers` (one input, no bias) consecutive rows of one [sum N, K]
-    tensor, each layer's weight a view of its rows (loading fills them as before), and
-    return it: a step then runs them all in one GEMV or GEMM launch. None, with nothing
-    changed, when a layer has a bias."""
-    if any(getattr(layer, "bias", None) is not None for layer in layers):
-        return None
-    weights = [layer.weight for layer in layers]
-    stacked = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=weights[0].dtype,
-                          device=weights[0].device)
+class StackedWeights(NamedTuple):
+    """Several projections of one input as consecutive rows of one weight (and scale)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    block: tuple[int, int] | None
+    splits: tuple[int, ...]  # each projection's output features, in order
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ops.linear(x, self.weight, None, self.scale, self.block).split(self.splits, dim=-1)
+
+
+def _cat_into(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor of `tensors`' rows, each of them then a view of its rows in it."""
+    stacked = torch.cat(tensors)
     row = 0
-    for w in weights:
-        w.data = stacked[row : row + w.shape[0]]
-        row += w.shape[0]
+    for t in tensors:
+        t.data = stacked[row : row + t.shape[0]]
+        row += t.shape[0]
     return stacked
 
 
-class ColumnParallelLinear(nn.Module):
+def stack_weights(*layers: LinearBase) -> StackedWeights | None:
+    """After loading: make the weights (and fp8 scales) of `layers`, one input, no bias,
+    consecutive rows of one tensor, each layer's weight a view of its rows, so a step
+    runs them all in one GEMV or GEMM launch. None, with nothing changed, when a layer
+    has a bias, the layers differ in format, or an fp8 layer but the last ends inside
+    a block of rows."""
+    fp8 = layers[0].fp8
+    if any(getattr(layer, "bias", None) is not None or layer.fp8 != fp8 for layer in layers):
+        return None
+    if fp8 is not None and fp8.layout == "block" and any(l.weight.shape[0] % fp8.block[0] for l in layers[:-1]):
+        return None
+    weight = _cat_into([layer.weight for layer in layers])
+    scale = _cat_into([layer.weight_scale for layer in layers]) if fp8 is not None else None
+    return StackedWeights(weight, scale, layers[0].block, tuple(layer.weight.shape[0] for layer in layers))
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split over ranks; each rank returns its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState):
-        super().__init__()
-        self.tp = tp
         self.out_per_rank = divide(out_features, tp.world_size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        super().__init__(self.out_per_rank, in_features)
+        self.tp = tp
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -79,14 +181,14 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         size = param.shape[0]
-        copy_into(param, _shard(loaded, 0, self.tp.rank * size, size))
+        self._load(param, loaded, 0, self.tp.rank * size, size)
 
     def _expect(self, shards) -> None:
         for p in self.parameters(recurse=False):
             p.expected_pieces = {(s, None) for s in shards}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -101,13 +203,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: int, expert_id=None) -> None:
         size = divide(self.out_sizes[shard_id], self.tp.world_size, f"projection {shard_id}")
         offset = sum(self.out_sizes[:shard_id]) // self.tp.world_size
-        part = _shard(loaded, 0, self.tp.rank * size, size)
-        copy_into(param.data.narrow(0, offset, size), part)
+        self._load(param, loaded, 0, self.tp.rank * size, size, offset)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
         assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
-        return ops.linear_silu_mul(x, self.weight, self.bias)
+        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -147,20 +248,17 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size = self.kv_size
             start = (rank // self.kv_replicas) * self.kv_size
-        part = _shard(loaded, 0, start, size)
-        copy_into(param.data.narrow(0, offset, size), part)
+        self._load(param, loaded, 0, start, size, offset)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T with W's input columns split over ranks; partial sums are all-reduced.
     The bias is added once (rank 0) before the reduction."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelState):
-        super().__init__()
-        self.tp = tp
         self.in_per_rank = divide(in_features, tp.world_size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        super().__init__(out_features, self.in_per_rank)
+        self.tp = tp
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.bias_loader
@@ -173,7 +271,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         size = param.shape[1]
-        copy_into(param, _shard(loaded, 1, self.tp.rank * size, size))
+        self._load(param, loaded, 1, self.tp.rank * size, size)
 
     def bias_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         copy_into(param, materialize(loaded))
@@ -183,7 +281,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of y, not yet reduced (the bias on rank 0 only)."""
-        return ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self._linear(x, self.bias if self.tp.rank == 0 else None)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(x), residual) for an RMSNorm `norm`: (rms_norm(y + residual), y +
@@ -192,7 +290,8 @@ class RowParallelLinear(nn.Module):
         launch per call. Sharded, the all-reduce joins the add + norm instead
         (`all_reduce_add_rms_norm`)."""
         if self.tp.world_size == 1:
-            return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter)
+            return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter,
+                                           self.weight_scale, self.block)
         return all_reduce_add_rms_norm(self.partial(x), residual, norm.weight, norm.eps, self.tp)
 
 

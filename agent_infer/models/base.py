@@ -19,9 +19,11 @@ from torch import nn
 from agent_infer.config import ModelConfig
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.layers.linear import LinearBase
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.loader.load import WeightMap, load_model
 from agent_infer.loader.weights import Weight
+from agent_infer.quantization.fp8 import Fp8Config
 
 
 class CausalLM(nn.Module):
@@ -47,8 +49,29 @@ class CausalLM(nn.Module):
         """Checkpoint names -> this model's parameters (loader/load.py)."""
         return WeightMap()
 
+    def use_fp8(self, config: Fp8Config, stored_fp8: Iterable[str]) -> list[str]:
+        """Before loading: put in fp8 form the linear layers that will hold fp8 weights,
+        and return their names. Online (`config.online`), every one that can be; else
+        those the checkpoint stores in e4m3 (`stored_fp8`: its tensor names), so what
+        its config leaves unquantized (embeddings, norms, router gates, lm_head and any
+        listed module) loads as stored."""
+        layers = {name: m for name, m in self.named_modules() if isinstance(m, LinearBase) and m.quantizable}
+        if not config.online:
+            weight_map = self.weight_map()
+            targets = (weight_map.resolve(name) for name in stored_fp8)
+            wanted = {t[0].rsplit(".", 1)[0] for t in targets if t is not None}
+            layers = {name: m for name, m in layers.items() if name in wanted}
+        for layer in layers.values():
+            layer.to_fp8(config)
+        return list(layers)
+
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """Load, then let each module that has one run its `finish_loading` (innermost
+        first: a layer's fp8 weight is final before its parent stacks it)."""
         load_model(self, weights, self.weight_map())
+        for module in reversed(list(self.modules())):
+            if module is not self and hasattr(module, "finish_loading"):
+                module.finish_loading()
 
     @classmethod
     def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:

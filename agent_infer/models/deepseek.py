@@ -31,7 +31,7 @@ from agent_infer.distributed.state import ParallelState
 from agent_infer.kernels import ops
 from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import (
-    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, all_reduce_add_rms_norm, stack_weights,
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, StackedWeights, all_reduce_add_rms_norm, stack_weights,
 )
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.mlp import GatedMLP
@@ -153,17 +153,21 @@ class DeepseekAttention(nn.Module):
         self.rotary = rotary
         self.attn = LatentAttention(self.num_heads, f.kv_lora_rank, f.qk_nope_head_dim, f.qk_rope_head_dim,
                                     f.v_head_dim, softmax_scale(f, cfg.rope))
-        # x's two projections (q_proj or q_a_proj, and kv_a_proj_with_mqa) as rows of one
-        # weight: one GEMV or GEMM launch for both (None when they carry biases).
-        first = self.q_proj if f.q_lora_rank is None else self.q_a_proj
-        self.register_buffer("x_proj_weight", stack_weights(first, self.kv_a_proj_with_mqa), persistent=False)
-        self.x_proj_split = (first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0])
+        # MLA absorbs kv_b_proj's weight into the attention: it stays in the model's dtype.
+        self.kv_b_proj.quantizable = False
+        self.x_proj: StackedWeights | None = None  # stacked after loading (finish_loading)
+
+    def finish_loading(self) -> None:
+        """x's two projections (q_proj or q_a_proj, and kv_a_proj_with_mqa) as rows of one
+        weight: one GEMV or GEMM launch for both (None when they carry biases)."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        self.x_proj = stack_weights(first, self.kv_a_proj_with_mqa)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The attention output before o_proj, [tokens, heads x v_head_dim]."""
         lora = not hasattr(self, "q_proj")
-        if self.x_proj_weight is not None:
-            q, kv_a = ops.linear(x, self.x_proj_weight).split(self.x_proj_split, dim=-1)
+        if self.x_proj is not None:
+            q, kv_a = self.x_proj(x)
         else:
             q = self.q_a_proj(x) if lora else self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
@@ -194,6 +198,11 @@ class DeepseekMoE(nn.Module):
             GatedMLP(cfg.hidden_size, f.moe_intermediate_size * f.n_shared_experts, "silu", False, tp)
             if f.n_shared_experts and not joined else None
         )
+        if self.shared_experts is not None:
+            # On one rank the shared experts run inside the fused MoE, whose experts are in
+            # the model's dtype: under TP they stay so too, and every TP size computes alike.
+            self.shared_experts.gate_up_proj.quantizable = False
+            self.shared_experts.down_proj.quantizable = False
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum: the routed experts' and the shared

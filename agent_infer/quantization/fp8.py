@@ -35,6 +35,22 @@ class Fp8Config:
     layout: str  # "block" | "channel"
     block: tuple[int, int] | None  # (rows, columns) of a weight block; None for "channel"
     ignored: tuple[str, ...] = ()  # module names left unquantized (besides embeddings, norms, gates)
+    # True: a full-precision checkpoint quantized as it loads (`--quantization fp8`), so every
+    # projection that can be is fp8; False: the checkpoint's own fp8 weights say which are.
+    online: bool = False
+
+    @staticmethod
+    def online_channel() -> "Fp8Config":
+        """`--quantization fp8`: e4m3 weights with one scale per output row, activations
+        quantized per token at run time (compressed-tensors' FP8-dynamic scheme). Per row
+        rather than per block, so any shape and any tensor-parallel split quantizes."""
+        return Fp8Config("channel", None, online=True)
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """The scales of an [n, k] weight: one per block, or one per row."""
+        if self.layout == "channel":
+            return (n, 1)
+        return (-(-n // self.block[0]), -(-k // self.block[1]))
 
     @staticmethod
     def from_hf(quant: dict[str, Any] | None) -> "Fp8Config | None":
@@ -112,7 +128,7 @@ def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
 def dequantize_block(w_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight a block-fp8 tensor stands for: each element times its block's scale."""
-    return Fp8Weight("weight", w_fp8, scale, Fp8Config("block", block)).load().to(dtype)
+    return dequantize(w_fp8, scale, Fp8Config("block", block), dtype)
 
 
 def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +138,35 @@ def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_channel(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return Fp8Weight("weight", w_fp8, scale, Fp8Config("channel", None)).load().to(dtype)
+    return dequantize(w_fp8, scale, Fp8Config("channel", None), dtype)
+
+
+def check_block_slice(config: Fp8Config, shape: tuple[int, ...], dim: int, start: int, length: int,
+                      what: str) -> None:
+    """Raise ValueError unless rows (dim 0) or columns (dim 1) [start, start + length)
+    of an fp8 tensor of `shape` begin on a block boundary and end on one or at the
+    tensor's end: a slice's values and their scales must be whole blocks. Per-row
+    scales split anywhere."""
+    if config.layout == "channel":
+        return
+    size = config.block[dim]
+    end = start + length
+    if start % size or (end % size and end != shape[dim]):
+        unit = "rows" if dim == 0 else "columns"
+        raise ValueError(
+            f"{unit} {start}..{end} of this [{shape[0]}, {shape[1]}] fp8 weight (a tensor-parallel rank's {what}, "
+            f"or one projection of a merged weight) would split its {config.block[0]} x {config.block[1]} "
+            f"blocks (weight_block_size): each must start and end on a multiple of {size} {unit}")
+
+
+def quantize(w: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8, scale) for w [N, K] in `config`'s layout."""
+    return quantize_block(w, config.block) if config.layout == "block" else quantize_channel(w)
+
+
+def dequantize(w_fp8: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return Fp8Weight("weight", w_fp8, scale, config).load().to(dtype)
 
 
 def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +220,27 @@ class Fp8Weight:
             raise ValueError(f"fp8 weight {name} of shape {[n, k]} needs scales of shape {list(expected)} (one per "
                              f"block of {rows} rows x {cols} columns), got {list(scale.shape)}")
 
+    @property
+    def config(self) -> Fp8Config:
+        return self._config
+
     def load(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])
+
+    def raw(self, dim: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored e4m3 values of rows (dim 0) or columns (dim 1) [start, start +
+        length) and the scales that go with them, as stored: the blocks the slice
+        covers (per-row scales: the slice's rows, or all rows for a column slice). A
+        slice that would split a block raises ValueError saying so."""
+        check_block_slice(self._config, self.shape, dim, start, length, "slice")
+        w = self._weight.narrow(dim, start, length)
+        w = w if isinstance(w, torch.Tensor) else w.load()
+        scale = self._scale if isinstance(self._scale, torch.Tensor) else self._scale.load()
+        scale = scale.float().reshape(-(-self.shape[0] // self.block[0]), -1)
+        if self._config.layout == "channel":
+            return w, (scale.narrow(0, start, length) if dim == 0 else scale)
+        size = self._config.block[dim]
+        return w, scale.narrow(dim, start // size, -(-length // size))
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         w = self._weight.narrow(dim, start, length)

@@ -187,6 +187,25 @@ def test_gemv_m1_add_norm(dtype, n, k):
     kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias=(n == 1000), calls=50)
 
 
+# fp8 weights at the Qwen3-8B and DeepSeek-V2-Lite shapes, block-scaled (128 x 128,
+# partial blocks included) and per row, against their dequantized values.
+@pytest.mark.parametrize("fp8", [(128, 128), "channel"], ids=["block", "channel"])
+@pytest.mark.parametrize("n,k,silu_mul", [(6144, 4096, False), (4096, 12288, False), (12288, 4096, True),
+                                          (3648, 2048, False), (1408, 2048, True), (1000, 4000, False)])
+def test_gemv_m1_fp8(fp8, n, k, silu_mul):
+    kc.check_gemv_m1(DEV, torch.bfloat16, n, k, bias=(n == 1000), silu_mul=silu_mul, fp8=fp8)
+
+
+def test_gemv_m1_every_e4m3_value():
+    kc.check_gemv_m1_every_e4m3_value(DEV)
+
+
+@pytest.mark.parametrize("fp8", [(128, 128), "channel"], ids=["block", "channel"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (2048, 1408)])
+def test_gemv_m1_add_norm_fp8(fp8, n, k):
+    kc.check_gemv_m1_add_norm(DEV, torch.bfloat16, n, k, bias=False, calls=20, fp8=fp8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(1, 151936), (64, 151936), (7, 49152), (256, 151936)])
 def test_argmax(dtype, rows, vocab):

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
+from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
+from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
 
 MAX_M = 64
 
@@ -252,32 +253,36 @@ def row_dot(
         if SILU_MUL:
             acc_u += tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    u = y
     if SILU_MUL:
         u = tl.sum(acc_u, axis=1)
-        if HAS_BIAS:
-            u += tl.load(b_ptr + up_offset + n, mask=n_mask, other=0.0).to(tl.float32)
-        g = y.to(OUT_DTYPE).to(tl.float32)
-        u = u.to(OUT_DTYPE).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32) * u
-    return y
+    return bias_silu_mul(y, u, n, n_mask, b_ptr, up_offset, HAS_BIAS, SILU_MUL, OUT_DTYPE)
 
 
 @triton.jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr,
-    N, K, swn, up_offset, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, s_ptr,
+    N, K, swn, up_offset, eps, s_stride,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
 ):
     """out[n] = row_dot(n) for this program's BLOCK_N rows; with ADD_NORM, the residual
     add + RMSNorm that follows the projection is done by the last program
-    (`_last_program_add_norm`)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    (`_last_program_add_norm`). fp8 weights (SCALE 1: per row, 2: per block; w_ptr then
+    points at their bytes as int32 words, see gemv_fp8.py): row_dot_e4m3. Block-scaled
+    weights: BLOCK_N divides S_ROWS, so the program's rows share one scale row."""
+    first = tl.program_id(0) * BLOCK_N
+    n = first + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    y = row_dot(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
-                HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH)
+    if SCALE == 0:
+        y = row_dot(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
+                    HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH)
+    else:
+        s_row = first // S_ROWS
+        y = row_dot_e4m3(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
+                         HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH,
+                         s_ptr, s_row, s_row + up_offset // S_ROWS, s_stride, SCALE, S_COLS)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     if ADD_NORM:
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
@@ -292,22 +297,31 @@ def row_config(n: int, k: int, device: torch.device) -> RowConfig:
     """4 rows x 2048 columns per load: the fastest in a sweep over the Qwen3-8B shapes at
     TP = 1 and 2 on an H200 (benchmarks/gemv_chain.py; docs/PERFORMANCE.md). Few rows
     per program give N / 4 programs, several per SM, each streaming long contiguous
-    rows; the column tile shrinks to a power of two that divides K."""
+    rows; the column tile shrinks to a power of two that divides K. fp8 weights take the
+    same shape (2048 columns are 512 words of four e4m3 values)."""
     block_k = 2048
     while k % block_k:
         block_k //= 2
     return RowConfig(4, block_k, prefetch=ROW_PREFETCH_TILES)
 
 
+def fuses_scale(n: int, block: tuple[int, int] | None) -> bool:
+    """Whether the row kernel can take a block-scaled weight whose rows split at `n`
+    (the up half of a [gate | up] pair, or the end): the split must fall on a block row."""
+    return block is None or n % block[0] == 0
+
+
 def linear_m1(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     silu_mul: bool = False, config: RowConfig | None = None, pdl: bool | None = None,
+    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]; with silu_mul the N rows are
-    [gate | up] halves and the result is silu(gate) * up, [1, N / 2]."""
+    [gate | up] halves and the result is silu(gate) * up, [1, N / 2]. An fp8 weight
+    comes with its `scale`: per `block` (rows, columns), or per row without one."""
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch_row(x, weight, bias, out, n, silu_mul=silu_mul, config=config, pdl=pdl)
+    _launch_row(x, weight, bias, out, n, silu_mul=silu_mul, config=config, pdl=pdl, scale=scale, block=block)
     return out
 
 
@@ -315,21 +329,33 @@ def _launch_row(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n: int, *,
     silu_mul: bool = False, add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
     config: RowConfig | None = None, pdl: bool | None = None,
+    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> None:
     """One `_gemv_row_kernel` launch writing `out` [1, n]; add_norm = (residual, norm
     weight, counter, eps) turns on the last program's add + RMSNorm."""
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    fp8 = weight.dtype == torch.float8_e4m3fn
     cfg = config or row_config(n, k, x.device)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    assert fp8 == (scale is not None), "an fp8 weight needs its scales, and only an fp8 weight has them"
+    mode, s_rows, s_cols = (0, 1, 1) if scale is None else ((1, 1, 1) if block is None else (2, *block))
+    if mode == 2:
+        assert s_rows % cfg.block_n == 0 and (not silu_mul or n % s_rows == 0), (block, cfg.block_n, n)
+        assert scale.shape == (triton.cdiv(weight.shape[0], s_rows), triton.cdiv(k, s_cols)) and scale.stride(1) == 1
+    if fp8:  # its bytes as int32 words, four e4m3 values each (gemv_fp8.py)
+        assert weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+        weight = weight.view(torch.int32)
     opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
-        n, k, weight.stride(0), n, eps,
+        scale if scale is not None else out,
+        n, k, weight.stride(0), n, eps, scale.stride(0) if scale is not None else 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
         BLOCK_H=triton.next_power_of_2(n) if add_norm is not None else 1,
+        SCALE=mode, S_ROWS=s_rows, S_COLS=s_cols,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
 
@@ -342,16 +368,19 @@ def linear_m1_add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
     *, config: RowConfig | None = None, pdl: bool | None = None,
+    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(x [1, K] @ weight[N, K]^T (+ bias), residual [1, N], norm_weight,
     eps) in one launch: returns (normed [1, N], residual), residual updated in place.
     `counter` is an int32 scalar tensor, zero on entry and left zero (its address may be
-    captured in a CUDA graph); one per call site that can be in flight at once."""
+    captured in a CUDA graph); one per call site that can be in flight at once. fp8
+    weights as in `linear_m1`."""
     n = weight.shape[0]
     assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
     assert n <= MAX_ADD_NORM_FEATURES, f"{n} features > {MAX_ADD_NORM_FEATURES}"
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch_row(x, weight, bias, out, n, add_norm=(residual, norm_weight, counter, eps), config=config, pdl=pdl)
+    _launch_row(x, weight, bias, out, n, add_norm=(residual, norm_weight, counter, eps), config=config, pdl=pdl,
+                scale=scale, block=block)
     return out, residual

@@ -95,6 +95,23 @@ E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
+def bias_silu_mul(y, u, n, n_mask, b_ptr, up_offset, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """The end of a row GEMV: y (+ b[n]); with SILU_MUL, u is the up half's sum (+ b[up_offset
+    + n]) and the result silu(y) * u, gate and up rounded to OUT_DTYPE first as the unfused
+    reference rounds them. fp32 in and out."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        if HAS_BIAS:
+            u += tl.load(b_ptr + up_offset + n, mask=n_mask, other=0.0).to(tl.float32)
+        g = y.to(OUT_DTYPE).to(tl.float32)
+        u = u.to(OUT_DTYPE).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32) * u
+    return y
+
+
+@triton.jit
 def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
     """x as a KV-cache entry of CACHE_TYPE. An fp8 cache (e4m3, the only fp8 kind the
     engine allocates) saturates at +-448, explicitly, like reference.to_cache_dtype."""
