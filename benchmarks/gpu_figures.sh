@@ -75,8 +75,10 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      figure), then the Qwen3-0.6B shape
   memory             peak memory of the latency/throughput runs already in the output
                      folder; on 2+ GPUs, per-rank allocation at TP = 1 and 2 (a 4 GiB KV cache)
-  fp8                the throughput workload and batch 1 with a bf16 and an fp8 KV cache,
-                     alternating
+  fp8 [PART]         weights: batch 1 and an 8k-token prefill, bf16 and --quantization fp8;
+                     workload: nano-vllm's workload with fp8 weights, then with an fp8 KV
+                     cache too; kv (the default): the workload and batch 1 with a bf16 and
+                     an fp8 KV cache, alternating
   server             nano-vllm's workload offline at batch 64 and 256 and the same requests
                      through the server: streamed at concurrency 64 and 256, not streamed
                      at 256, then 2 and 4 front-end processes at 256; batch 1 streamed
@@ -95,7 +97,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
-  kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops
+  kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
+                     fp8 (the fp8 GEMV chain and the W8A8 GEMMs)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, tp (2 GPUs)
 
@@ -201,20 +204,32 @@ cmd_memory() {
 }
 
 cmd_fp8() {
-  local r v
+  local part=${1:-kv} r v
   m8 || return 1
-  for r in 1 2; do
-    for v in $( [ $r = 1 ] && echo auto fp8 || echo fp8 auto ); do
-      bench "thr_kv_${v}_$r" 150 throughput --model "$M8" --kv-cache-dtype $v
-    done
-  done
-  for v in auto fp8; do bench "lat_kv_$v" 150 latency --model "$M8" --num-iters 3 --kv-cache-dtype $v; done
-  table "$FIG"/thr_kv_*.json "$FIG"/lat_kv_*.json
+  case $part in
+    weights)  # batch 1 and an 8k-token prefill, bf16 and --quantization fp8
+      for v in bf16 fp8; do
+        local q=(); [ $v = fp8 ] && q=(--quantization fp8)
+        bench "lat_w_$v" 150 latency --model "$M8" --num-iters 3 "${q[@]}"
+        bench "prefill_w_$v" 120 latency --model "$M8" --num-iters 3 --input-len 8192 --output-len 2 "${q[@]}"
+      done
+      table "$FIG"/lat_w_*.json "$FIG"/prefill_w_*.json ;;
+    workload)  # nano-vllm's workload with fp8 weights, then fp8 weights and an fp8 KV cache
+      bench thr_w_fp8 200 throughput --model "$M8" --quantization fp8
+      bench thr_w_fp8_kv 200 throughput --model "$M8" --quantization fp8 --kv-cache-dtype fp8
+      table "$FIG"/thr_w_fp8*.json ;;
+    kv)  # the fp8 KV cache alone against bf16, alternating
+      for r in 1 2; do
+        for v in $( [ $r = 1 ] && echo auto fp8 || echo fp8 auto ); do
+          bench "thr_kv_${v}_$r" 150 throughput --model "$M8" --kv-cache-dtype $v
+        done
+      done
+      for v in auto fp8; do bench "lat_kv_$v" 150 latency --model "$M8" --num-iters 3 --kv-cache-dtype $v; done
+      table "$FIG"/thr_kv_*.json "$FIG"/lat_kv_*.json ;;
+    *) echo "unknown fp8 part: $part (weights, workload, kv)"; return 2 ;;
+  esac
 }
 
-# start_server LOG ARGS...: `agent-infer serve` on a free port, in a process group of its own
-# (a server may be several processes: front ends and an engine core); sets SERVER_PID and
-# URL. Waits up to SERVER_WAIT_S seconds (default 240) for /health.
 start_server() {
   local log=$1 group=(); shift
   command -v setsid >/dev/null && group=(setsid)
@@ -550,6 +565,8 @@ cmd_kernels() {
               kernel_part chain 240 python3 benchmarks/throughput_kernels.py --only chain,prefill_rows ;;
       floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
+      fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
+              kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;
     esac
   done
