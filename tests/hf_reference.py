@@ -28,7 +28,8 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "
 
     kwargs = {}
     with open(os.path.join(path, "config.json")) as f:
-        if "n_routed_experts" in json.load(f):
+        cfg = json.load(f)
+        if {"n_routed_experts", "num_experts", "num_local_experts"} & cfg.keys():
             kwargs["experts_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     return model.to(device).eval()

@@ -178,6 +178,7 @@ ROUTER_CASES = [  # method, experts, groups, topk_groups, top_k, hidden, norm, s
     ("greedy", 13, 1, 1, 3, 48, False, 2.5),  # experts not a power of two
     ("group_limited_greedy", 20, 4, 2, 3, 64, False, 16.0),  # V2's: groups of 5
     ("noaux_tc", 32, 8, 4, 8, 112, True, 2.5),  # V3's: groups of 4, renormalised
+    ("greedy", 128, 1, 1, 8, 64, True, 1.0),  # Qwen3-30B-A3B's: softmax top-8 of 128, renormalised
     ("noaux_tc", 24, 4, 2, 3, 32, False, 1.0),
 ]
 

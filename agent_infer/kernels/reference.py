@@ -341,12 +341,12 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routers as transformers computes them, in fp32: logits = x @ weight^T
     (weight [E, D] fp32), then
-    - greedy / group_limited_greedy (V2): softmax probabilities, top-k over all experts
-      or within the `topk_groups` groups holding the best single expert;
+    - greedy / group_limited_greedy (V2, Qwen3-MoE, Mixtral): softmax probabilities, top-k
+      over all experts or within the `topk_groups` groups holding the best single expert;
     - noaux_tc (V3): sigmoid scores; experts chosen by score + bias within the
       `topk_groups` groups whose two best (biased) experts score highest, weighted by
-      their unbiased scores, renormalised when `norm_topk_prob`.
-    Weights times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64); with
+      their unbiased scores.
+    The k weights renormalised to sum to 1 when `norm_topk_prob`, then times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64); with
     `num_shared` S, S more columns follow: experts E .. E + S - 1 at weight 1.0 (shared
     experts stored after the routed ones, run as experts every token is routed to)."""
     logits = F.linear(x.float(), weight)
@@ -358,14 +358,14 @@ def moe_route(
         choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, e), float("-inf"))
         ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
-        if norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         scores = logits.softmax(dim=-1, dtype=torch.float32)
         if method == "group_limited_greedy":
             group_scores = scores.view(-1, num_groups, e // num_groups).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, e), 0.0)
         weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * scaling
     if num_shared:
         shared = torch.arange(e, e + num_shared, device=ids.device, dtype=ids.dtype).expand(ids.shape[0], -1)

@@ -1,13 +1,16 @@
-"""Mixture of experts: the router, and the routed experts of one layer on this rank.
+"""Mixture of experts: one layer's MoE MLP (`MoE`: router, routed experts, optional shared
+experts), the checkpoint rules of its experts, and its parts on this rank.
 
-Routing follows DeepSeek's two schemes as transformers computes them, in fp32:
-- softmax (V2): top-k of the expert probabilities, either over all experts (`greedy`) or
-  within the `topk_group` groups holding the best single expert (`group_limited_greedy`);
-- sigmoid with a load-balancing bias (V3, `noaux_tc`): experts are chosen by score + bias
-  within the `topk_group` groups whose two best experts score highest, and weighted by
-  their unbiased scores, renormalised when `norm_topk_prob`.
-Either way the weights are multiplied by `routed_scaling_factor`. The maths is
-`kernels.reference.moe_route`; one token on a GPU is one launch (`kernels.triton.router`).
+Routing as transformers computes it, in fp32:
+- softmax (DeepSeek-V2, Qwen3-MoE, Mixtral): top-k of the expert probabilities, either
+  over all experts (`greedy`) or within the `topk_group` groups holding the best single
+  expert (`group_limited_greedy`);
+- sigmoid with a load-balancing bias (DeepSeek-V3, `noaux_tc`): experts are chosen by
+  score + bias within the `topk_group` groups whose two best experts score highest, and
+  weighted by their unbiased scores.
+The k weights are renormalised to sum to 1 when `norm_topk_prob`, then multiplied by
+`routed_scaling_factor`. The maths is `kernels.reference.moe_route`; one token on a GPU
+is one launch (`kernels.triton.router`).
 
 The routed experts are split over the tensor-parallel group in one of two ways:
 - `ep` (expert parallelism): each rank holds a contiguous range of whole experts and
@@ -37,6 +40,9 @@ from torch import nn
 
 from agent_infer.distributed.state import ParallelState
 from agent_infer.kernels import ops
+from agent_infer.layers.linear import all_reduce_add_rms_norm
+from agent_infer.layers.mlp import GatedMLP
+from agent_infer.loader.load import WeightRule
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 
 MOE_PLACEMENTS = ("ep", "tp")
@@ -177,3 +183,68 @@ def _slice(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
     if shape_of(loaded)[dim] == size:
         return materialize(loaded)
     return narrow(loaded, dim, start, size)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: the router (`gate`), the routed experts (`experts`) and
+    `num_shared` shared experts of the same intermediate size, which every token uses. On
+    one rank the shared experts join the routed ones (RoutedExperts); under tensor
+    parallelism they are a tensor-parallel MLP (`shared_experts`). The experts stay in
+    the model's dtype (fp8 checkpoints' are dequantized as they load)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, num_shared: int,
+                 tp: ParallelState):
+        super().__init__()
+        self.tp = tp
+        joined = num_shared if num_shared and tp.world_size == 1 else 0
+        self.gate = Router(hidden_size, router, joined)
+        self.experts = RoutedExperts(router.num_experts, router.top_k, hidden_size, intermediate_size, tp,
+                                     tp.moe_parallel, joined)
+        self.shared_experts = (GatedMLP(hidden_size, intermediate_size * num_shared, "silu", False, tp)
+                               if num_shared and not joined else None)
+        if self.shared_experts is not None:
+            # On one rank they run inside the fused MoE, in the model's dtype: under TP they
+            # stay so too, and every TP size computes alike.
+            self.shared_experts.gate_up_proj.quantizable = False
+            self.shared_experts.down_proj.quantizable = False
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
+        experts' partial sums on this rank, reduced once over the group with the add + norm."""
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.down_proj.partial(self.shared_experts(x))
+        return all_reduce_add_rms_norm(y, residual, norm.weight, norm.eps, self.tp)
+
+
+def mlp_add_norm(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's MLP, a `MoE` or a `GatedMLP`, with the residual add + RMSNorm
+    after it: (norm(mlp(x) + residual), mlp(x) + residual)."""
+    if isinstance(mlp, MoE):
+        return mlp.forward_add_norm(x, residual, norm)
+    return mlp.down_proj.forward_add_norm(mlp(x), residual, norm)
+
+
+def expert_rules(mlp: str, gate: str, up: str, down: str, shared_joined: bool) -> tuple[WeightRule, ...]:
+    """Checkpoint rules for the experts of MoE MLPs whose names match the regular
+    expression `mlp` (e.g. `model\\.layers\\.\\d+\\.mlp`), each expert's projections named
+    `{mlp}.experts.{e}.{gate|up|down}.weight`, into the MoE's `experts.w13` / `experts.w2`;
+    shared experts (`{mlp}.shared_experts.*_proj`) into the routed stacks when they are
+    joined (`shared_joined`), else into the shared MLP's merged gate_up."""
+    pre = rf"(?P<pre>{mlp})"
+    rules = [
+        WeightRule(pre + rf"\.experts\.(?P<expert>\d+)\.(?P<shard>{gate}|{up})\.weight", "{pre}.experts.w13",
+                   shards={gate: 0, up: 1}),
+        WeightRule(pre + rf"\.experts\.(?P<expert>\d+)\.{down}\.weight", "{pre}.experts.w2"),
+    ]
+    if shared_joined:
+        rules += [
+            WeightRule(pre + r"\.shared_experts\.(?P<shard>gate|up)_proj\.weight", "{pre}.experts.w13",
+                       shards={"gate": 0, "up": 1}),
+            WeightRule(pre + r"\.shared_experts\.down_proj\.weight", "{pre}.experts.w2"),
+        ]
+    else:
+        rules.append(WeightRule(pre + r"\.shared_experts\.(?P<shard>gate|up)_proj\.weight",
+                                "{pre}.shared_experts.gate_up_proj.weight", shards={"gate": 0, "up": 1}))
+    return tuple(rules)

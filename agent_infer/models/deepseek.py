@@ -28,14 +28,13 @@ from torch import nn
 
 from agent_infer.config import ConfigError, ModelConfig, RopeConfig
 from agent_infer.distributed.state import ParallelState
-from agent_infer.kernels import ops
 from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import (
-    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, StackedWeights, all_reduce_add_rms_norm, stack_weights,
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, StackedWeights, stack_weights,
 )
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.mlp import GatedMLP
-from agent_infer.layers.moe import Router, RouterConfig, RoutedExperts
+from agent_infer.layers.moe import MoE, RouterConfig, expert_rules, mlp_add_norm
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding, yarn_mscale
 from agent_infer.loader.load import WeightMap, WeightRule
@@ -184,43 +183,13 @@ def shared_experts_join(f: DeepseekFamilyConfig, tp: ParallelState) -> bool:
     return f.n_shared_experts > 0 and tp.world_size == 1
 
 
-class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: ParallelState):
-        super().__init__()
-        f: DeepseekFamilyConfig = cfg.family
-        self.tp = tp
-        # On one rank the shared experts run as experts of the fused MoE (layers/moe.py).
-        joined = f.n_shared_experts if shared_experts_join(f, tp) else 0
-        self.gate = Router(cfg.hidden_size, f.router, joined)
-        self.experts = RoutedExperts(f.n_routed_experts, f.router.top_k, cfg.hidden_size, f.moe_intermediate_size, tp,
-                                     tp.moe_parallel, joined)
-        self.shared_experts = (
-            GatedMLP(cfg.hidden_size, f.moe_intermediate_size * f.n_shared_experts, "silu", False, tp)
-            if f.n_shared_experts and not joined else None
-        )
-        if self.shared_experts is not None:
-            # On one rank the shared experts run inside the fused MoE, whose experts are in
-            # the model's dtype: under TP they stay so too, and every TP size computes alike.
-            self.shared_experts.gate_up_proj.quantizable = False
-            self.shared_experts.down_proj.quantizable = False
-
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(moe(x) + residual) and that sum: the routed experts' and the shared
-        experts' partial sums on this rank, reduced once over the group with the add + norm."""
-        weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts.down_proj.partial(self.shared_experts(x))
-        return all_reduce_add_rms_norm(y, residual, norm.weight, norm.eps, self.tp)
-
-
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, tp: ParallelState):
         super().__init__()
         f: DeepseekFamilyConfig = cfg.family
         self.self_attn = DeepseekAttention(cfg, rotary, tp)
         if f.is_moe_layer(i):
-            self.mlp = DeepseekMoE(cfg, tp)
+            self.mlp = MoE(cfg.hidden_size, f.moe_intermediate_size, f.router, f.n_shared_experts, tp)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, f.intermediate_size, "silu", False, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -233,9 +202,7 @@ class DeepseekDecoderLayer(nn.Module):
         layer's normalised input and the stream."""
         x = self.self_attn(positions, x)
         x, residual = self.self_attn.o_proj.forward_add_norm(x, residual, self.post_attention_layernorm)
-        if isinstance(self.mlp, DeepseekMoE):
-            return self.mlp.forward_add_norm(x, residual, next_norm)
-        return self.mlp.down_proj.forward_add_norm(self.mlp(x), residual, next_norm)
+        return mlp_add_norm(self.mlp, x, residual, next_norm)
 
 
 class DeepseekModel(DecoderStack):
@@ -249,19 +216,10 @@ class DeepseekModel(DecoderStack):
         )
 
 
-_LAYER = r"(?P<pre>model\.layers\.\d+)"
-_RULES = (
-    WeightRule(_LAYER + r"\.mlp\.experts\.(?P<expert>\d+)\.(?P<shard>gate|up)_proj\.weight", "{pre}.mlp.experts.w13",
+# The dense layers' gate and up into their merged projection; the experts' rules are MoE's.
+_DENSE_RULES = (
+    WeightRule(r"(?P<pre>model\.layers\.\d+\.mlp)\.(?P<shard>gate|up)_proj\.weight", "{pre}.gate_up_proj.weight",
                shards={"gate": 0, "up": 1}),
-    WeightRule(_LAYER + r"\.mlp\.experts\.(?P<expert>\d+)\.down_proj\.weight", "{pre}.mlp.experts.w2"),
-    WeightRule(r"(?P<pre>model\.layers\.\d+\.mlp(?:\.shared_experts)?)\.(?P<shard>gate|up)_proj\.weight",
-               "{pre}.gate_up_proj.weight", shards={"gate": 0, "up": 1}),
-)
-# The shared experts' tensors into the routed experts' stacks (expert id None), when joined.
-_JOINED_SHARED_RULES = (
-    WeightRule(_LAYER + r"\.mlp\.shared_experts\.(?P<shard>gate|up)_proj\.weight", "{pre}.mlp.experts.w13",
-               shards={"gate": 0, "up": 1}),
-    WeightRule(_LAYER + r"\.mlp\.shared_experts\.down_proj\.weight", "{pre}.mlp.experts.w2"),
 )
 
 
@@ -287,8 +245,8 @@ class DeepseekForCausalLM(DecoderLM):
             skip.append(rf"model\.layers\.({mtp})\..*")
             log.info("skipping %d multi-token-prediction layer(s) (model.layers.%d...) at load",
                      f.num_nextn_predict_layers, first)
-        rules = (_JOINED_SHARED_RULES if self.shared_joined else ()) + _RULES
-        return WeightMap(rules=rules, skip=tuple(skip))
+        rules = expert_rules(r"model\.layers\.\d+\.mlp", "gate_proj", "up_proj", "down_proj", self.shared_joined)
+        return WeightMap(rules=rules + _DENSE_RULES, skip=tuple(skip))
 
     def warmup_prompt_lengths(self) -> tuple[int, ...]:
         """Steps of every power of two of tokens (the warm-up caps them at the step

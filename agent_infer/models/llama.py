@@ -7,6 +7,7 @@ all-reduce can be fused with them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from agent_infer.layers.attention import PagedAttention
 from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import QKVParallelLinear, RowParallelLinear
 from agent_infer.layers.mlp import GatedMLP
+from agent_infer.layers.moe import mlp_add_norm
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
 from agent_infer.loader.load import WeightMap, WeightRule
@@ -41,8 +43,11 @@ class LlamaFamilyConfig:
     hidden_act: str
 
     @staticmethod
-    def from_hf(hf: dict[str, Any]) -> "LlamaFamilyConfig":
-        refuse_unread_fields(hf, "Llama/Qwen2/Qwen3", frozenset())
+    def from_hf(hf: dict[str, Any], family: str = "Llama/Qwen2/Qwen3", reads: frozenset[str] = frozenset()
+                ) -> "LlamaFamilyConfig":
+        """`family` and `reads`: for a family built on this one (its name, and the
+        architecture fields it reads besides these)."""
+        refuse_unread_fields(hf, family, reads)
         if hf.get("use_sliding_window"):
             raise ConfigError("sliding-window attention (use_sliding_window: true) is not supported")
         model_type = hf.get("model_type", "")
@@ -89,11 +94,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: ParallelState):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: ParallelState, mlp: nn.Module | None = None):
+        """`mlp`: the layer's MLP when not the dense one (a mixture of experts)."""
         super().__init__()
         f: LlamaFamilyConfig = cfg.family
         self.self_attn = LlamaAttention(cfg, rotary, tp)
-        self.mlp = GatedMLP(cfg.hidden_size, f.intermediate_size, f.hidden_act, f.mlp_bias, tp)
+        self.mlp = mlp or GatedMLP(cfg.hidden_size, f.intermediate_size, f.hidden_act, f.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -106,16 +112,17 @@ class LlamaDecoderLayer(nn.Module):
         row-parallel projection is fused with the residual add + norm that follows it."""
         x = self.self_attn(positions, x)
         x, residual = self.self_attn.o_proj.forward_add_norm(x, residual, self.post_attention_layernorm)
-        x = self.mlp(x)
-        return self.mlp.down_proj.forward_add_norm(x, residual, next_norm)
+        return mlp_add_norm(self.mlp, x, residual, next_norm)
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
+    def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int,
+                 make_mlp: Callable[[int], nn.Module | None] = lambda i: None):
+        """`make_mlp(i)`: layer i's MLP when not the dense one (None: dense)."""
         rotary = RotaryEmbedding(cfg.family.head_dim, cfg.rope, max_pos, is_neox=True)
         super().__init__(
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp),
-            nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers)),
+            nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp, make_mlp(i)) for i in range(cfg.num_layers)),
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
         )
 

@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": _LLAMA,
     "DeepseekV2ForCausalLM": ("agent_infer.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("agent_infer.models.deepseek", "DeepseekForCausalLM"),
+    "Qwen3MoeForCausalLM": ("agent_infer.models.sparse_moe", "SparseMoeForCausalLM"),
+    "MixtralForCausalLM": ("agent_infer.models.sparse_moe", "SparseMoeForCausalLM"),
 }
 
 

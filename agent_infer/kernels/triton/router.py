@@ -170,7 +170,7 @@ def _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups) -> N
 
 
 def _routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared) -> dict:
-    return dict(METHOD=_METHODS[method], NORM=bool(norm_topk_prob) and method == "noaux_tc", GROUPS=num_groups,
+    return dict(METHOD=_METHODS[method], NORM=bool(norm_topk_prob), GROUPS=num_groups,
                 GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, TOP_K=top_k, SHARED=num_shared,
                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
                 BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared))
