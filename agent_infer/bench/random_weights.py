@@ -107,6 +107,15 @@ _DEEPSEEK_V3_SMALL = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
 }
 
+_QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
 
 PRESETS: dict[str, RandomPreset | HubPreset] = {
     "qwen3-8b": RandomPreset(
@@ -140,6 +149,7 @@ PRESETS: dict[str, RandomPreset | HubPreset] = {
     ),
     "deepseek-v2-lite": HubPreset("DeepseekV2ForCausalLM", _DEEPSEEK_V2_LITE),
     "deepseek-v3-small": HubPreset("DeepseekV3ForCausalLM", _DEEPSEEK_V3_SMALL),
+    "qwen3-30b-a3b": HubPreset("Qwen3MoeForCausalLM", _QWEN3_30B_A3B),
 }
 
 
