@@ -78,3 +78,45 @@ def test_the_engine_is_layout_blind():
         if names & banned:
             found[str(path.relative_to(ROOT))] = sorted(names & banned)
     assert not found, found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """agent_infer module -> the agent_infer modules it imports (at any level of the
+    file, annotations-only imports included)."""
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("agent_infer",) + path.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for imported in _imports(path):
+            while imported and imported not in names:
+                imported = imported.rpartition(".")[0]  # `from pkg.mod import attr` -> pkg.mod
+            if imported and imported != name:
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports: lower layers take what they need of
+    higher ones as protocols (engine/warmup.py's engine, structured/constraints.py's
+    sequence), not imports."""
+    graph = _module_graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

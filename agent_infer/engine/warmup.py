@@ -14,12 +14,33 @@ counter empty. Tensor-parallel workers follow these steps like any other.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from agent_infer.config import EngineConfig, ModelConfig
+from agent_infer.engine.model_runner import ModelRunner
 from agent_infer.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from agent_infer.engine.llm_engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What the warm-up drives (engine/llm_engine.py's LLMEngine, which imports this
+    module): requests in, steps, and its runner and configs to size them."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    runner: ModelRunner
+    max_model_len: int
+
+    def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> Any: ...
+
+    def step(self) -> list: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def reset_history(self) -> None: ...
 
 # One request at a time, so each step's longest query picks another prefill tile
 # (16, 32, 64 rows, and 128 where a configuration takes that many) and the token count is

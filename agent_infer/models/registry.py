@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from agent_infer.config import ConfigError
+from agent_infer.checkpoint_files import ConfigError
 
 _LLAMA = ("agent_infer.models.llama", "LlamaForCausalLM")
 

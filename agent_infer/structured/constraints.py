@@ -20,15 +20,32 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from agent_infer.engine.structs import Sequence
 from agent_infer.kernels import ops
+from agent_infer.sampling_params import SamplingParams
 from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
+
+
+class Sequence(Protocol):
+    """What the constraints read of a running sequence (the engine's `structs.Sequence`)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    num_resolved: int
+
+    @property
+    def is_finished(self) -> bool: ...
 
 # Where a constrained row stands with respect to a reasoning block (<think>...</think>):
 CONSTRAINED = 0  # the grammar applies
