@@ -173,17 +173,17 @@ def check_fused_moe_graph(
 
 # ---- the batch-1 router (agent_infer/kernels/triton/router.py) ------------------------
 
-ROUTER_CASES = [  # method, experts, groups, topk_groups, top_k, hidden, norm, scaling
-    ("greedy", 64, 1, 1, 6, 96, False, 1.0),  # V2-Lite's routing
-    ("greedy", 13, 1, 1, 3, 48, False, 2.5),  # experts not a power of two
-    ("group_limited_greedy", 20, 4, 2, 3, 64, False, 16.0),  # V2's: groups of 5
-    ("noaux_tc", 32, 8, 4, 8, 112, True, 2.5),  # V3's: groups of 4, renormalised
-    ("greedy", 128, 1, 1, 8, 64, True, 1.0),  # Qwen3-30B-A3B's: softmax top-8 of 128, renormalised
-    ("noaux_tc", 24, 4, 2, 3, 32, False, 1.0),
+ROUTER_CASES = [  # scoring, experts, groups, topk_groups, top_k, hidden, norm, scaling
+    ("softmax", 64, 1, 1, 6, 96, False, 1.0),  # V2-Lite's routing
+    ("softmax", 13, 1, 1, 3, 48, False, 2.5),  # experts not a power of two
+    ("softmax", 20, 4, 2, 3, 64, False, 16.0),  # V2's: groups of 5
+    ("sigmoid", 32, 8, 4, 8, 112, True, 2.5),  # V3's: groups of 4, renormalised
+    ("softmax", 128, 1, 1, 8, 64, True, 1.0),  # Qwen3-30B-A3B's: softmax top-8 of 128, renormalised
+    ("sigmoid", 24, 4, 2, 3, 32, False, 1.0),
 ]
 
 
-def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, seed=0,
+def check_moe_route(device, scoring, experts, groups, topk_groups, top_k, hidden, norm, scaling, seed=0,
                     shared=0) -> None:
     """The one-launch router against reference.moe_route for one token: the same experts
     with the same weights (top-k order is not part of the contract), the counter left at
@@ -193,14 +193,14 @@ def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden,
 
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(device)
-    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if method == "noaux_tc" else None
+    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if scoring == "sigmoid" else None
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     for trial in range(2):
         x = torch.randn(1, hidden, generator=g).to(torch.bfloat16).to(device)
-        want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling,
+        want_w, want_i = reference.moe_route(x, weight, bias, scoring, top_k, groups, topk_groups, norm, scaling,
                                              shared)
         with poisoned_empty():
-            got_w, got_i = moe_route_m1(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, counter,
+            got_w, got_i = moe_route_m1(x, weight, bias, scoring, top_k, groups, topk_groups, norm, scaling, counter,
                                         shared)
         width = top_k + shared
         assert got_i.shape == (1, width) and got_w.shape == (1, width) and got_w.dtype == torch.float32
@@ -213,7 +213,7 @@ def check_moe_route(device, method, experts, groups, topk_groups, top_k, hidden,
         assert int(counter.item()) == 0
 
 
-def check_moe_route_rows(device, method, experts, groups, topk_groups, top_k, hidden, norm, scaling, tokens,
+def check_moe_route_rows(device, scoring, experts, groups, topk_groups, top_k, hidden, norm, scaling, tokens,
                          seed=0, shared=0) -> None:
     """The one-program-per-token router against reference.moe_route for `tokens` tokens
     (x a strided view, rows wider than D): per token the same experts with the same
@@ -222,11 +222,11 @@ def check_moe_route_rows(device, method, experts, groups, topk_groups, top_k, hi
 
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(device)
-    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if method == "noaux_tc" else None
+    bias = (torch.randn(experts, generator=g) * 0.3).to(device) if scoring == "sigmoid" else None
     x = torch.randn(tokens, hidden + 16, generator=g).to(torch.bfloat16).to(device)[:, :hidden]
-    want_w, want_i = reference.moe_route(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, shared)
+    want_w, want_i = reference.moe_route(x, weight, bias, scoring, top_k, groups, topk_groups, norm, scaling, shared)
     with poisoned_empty():
-        got_w, got_i = moe_route_rows(x, weight, bias, method, top_k, groups, topk_groups, norm, scaling, shared)
+        got_w, got_i = moe_route_rows(x, weight, bias, scoring, top_k, groups, topk_groups, norm, scaling, shared)
     width = top_k + shared
     assert got_i.shape == (tokens, width) and got_w.shape == (tokens, width) and got_w.dtype == torch.float32
     assert got_i[:, top_k:].tolist() == [list(range(experts, experts + shared))] * tokens

@@ -62,7 +62,9 @@ def test_hub_spelling_parses_like_transformers_5s(ds_dirs):
     a, b = ModelConfig.from_hf(ds_dirs["v2_grouped_hub"]), ModelConfig.from_hf(ds_dirs["v2_grouped"])
     assert a.rope == b.rope and a.family == b.family
     assert a.rope.rope_type == "yarn" and a.rope.mscale == 0.9 and a.rope.mscale_all_dim == 0.8
-    assert a.family.router.method == "group_limited_greedy" and a.family.q_lora_rank == 16
+    r = a.family.router
+    assert (r.scoring, r.num_groups, r.topk_groups, r.correction_bias) == ("softmax", 3, 2, False)
+    assert a.family.q_lora_rank == 16
 
 
 def test_batching_prefix_hits_chunked_prefill_and_mixed_steps_keep_the_tokens(ds_dirs):

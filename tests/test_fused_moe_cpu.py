@@ -149,7 +149,7 @@ def test_shared_experts_joined_to_the_routed_ones(tokens):
 
     x = rand(tokens, hidden)
     router = rand(experts, hidden).float()
-    weights, ids = reference.moe_route(x.float(), router, None, "greedy", top_k, 1, 1, False, 1.5, shared)
+    weights, ids = reference.moe_route(x.float(), router, None, "softmax", top_k, 1, 1, False, 1.5, shared)
     assert ids.shape == (tokens, top_k + shared) and ids[:, top_k:].tolist() == [[5, 6]] * tokens
     assert weights[:, top_k:].tolist() == [[1.0, 1.0]] * tokens
     want = reference.fused_moe(x, w13, w2, weights[:, :top_k], ids[:, :top_k]) + F.linear(

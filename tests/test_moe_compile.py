@@ -156,12 +156,12 @@ def test_moe_sum_compiles_without_spills():
     _check_no_spills(kernel, "sum over k")
 
 
-@pytest.mark.parametrize("method,experts,groups,topk_groups,top_k,hidden", [
-    ("greedy", 64, 1, 1, 6, 2048),  # V2-Lite
-    ("group_limited_greedy", 160, 8, 3, 6, 5120),  # V2
-    ("noaux_tc", 256, 8, 4, 8, 7168),  # V3
+@pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden", [
+    ("softmax", 64, 1, 1, 6, 2048),  # V2-Lite
+    ("softmax", 160, 8, 3, 6, 5120),  # V2
+    ("sigmoid", 256, 8, 4, 8, 7168),  # V3
 ])
-def test_router_compiles_without_spills(method, experts, groups, topk_groups, top_k, hidden):
+def test_router_compiles_without_spills(scoring, experts, groups, topk_groups, top_k, hidden):
     """The batch-1 router at the released models' shapes."""
     import triton
 
@@ -173,25 +173,25 @@ def test_router_compiles_without_spills(method, experts, groups, topk_groups, to
     args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("logits_ptr", "*fp32"),
             ("weights_ptr", "*fp32"), ("ids_ptr", "*i32"), ("count_ptr", "*i32"), ("E", "i32"), ("K", "i32"),
             ("scaling", "fp32")]
-    constexprs = {"METHOD": router._METHODS[method], "NORM": method == "noaux_tc", "GROUPS": groups,
+    constexprs = {"SIGMOID": scoring == "sigmoid", "NORM": scoring == "sigmoid", "GROUPS": groups,
                   "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k,
                   "SHARED": 2, "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
                   "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k + 2), "PDL": True}
     kernel = _compile(router._route_m1_kernel, args, constexprs,
                       {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"}, 4, 2)
-    _check_no_spills(kernel, f"router {method} E={experts}")
+    _check_no_spills(kernel, f"router {scoring} E={experts}")
 
 
-@pytest.mark.parametrize("method,experts,groups,topk_groups,top_k,hidden", [
-    ("greedy", 64, 1, 1, 6, 2048),  # V2-Lite
-    ("group_limited_greedy", 160, 8, 3, 6, 5120),  # V2
-    ("noaux_tc", 256, 8, 4, 8, 7168),  # V3
+@pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden", [
+    ("softmax", 64, 1, 1, 6, 2048),  # V2-Lite
+    ("softmax", 160, 8, 3, 6, 5120),  # V2
+    ("sigmoid", 256, 8, 4, 8, 7168),  # V3
 ])
-def test_router_rows_compiles_without_spills(method, experts, groups, topk_groups, top_k, hidden):
+def test_router_rows_compiles_without_spills(scoring, experts, groups, topk_groups, top_k, hidden):
     """The decode-batch router (a program per token) at the released models' shapes."""
     from agent_infer.kernels.triton import router
 
-    constexprs = router._routing_constexprs(method, experts, top_k, groups, topk_groups, method == "noaux_tc", 2)
+    constexprs = router._routing_constexprs(scoring, experts, top_k, groups, topk_groups, scoring == "sigmoid", 2)
     block_k = max(16, min(256, router._ROWS_TILE // constexprs["BLOCK_E"]))
     while hidden % block_k:
         block_k //= 2
@@ -201,7 +201,7 @@ def test_router_rows_compiles_without_spills(method, experts, groups, topk_group
     kernel = _compile(router._route_rows_kernel, args,
                       {**constexprs, "BLOCK_K": block_k, "FROM_LOGITS": False, "PDL": True},
                       {"x_ptr", "w_ptr", "bias_ptr", "weights_ptr", "ids_ptr", "K", "sxm"}, 4, 2)
-    _check_no_spills(kernel, f"router rows {method} E={experts}")
+    _check_no_spills(kernel, f"router rows {scoring} E={experts}")
 
 
 @pytest.mark.parametrize("dtype,precision", [("fp16", "tf32"), ("fp32", "ieee")])

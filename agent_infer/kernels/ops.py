@@ -293,10 +293,10 @@ def fused_moe(
 
 
 def moe_route(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's router on x [T, D] with fp32 weight [E, D] (reference.moe_route):
+    """A MoE router on x [T, D] with fp32 weight [E, D] (reference.moe_route):
     (weights [T, k + num_shared] fp32, expert ids [T, k + num_shared]), the shared
     experts' columns last. On a GPU a step of up to router.FUSED_LOGITS_MAX_TOKENS
     tokens is one launch (`counter`: int32 [1], zero between calls, for one token), a
@@ -306,11 +306,11 @@ def moe_route(
 
         if router.supported(x, weight):
             if x.shape[0] == 1 and x.is_contiguous():
-                return router.moe_route_m1(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob,
+                return router.moe_route_m1(x, weight, bias, scoring, top_k, num_groups, topk_groups, norm_topk_prob,
                                            scaling, counter, num_shared)
-            return router.moe_route_rows(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob,
+            return router.moe_route_rows(x, weight, bias, scoring, top_k, num_groups, topk_groups, norm_topk_prob,
                                          scaling, num_shared)
-    return reference.moe_route(x, weight, bias, method, top_k, num_groups, topk_groups, norm_topk_prob, scaling,
+    return reference.moe_route(x, weight, bias, scoring, top_k, num_groups, topk_groups, norm_topk_prob, scaling,
                                num_shared)
 
 

@@ -336,31 +336,33 @@ def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) 
 
 
 def moe_route(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routers as transformers computes them, in fp32: logits = x @ weight^T
-    (weight [E, D] fp32), then
-    - greedy / group_limited_greedy (V2, Qwen3-MoE, Mixtral): softmax probabilities, top-k
-      over all experts or within the `topk_groups` groups holding the best single expert;
-    - noaux_tc (V3): sigmoid scores; experts chosen by score + bias within the
-      `topk_groups` groups whose two best (biased) experts score highest, weighted by
+    """MoE routing as transformers computes it, in fp32: logits = x @ weight^T (weight
+    [E, D] fp32), then by `scoring`
+    - softmax (DeepSeek-V2, Qwen3-MoE, Mixtral): probabilities, top-k over all experts or,
+      with `num_groups` > 1, within the `topk_groups` groups holding the best single expert;
+    - sigmoid (DeepSeek-V3): scores; experts chosen by score + bias (`bias`, or none) within
+      the `topk_groups` groups whose two best (biased) experts score highest, weighted by
       their unbiased scores.
-    The k weights renormalised to sum to 1 when `norm_topk_prob`, then times `scaling`. Returns (weights [T, k] fp32, expert ids [T, k] int64); with
+    The k weights renormalised to sum to 1 when `norm_topk_prob`, then times `scaling`.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64); with
     `num_shared` S, S more columns follow: experts E .. E + S - 1 at weight 1.0 (shared
     experts stored after the routed ones, run as experts every token is routed to)."""
     logits = F.linear(x.float(), weight)
     e, k = weight.shape[0], top_k
-    if method == "noaux_tc":
+    if scoring == "sigmoid":
         scores = logits.sigmoid()
-        choice = scores + bias
-        group_scores = choice.view(-1, num_groups, e // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
-        choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, e), float("-inf"))
+        choice = scores if bias is None else scores + bias
+        if num_groups > 1:
+            group_scores = choice.view(-1, num_groups, e // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, e), float("-inf"))
         ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
     else:
         scores = logits.softmax(dim=-1, dtype=torch.float32)
-        if method == "group_limited_greedy":
+        if num_groups > 1:
             group_scores = scores.view(-1, num_groups, e // num_groups).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, topk_groups, e), 0.0)
         weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)

@@ -3,11 +3,10 @@ experts), the checkpoint rules of its experts, and its parts on this rank.
 
 Routing as transformers computes it, in fp32:
 - softmax (DeepSeek-V2, Qwen3-MoE, Mixtral): top-k of the expert probabilities, either
-  over all experts (`greedy`) or within the `topk_group` groups holding the best single
-  expert (`group_limited_greedy`);
-- sigmoid with a load-balancing bias (DeepSeek-V3, `noaux_tc`): experts are chosen by
-  score + bias within the `topk_group` groups whose two best experts score highest, and
-  weighted by their unbiased scores.
+  over all experts or within the `topk_groups` groups holding the best single expert;
+- sigmoid, with DeepSeek-V3's load-balancing bias: experts are chosen by score + bias
+  within the `topk_groups` groups whose two best experts score highest, and weighted by
+  their unbiased scores.
 The k weights are renormalised to sum to 1 when `norm_topk_prob`, then multiplied by
 `routed_scaling_factor`. The maths is `kernels.reference.moe_route`; one token on a GPU
 is one launch (`kernels.triton.router`).
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from agent_infer.checkpoint_files import ConfigError
 from agent_infer.distributed.state import ParallelState
 from agent_infer.kernels import ops
 from agent_infer.layers.linear import all_reduce_add_rms_norm
@@ -51,15 +51,37 @@ MOE_PLACEMENTS = ("ep", "tp")
 FUSED_SHARED_MAX_TOKENS = 1024
 
 
+ROUTER_SCORING = ("softmax", "sigmoid")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
+    """How a token picks its experts, as options rather than per-family method names:
+    scores by `scoring`; with `num_groups` > 1, the experts split into that many equal
+    groups and the top k taken within the `topk_groups` best (a group scores its best
+    expert under softmax, its best two under sigmoid); `correction_bias`, a learned
+    per-expert bias added to the scores for the choice only; the k weights renormalised
+    when `norm_topk_prob`, then times `routed_scaling_factor`. DeepSeek-V2: softmax,
+    grouped or not; DeepSeek-V3: sigmoid, grouped, with the bias, renormalised;
+    Qwen3-MoE and Mixtral: softmax, renormalised."""
+
     num_experts: int
     top_k: int
-    method: str  # greedy | group_limited_greedy | noaux_tc
+    scoring: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
+    correction_bias: bool = False
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ROUTER_SCORING:
+            raise ConfigError(f"router scoring must be one of {', '.join(ROUTER_SCORING)}, got {self.scoring!r}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ConfigError(f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} of them "
+                             f"chosen: the groups must be equal and the chosen ones between 1 and all")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"top_k {self.top_k} must be between 1 and the {self.num_experts} experts")
 
 
 class Router(nn.Module):
@@ -70,9 +92,11 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.num_shared = cfg, num_shared
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
-        if cfg.method == "noaux_tc":
+        if cfg.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32),
                                                         requires_grad=False)
+        elif cfg.scoring == "sigmoid":  # the sigmoid kernels add a bias: zeros
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts), persistent=False)
         else:
             self.register_parameter("e_score_correction_bias", None)
 
@@ -83,7 +107,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k + S] fp32, expert ids [T, k + S]) from the fp32 logits of x."""
         c = self.cfg
-        return ops.moe_route(x, self.weight, self.e_score_correction_bias, c.method, c.top_k, c.num_groups,
+        return ops.moe_route(x, self.weight, self.e_score_correction_bias, c.scoring, c.top_k, c.num_groups,
                              c.topk_groups, c.norm_topk_prob, c.routed_scaling_factor, self.done_counter,
                              self.num_shared)
 

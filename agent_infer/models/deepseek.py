@@ -108,9 +108,10 @@ class DeepseekFamilyConfig:
             router=RouterConfig(
                 num_experts=experts,
                 top_k=int(hf["num_experts_per_tok"]),
-                method=method,
+                scoring=scoring,
                 num_groups=groups,
                 topk_groups=int(hf.get("topk_group") or groups) if method != "greedy" else 1,
+                correction_bias=method == "noaux_tc",
                 # transformers' DeepseekV2 router never renormalises; V3's does when asked.
                 norm_topk_prob=bool(hf.get("norm_topk_prob")) and arch == _V3,
                 routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
@@ -308,7 +309,7 @@ class DeepseekForCausalLM(DecoderLM):
                 out += mlp(pre + "mlp.", f.intermediate_size)
                 continue
             out.append((pre + "mlp.gate.weight", (f.n_routed_experts, h)))
-            if f.router.method == "noaux_tc":
+            if f.router.correction_bias:
                 out.append((pre + "mlp.gate.e_score_correction_bias", (f.n_routed_experts,)))
             for e in range(f.n_routed_experts):
                 out += mlp(pre + f"mlp.experts.{e}.", f.moe_intermediate_size)

@@ -55,7 +55,7 @@ class SparseMoeFamilyConfig(LlamaFamilyConfig):
         return SparseMoeFamilyConfig(
             **asdict(dense),
             moe_intermediate_size=inter,
-            router=RouterConfig(num_experts=experts, top_k=top_k, method="greedy", norm_topk_prob=norm),
+            router=RouterConfig(num_experts=experts, top_k=top_k, scoring="softmax", norm_topk_prob=norm),
             sparse_layers=sparse,
         )
 

@@ -123,8 +123,8 @@ def test_moe_align(one_program, tokens, local, top_k, experts, first, block_m):
 
 # The released routers: V2-Lite (greedy, 64 experts), V2 (group-limited, 160 in 8 groups),
 # V3 (sigmoid + bias, 256 in 8 groups, renormalised, scaled 2.5); plus the odd tiny cases.
-ROUTERS = [("greedy", 64, 1, 1, 6, 2048, False, 1.0), ("group_limited_greedy", 160, 8, 3, 6, 5120, False, 16.0),
-           ("noaux_tc", 256, 8, 4, 8, 7168, True, 2.5)] + mc.ROUTER_CASES
+ROUTERS = [("softmax", 64, 1, 1, 6, 2048, False, 1.0), ("softmax", 160, 8, 3, 6, 5120, False, 16.0),
+           ("sigmoid", 256, 8, 4, 8, 7168, True, 2.5)] + mc.ROUTER_CASES
 
 
 @pytest.mark.parametrize("case", ROUTERS, ids=lambda c: f"{c[0]}-e{c[1]}-d{c[5]}")

@@ -28,7 +28,6 @@ import triton.language as tl
 from agent_infer.kernels.triton.gemv import row_dot
 from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
-_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Largest expert count the last program holds in registers (V3 has 256).
 MAX_EXPERTS = 1024
 _BLOCK_N = 2  # logit rows per program: 32-128 programs for 64-256 experts
@@ -50,14 +49,14 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 @triton.jit
 def _route(
     logits, e, live, bias_ptr, weights_ptr, ids_ptr, E, scaling,
-    METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_TOPK: tl.constexpr,
 ):
     """One token's routing from its fp32 logits [BLOCK_E] (-inf where not `live`): scores,
     group selection, top-k by repeated argmax, renormalisation and scaling; the weights
     and ids stored at weights_ptr / ids_ptr, the shared experts' columns after them."""
-    if METHOD == 2:
+    if SIGMOID:
         scores = tl.where(live, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
         choice = tl.where(live, scores + tl.load(bias_ptr + e, mask=live, other=0.0), float("-inf"))
     else:
@@ -71,7 +70,7 @@ def _route(
         for g in tl.static_range(GROUPS):
             v = tl.where(live & (group == g), choice, float("-inf"))
             best = tl.max(v, axis=0)
-            if METHOD == 2:  # the sum of the group's two best biased scores
+            if SIGMOID:  # the sum of the group's two best biased scores
                 second = tl.max(tl.where(e == _argmax_first(v, e, BLOCK_E), float("-inf"), v), axis=0)
                 best = best + second
             g_score = tl.where(g_idx == g, best, g_score)
@@ -81,7 +80,7 @@ def _route(
         allowed = live & (group < 0)
         for g in tl.static_range(GROUPS):
             allowed = allowed | ((group == g) & (tl.sum((kept & (g_idx == g)).to(tl.int32), axis=0) > 0))
-        if METHOD == 2:
+        if SIGMOID:
             choice = tl.where(allowed, choice, float("-inf"))
         else:  # V2 zeroes the other groups' probabilities, then takes top-k over all
             scores = tl.where(allowed, scores, 0.0)
@@ -106,7 +105,7 @@ def _route(
 def _route_m1_kernel(
     x_ptr, w_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr,
     E, K, scaling,
-    METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr,
@@ -125,7 +124,7 @@ def _route_m1_kernel(
         live = e < E
         # .cg: other SMs wrote the logits; this SM's L1 is not coherent with them.
         logits = tl.load(logits_ptr + e, mask=live, other=float("-inf"), cache_modifier=".cg")
-        _route(logits, e, live, bias_ptr, weights_ptr, ids_ptr, E, scaling, METHOD, NORM, GROUPS, GROUP_SIZE,
+        _route(logits, e, live, bias_ptr, weights_ptr, ids_ptr, E, scaling, SIGMOID, NORM, GROUPS, GROUP_SIZE,
                TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
         tl.store(count_ptr, 0)  # re-armed: the next launch starts after this kernel ends
 
@@ -134,7 +133,7 @@ def _route_m1_kernel(
 def _route_rows_kernel(
     x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr,
     E, K, sxm, swm, sim, scaling,
-    METHOD: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, FROM_LOGITS: tl.constexpr, PDL: tl.constexpr,
@@ -151,7 +150,7 @@ def _route_rows_kernel(
     else:
         y = row_dot(x_ptr + t * sxm, w_ptr, w_ptr, e, live, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, 1)
         logits = tl.where(live, y, float("-inf"))
-    _route(logits, e, live, bias_ptr, weights_ptr + t * swm, ids_ptr + t * sim, E, scaling, METHOD, NORM, GROUPS,
+    _route(logits, e, live, bias_ptr, weights_ptr + t * swm, ids_ptr + t * sim, E, scaling, SIGMOID, NORM, GROUPS,
            GROUP_SIZE, TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
 
 
@@ -161,29 +160,30 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and weight.shape[0] <= MAX_EXPERTS and x.shape[1] % 16 == 0)
 
 
-def _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups) -> None:
+def _check_routing(x, weight, bias, scoring, top_k, num_groups, topk_groups) -> None:
     num_experts, k = weight.shape
     assert supported(x, weight) and x.shape[1] == k, f"x {tuple(x.shape)}, router weight {tuple(weight.shape)}"
     assert num_experts % num_groups == 0 and 1 <= top_k <= num_experts and 1 <= topk_groups <= num_groups
-    if method == "noaux_tc":
+    assert scoring in ("softmax", "sigmoid"), scoring
+    if scoring == "sigmoid":  # the choice adds the bias (zeros for a router without one)
         assert bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
 
 
-def _routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared) -> dict:
-    return dict(METHOD=_METHODS[method], NORM=bool(norm_topk_prob), GROUPS=num_groups,
+def _routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared) -> dict:
+    return dict(SIGMOID=scoring == "sigmoid", NORM=bool(norm_topk_prob), GROUPS=num_groups,
                 GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, TOP_K=top_k, SHARED=num_shared,
                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
                 BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared))
 
 
 def moe_route_rows(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.moe_route for x [T, D] with one program per token: (weights [T, k +
     num_shared] fp32, ids [T, k + num_shared] int32), the shared experts' columns last.
     Past FUSED_LOGITS_MAX_TOKENS tokens the logits come from an fp32 GEMM first."""
-    _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups)
+    _check_routing(x, weight, bias, scoring, top_k, num_groups, topk_groups)
     tokens, (num_experts, k) = x.shape[0], weight.shape
     block_e = triton.next_power_of_2(num_experts)
     block_k = max(16, min(256, _ROWS_TILE // block_e))  # a [BLOCK_E, BLOCK_K] fp32 weight tile per step
@@ -196,21 +196,21 @@ def moe_route_rows(
     _route_rows_kernel[(tokens,)](
         src, weight, bias if bias is not None else weight, weights, ids,
         num_experts, k, src.stride(0), weights.stride(0), ids.stride(0), float(scaling),
-        **_routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
+        **_routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
         BLOCK_K=block_k, FROM_LOGITS=from_logits, num_warps=4, num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
 
 
 def moe_route_m1(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, num_groups: int,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.moe_route for x [1, D] in one launch: (weights [1, k + num_shared] fp32,
     ids [1, k + num_shared] int32), the shared experts' columns last. `counter`: an int32
     [1] tensor, zero on entry and left zero (one per call site that can be in flight at
     once; its address may be captured in a CUDA graph)."""
-    _check_routing(x, weight, bias, method, top_k, num_groups, topk_groups)
+    _check_routing(x, weight, bias, scoring, top_k, num_groups, topk_groups)
     assert x.shape[0] == 1 and x.is_contiguous()
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
     num_experts, k = weight.shape
@@ -223,7 +223,7 @@ def moe_route_m1(
     _route_m1_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
         x, weight, bias if bias is not None else weight, logits, weights, ids, counter,
         num_experts, k, float(scaling),
-        **_routing_constexprs(method, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
+        **_routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
         BLOCK_N=_BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
