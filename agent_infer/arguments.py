@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: quantize a bf16/fp32 checkpoint's projections as they load (e4m3 weights, one scale "
                         "per output row, activations per token at run time); fp8 checkpoints need no flag")
+    g.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                   help="auto: the native implementation where there is one, else transformers' own model class "
+                        "on the paged cache; native; transformers")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--preemption", default="none", choices=["none", "recompute"])
     g.add_argument("--mixed-batches", action="store_true",
@@ -87,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=kv_cache_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        model_impl=args.model_impl,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,
         mixed_batches=args.mixed_batches,

@@ -154,17 +154,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     family: Any
     quantization: Fp8Config | None = None  # the checkpoint's fp8 scheme
+    impl: str = "native"  # native | transformers (models/registry.py)
     hf: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
-    def from_hf(path: str) -> "ModelConfig":
-        return ModelConfig.from_dict(read_config_json(path), path)
+    def from_hf(path: str, model_impl: str = "auto") -> "ModelConfig":
+        return ModelConfig.from_dict(read_config_json(path), path, model_impl)
 
     @staticmethod
-    def from_dict(hf: dict[str, Any], path: str = "") -> "ModelConfig":
-        """Parse a config.json's contents (`path`: where it came from, for messages)."""
+    def from_dict(hf: dict[str, Any], path: str = "", model_impl: str = "auto") -> "ModelConfig":
+        """Parse a config.json's contents (`path`: where it came from, for messages;
+        `model_impl`: auto | native | transformers, see models/registry.py)."""
         # The families' modules import this one: find them only when a config is parsed.
-        from agent_infer.models.registry import resolve_model_class
+        from agent_infer.models.registry import model_impl_of, resolve_model_class
 
         archs = hf.get("architectures") or []
         if not archs:
@@ -176,8 +178,9 @@ class ModelConfig:
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype_name = text.get("torch_dtype") or text.get("dtype") or "float32"
+        impl = model_impl_of(archs[0], model_impl)
         try:
-            family = resolve_model_class(archs[0]).config_class.from_hf(text)
+            family = resolve_model_class(archs[0], impl).config_class.from_hf(text)
             return ModelConfig(
                 path=path,
                 architecture=archs[0],
@@ -187,13 +190,15 @@ class ModelConfig:
                 vocab_size=int(text["vocab_size"]),
                 max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope=RopeConfig.from_hf(text),
+                # The transformers backend's modules rotate for themselves.
+                rope=RopeConfig.from_hf(text) if impl == "native" else RopeConfig(),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                 checkpoint_dtype=parse_dtype(dtype_name),
                 bos_token_id=text.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 family=family,
                 quantization=Fp8Config.from_hf(hf.get("quantization_config") or text.get("quantization_config")),
+                impl=impl,
                 hf=text,
             )
         except KeyError as e:
@@ -214,6 +219,9 @@ class EngineConfig:
     # "fp8": a full-precision checkpoint's projections quantized as they load (e4m3, one
     # scale per output row, activations per token); None: as the checkpoint stores them.
     quantization: str | None = None
+    # auto: the native family where there is one, else transformers' class on the paged
+    # cache | native | transformers (models/registry.py)
+    model_impl: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tokenizer: str | None = None
     block_size: int = 16
@@ -275,6 +283,8 @@ class EngineConfig:
             raise ConfigError(f"moe_parallel must be ep or tp, got {self.moe_parallel!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -37,12 +37,19 @@ def test_missing_model_directory_is_one_clear_line(tmp_path):
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "num_attention_heads": 2,
-                                                      "hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 10}))
+    """An architecture neither native nor in transformers; then one that transformers has
+    (served through the backend) but whose directory holds no weights."""
+    config = {"architectures": ["NoSuchLMHeadModel"], "num_attention_heads": 2, "hidden_size": 8,
+              "num_hidden_layers": 1, "vocab_size": 10}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     r = cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu")
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "GPT2LMHeadModel" in lines[0] and "Qwen3ForCausalLM" in lines[0]
+    assert len(lines) == 1 and "NoSuchLMHeadModel" in lines[0] and "Qwen3ForCausalLM" in lines[0]
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["GPT2LMHeadModel"])))
+    r = cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "no .safetensors weights" in lines[0], r.stderr
 
 
 def test_bad_flag_is_one_line():

@@ -87,7 +87,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     device = config.resolve_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return Setup(config, ModelConfig.from_hf(config.model), device, config.resolve_dtype(device))
+    return Setup(config, ModelConfig.from_hf(config.model, config.model_impl), device, config.resolve_dtype(device))
 
 
 def default_tokenizer_source() -> str | None:

@@ -171,7 +171,7 @@ def tensor_shapes(p: RandomPreset) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the checkpoint in file order, with HF names: what the family's own
     model expects of a checkpoint of this shape (its biases, norms and ties included)."""
     cfg = ModelConfig.from_dict(hf_config(p))
-    return resolve_model_class(cfg.architecture).checkpoint_tensors(cfg)
+    return resolve_model_class(cfg.architecture, cfg.impl).checkpoint_tensors(cfg)
 
 
 def checkpoint_bytes(p: RandomPreset) -> int:

@@ -26,7 +26,7 @@ def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
     from agent_infer.models.registry import resolve_model_class
 
     with torch.device("meta"):
-        model = resolve_model_class(cfg.architecture)(cfg, SINGLE, 2)
+        model = resolve_model_class(cfg.architecture, cfg.impl)(cfg, SINGLE, 2)
     total = sum(p.numel() for p in model.parameters())  # a tied table counts once, as the LM head
     head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
     gathered = sum(m.weight.numel() for m in model.modules()
@@ -66,7 +66,7 @@ def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config) -> tuple[int, int]:
     from agent_infer.models.registry import resolve_model_class
 
     with torch.device("meta"):
-        model = resolve_model_class(cfg.architecture)(cfg, SINGLE, 2)
+        model = resolve_model_class(cfg.architecture, cfg.impl)(cfg, SINGLE, 2)
         layers = dict(model.named_modules())
         names = model.use_fp8(replace(quant, online=True), ())
     return (sum(layers[n].weight.numel() for n in names), sum(layers[n].weight_scale.numel() for n in names))

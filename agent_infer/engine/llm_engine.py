@@ -88,7 +88,7 @@ class LLMEngine:
         left to the caller, as the server's engine core leaves them to its front ends."""
         self.config = config
         self.detokenize = detokenize
-        self.model_config = ModelConfig.from_hf(config.model)
+        self.model_config = ModelConfig.from_hf(config.model, config.model_impl)
         launch = torchrun_launch()
         tp_size = config.tensor_parallel_size
         if launch is not None:
@@ -100,7 +100,8 @@ class LLMEngine:
             tp_size = launch.world_size
             config = replace(config, tensor_parallel_size=tp_size)
             self.config = config
-        resolve_model_class(self.model_config.architecture).check_parallel(self.model_config, tp_size, config.moe_parallel)
+        model_class = resolve_model_class(self.model_config.architecture, self.model_config.impl)
+        model_class.check_parallel(self.model_config, tp_size, config.moe_parallel)
         self.device = rank_device(config, 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -114,7 +114,7 @@ class ModelRunner:
     # ---- set-up --------------------------------------------------------------------
 
     def _load_model(self) -> torch.nn.Module:
-        cls = resolve_model_class(self.model_config.architecture)
+        cls = resolve_model_class(self.model_config.architecture, self.model_config.impl)
         with build_context(self.device, self.dtype):
             model = cls(self.model_config, self.tp, self.max_model_len)
         weights = iter_weights(self.model_config.path)
@@ -148,7 +148,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.backend)

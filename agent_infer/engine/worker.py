@@ -35,7 +35,7 @@ def worker_main(config: EngineConfig, info: LaunchInfo) -> int:
     try:
         tp = init_group(info, device)
         client = ControlClient(store().get(CONTROL_KEY).decode(), info.rank)
-        model_config = ModelConfig.from_hf(config.model)
+        model_config = ModelConfig.from_hf(config.model, config.model_impl)
         dtype = config.resolve_dtype(device)
         runner, _ = setup_runner(config, model_config, device, dtype, tp)
         while True:

@@ -78,6 +78,17 @@ def norm_rope_store(
     return q, k
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into the paged caches at slot_mapping (-1 = skip)."""
+    if _use_triton(k):
+        from agent_infer.kernels.triton import kv_store
+
+        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
 def fp8_kernels(device: torch.device) -> bool:
     """Whether fp8 weights run as fp8 on `device`: the Triton kernels on a GPU of compute
     capability 8.9 or later (e4m3 conversions in hardware). Elsewhere they are dequantized

@@ -103,7 +103,8 @@ class LinearBase(nn.Module):
             return
         copy_into(param.data.narrow(0, offset, size), q)
         rows = cfg.block[0] if cfg.layout == "block" else 1
-        copy_into(self.weight_scale.data.narrow(0, offset // rows, scale.shape[0]), scale.view(-1, self.weight_scale.shape[1]))
+        scale_rows = self.weight_scale.data.narrow(0, offset // rows, scale.shape[0])
+        copy_into(scale_rows, scale.view(-1, self.weight_scale.shape[1]))
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return ops.linear(x, self.weight, bias, self.weight_scale, self.block)

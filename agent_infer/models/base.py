@@ -30,6 +30,8 @@ class CausalLM(nn.Module):
     # The family's config.json section: a frozen dataclass with `from_hf(hf: dict)`, which
     # refuses fields the family would ignore (ModelConfig.family holds the result).
     config_class: ClassVar[Any]
+    # Whether decode steps may be captured in CUDA graphs (every op graph-safe).
+    cuda_graphs: ClassVar[bool] = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flattened token ids and positions [T] -> final hidden states [T, hidden]."""

@@ -1,5 +1,8 @@
 """`config.json` architectures[0] -> model class (a `models.base.CausalLM`), imported only
-when used."""
+when used: the native family, or transformers' own class on the paged cache
+(models/transformers_backend.py) as `model_impl` says (vLLM's `--model-impl`): `auto`
+picks the native family where there is one, `native` refuses other architectures,
+`transformers` always takes the backend."""
 
 from __future__ import annotations
 
@@ -23,15 +26,29 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
+MODEL_IMPLS = ("auto", "native", "transformers")
+_BACKEND = ("agent_infer.models.transformers_backend", "TransformersCausalLM")
+
+
 def supported_architectures() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
-def resolve_model_class(architecture: str) -> type:
-    try:
-        module, name = ARCHITECTURES[architecture]
-    except KeyError:
+def model_impl_of(architecture: str, model_impl: str = "auto") -> str:
+    """"native" or "transformers": what serves `architecture` under `model_impl`."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl == "transformers" or (model_impl == "auto" and architecture not in ARCHITECTURES):
+        return "transformers"
+    if architecture not in ARCHITECTURES:
         raise ConfigError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
-        ) from None
+            f"unsupported architecture {architecture!r} with --model-impl native; native families: "
+            f"{', '.join(supported_architectures())} (--model-impl auto or transformers serves others)"
+        )
+    return "native"
+
+
+def resolve_model_class(architecture: str, impl: str = "native") -> type:
+    """The model class for an architecture and `impl` (from model_impl_of)."""
+    module, name = _BACKEND if impl == "transformers" else ARCHITECTURES[architecture]
     return getattr(importlib.import_module(module), name)

@@ -117,7 +117,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                 pre = ".".join(parts[:3]) + (".block_sparse_moe." if mixtral else ".mlp.")
                 out.append((pre + "gate.weight", (f.router.num_experts, h)))
                 for e in range(f.router.num_experts):
-                    out += [(f"{pre}experts.{e}.{gate}.weight", (inter, h)), (f"{pre}experts.{e}.{up}.weight", (inter, h)),
+                    out += [(f"{pre}experts.{e}.{gate}.weight", (inter, h)),
+                            (f"{pre}experts.{e}.{up}.weight", (inter, h)),
                             (f"{pre}experts.{e}.{down}.weight", (h, inter))]
                 continue
             out.append((name, shape))
