@@ -94,13 +94,18 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
                      prefill profiles), then a PDL-off batch-1 profile (each kernel's own
                      time; its trace lists a layer's kernels in order)
+  moe                the Qwen3-30B-A3B shape: batch 1 with transformers in the same process,
+                     then nano-vllm's workload (two rounds, empty Triton cache)
+  backend            the Llama-3-8B shape natively and through --model-impl transformers:
+                     batch 1 and nano-vllm's workload
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
                      fp8 (the fp8 GEMV chain and the W8A8 GEMMs)
   default-model      stage a half of the default model's GGUF; with both halves, install it
-  tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, tp (2 GPUs)
+  tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, families (Qwen3-MoE,
+                     Mixtral, the transformers backend), tp (2 GPUs)
 
 Outputs: $FIGURES_DIR, default /tmp/figures. COMMIT=<sha> names the tree in the JSON.
 EOF
@@ -508,6 +513,21 @@ cmd_deepseek() {
   table "$FIG"/ds_lat.json "$FIG"/ds_thr.json
 }
 
+cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16): batch 1 with transformers, the workload
+  TRITON_CACHE_DIR=$(mktemp -d) bench moe_lat 400 latency --random-weights qwen3-30b-a3b --num-iters 3 --compare-hf
+  TRITON_CACHE_DIR=$(mktemp -d) bench moe_thr 300 throughput --random-weights qwen3-30b-a3b --rounds 2
+  table "$FIG"/moe_lat.json "$FIG"/moe_thr.json
+}
+
+cmd_backend() {  # the Llama-3-8B shape natively and through the transformers backend: batch 1, the workload
+  local impl
+  for impl in native transformers; do
+    bench "backend_lat_$impl" 200 latency --random-weights llama3-8b --num-iters 3 --model-impl $impl
+    bench "backend_thr_$impl" 250 throughput --random-weights llama3-8b --rounds 1 --model-impl $impl
+  done
+  table "$FIG"/backend_*.json
+}
+
 cmd_structured() {
   m8 && need_tokenizer || return 1
   timeout 400 python3 benchmarks/structured_output.py --model "$M8" --batch-sizes 1,64 --input-len 128 \
@@ -597,6 +617,10 @@ cmd_tests() {
       kernels) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py > "$FIG/tests_$part.log" 2>&1 ;;
       deepseek) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_moe.py tests/gpu/test_mla_kernels.py \
                  tests/gpu/test_deepseek_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
+      fp8)     timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gemm.py tests/gpu/test_fp8_engine.py \
+                 > "$FIG/tests_$part.log" 2>&1 ;;
+      families) timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_new_families_gpu.py \
+                 > "$FIG/tests_$part.log" 2>&1 ;;
       tp)      need_gpus 2 && m8 || return 1
                AGENT_INFER_TP_MODEL_DIR=$M8 timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py \
                  tests/gpu/test_fused_allreduce_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
@@ -698,7 +722,8 @@ main() {
   shift || true
   case $sub in
     help|-h|--help) usage; return 0 ;;
-    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|structured|default-model|tests) ;;
+    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|moe|backend|structured|\
+    default-model|tests) ;;
     *) usage; return 2 ;;
   esac
   [ -f agent_infer/cli.py ] || { echo "run this from the repository root"; return 2; }
