@@ -8,12 +8,9 @@ naming the weight."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine

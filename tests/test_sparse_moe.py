@@ -7,18 +7,16 @@ tokens."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
-import torch
 
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.layers.moe import MoE
 from agent_infer.sampling_params import SamplingParams
 from tests.hf_reference import check_greedy_close, hf_greedy, load_hf_model
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, write_hf_model
 
 NEW_TOKENS = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
@@ -38,22 +36,8 @@ SPECS = {
 
 
 def write_sparse_moe(name: str, path: str, seed: int = 0) -> str:
-    import transformers
-
     spec = dict(SPECS[name])
-    arch = spec.pop("arch")
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.25, bos_token_id=1,
-        eos_token_id=2, **spec)
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).to(torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)  # ones would hide a loader that forgets a norm
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return write_hf_model(spec.pop("arch"), path, seed, rms_norm_eps=1e-6, **spec)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ import os
 import random
 
 import pytest
-import torch
 
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.sampling_params import SamplingParams
 from tests.hf_reference import check_greedy_close, hf_greedy, load_hf_model
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, write_hf_model
 
 NEW_TOKENS = 12
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
@@ -42,20 +41,7 @@ SPECS = {
 
 
 def write(arch: str, path: str, seed: int = 0) -> str:
-    import transformers
-
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.25, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, **SPECS[arch])
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)  # ones would hide a norm that never loaded
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return write_hf_model(arch, path, seed, tie_word_embeddings=False, **SPECS[arch])
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,22 @@ def write_tiny_model(name: str, path: str, seed: int = 0, initializer_range: flo
     return path
 
 
+def write_hf_model(arch: str, path: str, seed: int = 0, initializer_range: float = 0.25, **spec) -> str:
+    """A random checkpoint of transformers' `arch` with config fields `spec` (the tiny
+    vocabulary, EOS 2), written by transformers itself, norms randomised."""
+    import transformers
+
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        vocab_size=VOCAB, max_position_embeddings=512, initializer_range=initializer_range, bos_token_id=1,
+        eos_token_id=2, **spec)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    _randomise_norms(model)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def _randomise_norms(model: torch.nn.Module) -> None:
     """Norm weights start at ones; random ones catch a loader that forgets them (FM-003)."""
     with torch.no_grad():

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent_infer.sampling_params import SamplingParams
-from tests.gpu.test_engine_gpu import NEW, TOP, _engine, _matched_with_transformers, _prompts
+from tests.gpu.test_engine_gpu import _engine, check_close_to_transformers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,27 +31,13 @@ def backend_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_step2", "mixtral"])
 def test_sparse_moe_close_to_transformers_graphs_and_eager(name, moe_dirs):
-    path = moe_dirs[name]
-    prompts = _prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
-    graph_eng = _engine(path, eager=False)
-    graph_outs = graph_eng.generate(prompts, params)
-    single_outs = [graph_eng.generate([p], params)[0] for p in prompts]
-    eager_outs = _engine(path, eager=True).generate(prompts, params)
-    assert [o.token_ids for o in graph_outs] == [o.token_ids for o in eager_outs], "graphs and eager differ"
-    matched = _matched_with_transformers(path, prompts, {"batch": graph_outs, "alone": single_outs}, name)
-    print(f"{name}: tokens matched before first (tolerated) difference, batched/alone: {matched}")
+    assert _engine(moe_dirs[name], eager=False).runner.graphs is not None
+    check_close_to_transformers(moe_dirs[name], name)
 
 
 @pytest.mark.parametrize("arch", ["MistralForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
                                   "GPTNeoXForCausalLM"])
 def test_transformers_backend_close_to_transformers(arch, backend_dirs):
-    path = backend_dirs[arch]
-    prompts = _prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
-    engine = _engine(path, eager=False)
+    engine = _engine(backend_dirs[arch], eager=False)
     assert engine.model_config.impl == "transformers" and engine.runner.graphs is None
-    outs = engine.generate(prompts, params)
-    single = [engine.generate([p], params)[0] for p in prompts]
-    matched = _matched_with_transformers(path, prompts, {"batch": outs, "alone": single}, arch)
-    print(f"{arch}: tokens matched before first (tolerated) difference, batched/alone: {matched}")
+    check_close_to_transformers(backend_dirs[arch], arch)
