@@ -102,30 +102,38 @@ def check_fused_moe(
     device, dtype: torch.dtype, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, *,
     local: tuple[int, int] | None = None, config=None, repeat: bool = False, seed: int = 0,
     weights: tuple[torch.Tensor, torch.Tensor] | None = None, id_dtype: torch.dtype = torch.int32,
-    one_program: bool | None = None, direct: bool | None = None,
+    one_program: bool | None = None, direct: bool | None = None, fp8: bool = False,
 ) -> None:
     """fused_moe against the fp32 reference. `local` = (first, count): this rank holds
     experts [first, first + count) of `num_experts` (an expert map); tokens with no local
     expert must come out exactly 0. A second call into a given `out` must return it and
     match the first bit for bit. `one_program` forces moe_align's path, `direct` the slot
-    layout (default: direct for one token)."""
+    layout (default: direct for one token). `fp8`: the experts in e4m3 with one scale per
+    row, against the reference on the same e4m3 values and scales."""
     from unittest import mock
 
     from agent_infer.kernels.triton import fused_moe as moe
+    from agent_infer.quantization import fp8 as F8
 
     e_local = num_experts if local is None else local[1]
     w13, w2 = weights or moe_weights(e_local, inter, hidden, dtype, device, seed)
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = (F8.quantize_channel(w.float().reshape(-1, w.shape[-1])) for w in (w13, w2))
+        w13, w2 = w13.view(e_local, 2 * inter, hidden), w2.view(e_local, hidden, inter)
+        scales = {"w13_scale": s13.view(e_local, 2 * inter), "w2_scale": s2.view(e_local, hidden)}
     x = dev_randn(tokens, hidden, dtype=dtype, device=device, seed=seed + 2)
     topw, ids = make_routing(tokens, num_experts, top_k, device, seed + 3, repeat=repeat, id_dtype=id_dtype)
     emap = make_expert_map(num_experts, local[0], local[1], device) if local else None
-    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), topw, ids, emap)
-    what = (f"fused_moe {dtype} T={tokens} E={e_local}/{num_experts} k={top_k} D={hidden} I={inter} "
+    ref = reference.fused_moe(x.float(), w13 if fp8 else w13.float(), w2 if fp8 else w2.float(), topw, ids, emap,
+                              **scales)
+    what = (f"fused_moe {dtype} T={tokens} E={e_local}/{num_experts} k={top_k} D={hidden} I={inter} fp8={fp8} "
             f"{config or 'default config'}")
     slots = {True: 1 << 30, False: 0, None: moe.ONE_PROGRAM_SLOTS}[one_program]
     with mock.patch.object(moe, "ONE_PROGRAM_SLOTS", slots), poisoned_empty():
-        out = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, direct=direct)
+        out = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, direct=direct, **scales)
         given = torch.empty_like(out)
-        again = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, out=given, direct=direct)
+        again = moe.fused_moe(x, w13, w2, topw, ids, emap, config=config, out=given, direct=direct, **scales)
     assert out.dtype == dtype and out.shape == (tokens, hidden), what
     assert_close(out.float(), ref, what, dtype)
     if emap is not None:

@@ -15,6 +15,7 @@ import torch
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.layers.linear import LinearBase
+from agent_infer.layers.moe import RoutedExperts
 from agent_infer.llm import LLM
 from agent_infer.quantization import fp8 as F
 from agent_infer.sampling_params import SamplingParams
@@ -131,7 +132,8 @@ def test_a_size_that_splits_a_block_is_refused_by_name(tmp_path):
 def test_quantized_on_load_splits_over_two_ranks_as_over_one(tmp_path, family):
     """Per-row scales split with their rows, so any tensor-parallel size that splits the
     model splits its fp8 form: TP 2 gives TP 1's tokens (MLA's kv_b_proj, absorbed into
-    the attention, stays in full precision; the routed experts too)."""
+    the attention, stays in full precision). The routed and shared experts are quantized
+    per row too, each down projection's row over the whole intermediate dimension."""
     from tests.test_fp8_checkpoints import _deepseek_v3
 
     path = (write_tiny_model("qwen3", str(tmp_path / "m")) if family == "qwen3" else _deepseek_v3(str(tmp_path / "m")))
@@ -144,6 +146,19 @@ def test_quantized_on_load_splits_over_two_ranks_as_over_one(tmp_path, family):
     assert quantized and all(torch.equal(dict(one.runner.model.named_modules())[n].weight,
                                          dict(full.runner.model.named_modules())[n].weight) == n.endswith("kv_b_proj")
                              for n in quantized)
+    for name, m in full.runner.model.named_modules():
+        if isinstance(m, RoutedExperts):
+            ours = dict(one.runner.model.named_modules())[name]
+            for w in ("w13", "w2"):
+                full_w = getattr(m, w).data
+                q, scale = F.quantize_channel(full_w.reshape(-1, full_w.shape[-1]))
+                want = F.dequantize_channel(q, scale).view(full_w.shape)
+                if w == "w2" and m.num_shared > 1:  # the shared experts' rows span all their columns
+                    want = want[: m.num_local]
+                    full_w = full_w[: m.num_local]
+                got = getattr(ours, w).data[: want.shape[0]]
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+                assert not torch.equal(got, full_w)
     ref = one.generate(prompts, params)
     two = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, quantization="fp8",
                                  tensor_parallel_size=2))

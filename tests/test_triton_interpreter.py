@@ -551,6 +551,13 @@ else:
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize("config", ["default", "rows", "dot16"])
+    @pytest.mark.parametrize("tokens,local", [(1, None), (37, None), (37, (2, 3))])
+    def test_fused_moe_fp8_experts(dtype, config, tokens, local):
+        """e4m3 experts with one scale per row, read as x's dtype in both GEMMs."""
+        moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 48, 40, local=local, config=MOE_CONFIGS[config], fp8=True)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("config", ["default", "rows", "dot16"])
     @pytest.mark.parametrize("tokens,first,count", [(1, 2, 3), (37, 2, 3), (37, 0, 4), (37, 6, 1)])
     def test_fused_moe_expert_map(dtype, config, tokens, first, count):
         """A rank holding experts [first, first + count) of 7, int64 ids (torch.topk's):

@@ -34,11 +34,15 @@ def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
     unread = 0.0
     for m in model.modules():
         if isinstance(m, RoutedExperts):
-            e, k = m.num_experts, m.top_k
-            touched = e * (1 - (1 - k / e) ** batch)
             per_expert = (m.w13.numel() + m.w2.numel()) / m.w13.shape[0]  # shared experts stored there are read
-            unread += per_expert * (e - touched)
+            unread += per_expert * (m.num_experts - experts_touched(m, batch))
     return total - gathered - unread
+
+
+def experts_touched(experts, batch: int) -> float:
+    """Routed experts a decode step of `batch` tokens reads, on average for uniform routing."""
+    e, k = experts.num_experts, experts.top_k
+    return e * (1 - (1 - k / e) ** batch)
 
 
 @dataclass(frozen=True)
@@ -58,18 +62,31 @@ class Roofline:
         return batch / self.step_seconds
 
 
-def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config) -> tuple[int, int]:
-    """(e4m3 elements, float32 scales) of the projections that fp8 weights put in fp8:
-    every linear layer that can be (an fp8 checkpoint quantizes them all; the routed
-    experts stay in the model's dtype)."""
+def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config, batch: int = 1) -> tuple[float, float]:
+    """(e4m3 elements, float32 scales) a decode step of `batch` tokens reads of what fp8
+    weights put in fp8: every linear layer that can be, and the routed experts the step
+    touches where they take `quant`'s layout (per-row scales; block-scaled experts stay
+    in the model's dtype)."""
     from agent_infer.distributed.state import SINGLE
+    from agent_infer.layers.moe import RoutedExperts
     from agent_infer.models.registry import resolve_model_class
 
     with torch.device("meta"):
         model = resolve_model_class(cfg.architecture, cfg.impl)(cfg, SINGLE, 2)
         layers = dict(model.named_modules())
         names = model.use_fp8(replace(quant, online=True), ())
-    return (sum(layers[n].weight.numel() for n in names), sum(layers[n].weight_scale.numel() for n in names))
+    values = scales = 0.0
+    for name in names:
+        m = layers[name]
+        if isinstance(m, RoutedExperts):
+            stored = m.w13.shape[0]
+            read = (experts_touched(m, batch) + stored - m.num_local) / stored  # the shared ones always
+            values += (m.w13.numel() + m.w2.numel()) * read
+            scales += (m.w13_scale.numel() + m.w2_scale.numel()) * read
+        else:
+            values += m.weight.numel()
+            scales += m.weight_scale.numel()
+    return values, scales
 
 
 def decode_roofline(
@@ -81,5 +98,5 @@ def decode_roofline(
     params = decode_weight_params(cfg, batch)
     if quant is None:
         return Roofline(round(params * dtype_bytes), bandwidth_tbs, tp)
-    fp8, scales = fp8_weight_params(cfg, quant)
+    fp8, scales = fp8_weight_params(cfg, quant, batch)
     return Roofline(round((params - fp8) * dtype_bytes + fp8 + 4 * scales), bandwidth_tbs, tp)

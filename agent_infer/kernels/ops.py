@@ -291,16 +291,19 @@ def mla_prefill_attention(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) -> [T, D]: w13 [E_local,
     2I, D] (gate rows, then up rows), w2 [E_local, D, I], topk_weights [T, k] fp32,
-    topk_ids [T, k]; expert_map [E_global] int32 (local index or -1) under EP. The
+    topk_ids [T, k]; expert_map [E_global] int32 (local index or -1) under EP; e4m3
+    weights with one scale per row (w13_scale [E_local, 2I], w2_scale [E_local, D]). The
     Triton path is graph-safe (no host sync); the reference loops over experts."""
     if _use_triton(x):
         from agent_infer.kernels.triton import fused_moe as moe
 
-        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out=out)
-    return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map))
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out=out, w13_scale=w13_scale,
+                             w2_scale=w2_scale)
+    return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale))
 
 
 def moe_route(

@@ -308,21 +308,32 @@ def mla_prefill_attention(
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), expert e(x) =
     silu(x @ gate_e^T) * (x @ up_e^T) @ w2[e]^T, with w13 [E_local, 2I, D] = [gate | up]
     rows and w2 [E_local, D, I]. Under EP, expert_map [E_global] gives the local index
     or -1 (that slot contributes 0). One expert at a time, in x's dtype like the dense
-    MLP; the weighted sum over k in fp32 (or x's dtype when wider)."""
+    MLP; the weighted sum over k in fp32 (or x's dtype when wider). e4m3 weights with
+    one scale per row (w13_scale [E, 2I], w2_scale [E, D]): each projection in fp32,
+    times its rows' scales, then in x's dtype."""
     local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
+
+    def project(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            return F.linear(a, w)
+        return (F.linear(a.float(), w.float()) * scale.float()).to(a.dtype)
+
     for e in range(w13.shape[0]):
         tok, j = torch.nonzero(local == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
+        s13 = None if w13_scale is None else w13_scale[e]
+        s2 = None if w2_scale is None else w2_scale[e]
+        y = project(silu_and_mul(project(x[tok], w13[e], s13)), w2[e], s2)
         out.index_add_(0, tok, y.to(acc) * topk_weights[tok, j].to(acc)[:, None])
     return out.to(x.dtype)
 

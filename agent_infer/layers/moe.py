@@ -44,6 +44,7 @@ from agent_infer.layers.linear import all_reduce_add_rms_norm
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.loader.load import WeightRule
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
+from agent_infer.quantization.fp8 import FP8, Fp8Config, Fp8Weight, quantize
 
 MOE_PLACEMENTS = ("ep", "tp")
 # Steps of up to this many tokens run the shared experts inside the fused MoE: all decode
@@ -115,7 +116,10 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """w13 [E_local + S, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
     [E_local + S, H, I_local], the S shared experts (if joined) last; `forward` gives this
-    rank's partial sum over the routed slots and the shared experts."""
+    rank's partial sum over the routed slots and the shared experts. In fp8 form
+    (`to_fp8`), e4m3 with one fp32 scale per row: w13_scale [E_local + S, 2 I_local] and
+    w2_scale [E_local + S, H] (a row of w2 spans the whole intermediate dimension, so its
+    scale is the whole row's, on every rank and for the shared experts' split rows too)."""
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str,
@@ -147,6 +151,9 @@ class RoutedExperts(nn.Module):
         self.w2.expected_pieces = {(None, e) for e in pieces}
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        self.fp8: Fp8Config | None = None
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
         # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
         if placement == "ep" and world > 1:
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
@@ -154,6 +161,49 @@ class RoutedExperts(nn.Module):
             self.register_buffer("expert_map", expert_map, persistent=False)
         else:
             self.expert_map = None
+
+    def to_fp8(self, config: Fp8Config) -> None:
+        """Hold the experts as e4m3 values with one scale per row from now on (before
+        loading); the fused MoE multiplies them as they are."""
+        assert config.layout == "channel", "the fused MoE takes per-row scales"
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
+            new.weight_loader, new.expected_pieces = old.weight_loader, old.expected_pieces
+            scale = nn.Parameter(torch.ones(old.shape[:2], device=old.device), requires_grad=False)
+            scale.expected_pieces = set()  # loaded with the weight
+            setattr(self, name, new)
+            setattr(self, name + "_scale", scale)
+        self.fp8, self.full_dtype = config, old.dtype
+
+    def finish_loading(self) -> None:
+        """Without fp8 kernels on this device, the dequantized experts in the model's dtype."""
+        if self.fp8 is None or ops.fp8_kernels(self.w13.device):
+            return
+        for name in ("w13", "w2"):
+            w, s = getattr(self, name).data, getattr(self, name + "_scale").data
+            full = (w.float() * s[..., None]).to(self.full_dtype)
+            setattr(self, name, nn.Parameter(full, requires_grad=False))
+            setattr(self, name + "_scale", None)
+        self.fp8 = None
+
+    def _rows(self, loaded: Weight, dim: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (dim 0) or columns (dim 1) [start, start + size) of a checkpoint tensor as
+        this layer holds them: (values, None), or in fp8 (values, per-row scales), a row's
+        scale over the whole row (a column slice quantizes the whole rows first)."""
+        if self.fp8 is None:
+            return _slice(loaded, dim, start, size), None
+        if shape_of(loaded)[dim] == size:
+            start = 0
+        if isinstance(loaded, Fp8Weight) and loaded.config.layout == "channel":
+            q, scale = loaded.raw(dim, start, size)
+        else:
+            q, scale = quantize(materialize(loaded).to(self.w13.device, torch.float32), self.fp8)
+            if dim == 0:
+                q, scale = q.narrow(0, start, size), scale.narrow(0, start, size)
+            else:
+                q = q.narrow(1, start, size)
+        return q, scale.reshape(-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         """One expert's gate (shard 0) or up (shard 1) projection [I, H] into w13, or its
@@ -167,25 +217,39 @@ class RoutedExperts(nn.Module):
             return
         start = self.tp.rank * self.inter if self.placement == "tp" else 0
         if param is self.w13:
-            part = _slice(loaded, 0, start, self.inter)
-            copy_into(param.data[local].narrow(0, shard_id * self.inter, self.inter), part)
+            self._put_w13(local, shard_id, *self._rows(loaded, 0, start, self.inter))
         else:
-            copy_into(param.data[local], _slice(loaded, 1, start, self.inter))
+            self._put_w2(local, *self._rows(loaded, 1, start, self.inter))
+
+    def _put_w13(self, index: int, shard_id: int, values: torch.Tensor, scale: torch.Tensor | None) -> None:
+        rows = slice(shard_id * self.inter, (shard_id + 1) * self.inter)
+        copy_into(self.w13.data[index, rows], values)
+        if scale is not None:
+            copy_into(self.w13_scale.data[index, rows], scale)
+
+    def _put_w2(self, index: int, values: torch.Tensor, scale: torch.Tensor | None) -> None:
+        copy_into(self.w2.data[index], values)
+        if scale is not None:
+            copy_into(self.w2_scale.data[index], scale)
 
     def _load_shared(self, param: nn.Parameter, loaded: Weight, shard_id) -> None:
         assert self.num_shared, "shared experts' weights for experts that do not hold them"
         i = self.inter
+        if param is self.w13:
+            for s in range(self.num_shared):
+                self._put_w13(self.num_local + s, shard_id, *self._rows(loaded, 0, s * i, i))
+            return
+        # Quantized (if at all) as the whole [H, S I] down projection, each shared expert
+        # keeping its columns and the rows' scales: what the tensor-parallel MLP holds.
+        values, scale = self._rows(loaded, 1, 0, self.num_shared * i)
         for s in range(self.num_shared):
-            dest = param.data[self.num_local + s]
-            if param is self.w13:
-                copy_into(dest.narrow(0, shard_id * i, i), narrow(loaded, 0, s * i, i))
-            else:
-                copy_into(dest, narrow(loaded, 1, s * i, i))
+            self._put_w2(self.num_local + s, values.narrow(1, s * i, i), scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """weights, ids [T, k + S] (the router's, shared columns last)."""
         if not self.num_shared or x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
-            return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
+            return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, w13_scale=self.w13_scale,
+                                 w2_scale=self.w2_scale)
         return self.forward_shared_dense(x, weights, ids)
 
     def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -195,10 +259,17 @@ class RoutedExperts(nn.Module):
         the rows, so no kernel specialises on it beyond what decode steps compile."""
         e, k, s = self.num_local, self.top_k, self.num_shared
         tokens, hidden = x.shape
-        y = ops.fused_moe(x, self.w13[:e], self.w2[:e], weights[:, :k], ids[:, :k], self.expert_map)
-        gate_up = ops.linear(x, self.w13[e:].reshape(s * 2 * self.inter, hidden)).view(tokens, s, 2 * self.inter)
-        h = ops.silu_and_mul(gate_up)  # [T, S, I]
-        return y + torch.bmm(h.transpose(0, 1), self.w2[e:].transpose(1, 2)).sum(dim=0)
+        s13, s2 = (self.w13_scale, self.w2_scale) if self.fp8 is not None else (None, None)
+        y = ops.fused_moe(x, self.w13[:e], self.w2[:e], weights[:, :k], ids[:, :k], self.expert_map,
+                          w13_scale=None if s13 is None else s13[:e], w2_scale=None if s2 is None else s2[:e])
+        w13 = self.w13[e:].reshape(s * 2 * self.inter, hidden)
+        gate_up = ops.linear(x, w13, None, None if s13 is None else s13[e:].reshape(-1, 1))
+        h = ops.silu_and_mul(gate_up.view(tokens, s, 2 * self.inter))  # [T, S, I]
+        if s2 is None:
+            return y + torch.bmm(h.transpose(0, 1), self.w2[e:].transpose(1, 2)).sum(dim=0)
+        for j in range(s):  # fp8: one GEMM per shared expert (S is 1 or 2)
+            y = y + ops.linear(h[:, j], self.w2[e + j], None, s2[e + j].reshape(-1, 1))
+        return y
 
 
 def _slice(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
@@ -226,11 +297,19 @@ class MoE(nn.Module):
                                      tp.moe_parallel, joined)
         self.shared_experts = (GatedMLP(hidden_size, intermediate_size * num_shared, "silu", False, tp)
                                if num_shared and not joined else None)
+
+    def use_fp8(self, config: Fp8Config) -> bool:
+        """Before loading: the experts in fp8 form where the fused MoE takes it (one scale
+        per row); returns whether they are. Block-scaled experts are dequantized as they
+        load instead, and then the shared experts under TP stay in the model's dtype too:
+        on one rank they run inside the fused MoE, and every TP size computes alike."""
+        if config.layout == "channel":
+            self.experts.to_fp8(config)
+            return True
         if self.shared_experts is not None:
-            # On one rank they run inside the fused MoE, in the model's dtype: under TP they
-            # stay so too, and every TP size computes alike.
             self.shared_experts.gate_up_proj.quantizable = False
             self.shared_experts.down_proj.quantizable = False
+        return False
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared

@@ -20,6 +20,7 @@ from agent_infer.config import ModelConfig
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agent_infer.layers.linear import LinearBase
+from agent_infer.layers.moe import MoE
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.loader.load import WeightMap, load_model
 from agent_infer.loader.weights import Weight
@@ -52,20 +53,27 @@ class CausalLM(nn.Module):
         return WeightMap()
 
     def use_fp8(self, config: Fp8Config, stored_fp8: Iterable[str]) -> list[str]:
-        """Before loading: put in fp8 form the linear layers that will hold fp8 weights,
-        and return their names. Online (`config.online`), every one that can be; else
-        those the checkpoint stores in e4m3 (`stored_fp8`: its tensor names), so what
-        its config leaves unquantized (embeddings, norms, router gates, lm_head and any
-        listed module) loads as stored."""
-        layers = {name: m for name, m in self.named_modules() if isinstance(m, LinearBase) and m.quantizable}
+        """Before loading: put in fp8 form the linear layers (and MoE experts) that will
+        hold fp8 weights, and return their names. Online (`config.online`), every one
+        that can be; else those the checkpoint stores in e4m3 (`stored_fp8`: its tensor
+        names), so what its config leaves unquantized (embeddings, norms, router gates,
+        lm_head and any listed module) loads as stored. Experts take per-row scales only:
+        block-scaled ones are dequantized as they load."""
+        wanted: set[str] = set()
         if not config.online:
             weight_map = self.weight_map()
             targets = (weight_map.resolve(name) for name in stored_fp8)
             wanted = {t[0].rsplit(".", 1)[0] for t in targets if t is not None}
-            layers = {name: m for name, m in layers.items() if name in wanted}
-        for layer in layers.values():
-            layer.to_fp8(config)
-        return list(layers)
+        chosen = []
+        # Mixtures of experts first: whether their experts take fp8 decides their shared MLP's.
+        for name, moe in self.named_modules():
+            if isinstance(moe, MoE) and (config.online or f"{name}.experts" in wanted) and moe.use_fp8(config):
+                chosen.append(f"{name}.experts")
+        for name, layer in self.named_modules():
+            if isinstance(layer, LinearBase) and layer.quantizable and (config.online or name in wanted):
+                layer.to_fp8(config)
+                chosen.append(name)
+        return chosen
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Load, then let each module that has one run its `finish_loading` (innermost

@@ -29,6 +29,7 @@ SHAPES = {
     "v2-lite": (64, 6, 2048, 1408, None),
     "v3-ep8": (256, 8, 7168, 2048, (96, 32)),
     "v2-lite-tp2": (64, 6, 2048, 704, None),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, None),
 }
 
 
@@ -54,6 +55,13 @@ def test_fused_moe(shape, tokens, dtype):
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
 def test_fused_moe_tp_sharded_experts(tokens):
     _check("v2-lite-tp2", torch.bfloat16, tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 2048])
+@pytest.mark.parametrize("shape", ["v2-lite", "qwen3-30b-a3b"])
+def test_fused_moe_fp8_experts(shape, tokens):
+    """e4m3 experts with per-row scales (--quantization fp8), bf16 activations."""
+    _check(shape, torch.bfloat16, tokens, fp8=True)
 
 
 ROWS = MoeConfig(1, Tile(8, 256, 4, 2), Tile(16, 256, 4, 2))

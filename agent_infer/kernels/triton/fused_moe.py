@@ -343,11 +343,11 @@ def _grouped_tiles(
             acc += _load_k(b_ptrs, k_in[None, :], EVEN_K).to(tl.float32) * af
             if PAIR:
                 acc2 += _load_k(b_ptrs + pair_offset, k_in[None, :], EVEN_K).to(tl.float32) * af
-        else:
+        else:  # e4m3 weights become a's dtype exactly (their scales come after the K loop)
             b_ptrs = b_rows[None, :] + k0 + kk[:, None]  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a, _load_k(b_ptrs, k_in[:, None], EVEN_K), acc, input_precision=PRECISION)
+            acc = tl.dot(a, _load_k(b_ptrs, k_in[:, None], EVEN_K).to(a.dtype), acc, input_precision=PRECISION)
             if PAIR:
-                acc2 = tl.dot(a, _load_k(b_ptrs + pair_offset, k_in[:, None], EVEN_K), acc2,
+                acc2 = tl.dot(a, _load_k(b_ptrs + pair_offset, k_in[:, None], EVEN_K).to(a.dtype), acc2,
                               input_precision=PRECISION)
     if BLOCK_M == 1:
         out, out2 = tl.sum(acc, axis=1)[None, :], tl.sum(acc2, axis=1)[None, :]
@@ -358,15 +358,16 @@ def _grouped_tiles(
 
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr,
-    N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm,
+    x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, s_ptr,
+    N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm, sse,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
     """h[pos, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for a block of one
     expert's sorted slots (tok = slot // top_k) and BLOCK_N of the N = I columns; gate
-    and up are rounded to h's dtype first, as the unfused reference does."""
+    and up are rounded to h's dtype first, as the unfused reference does. SCALED: w is
+    e4m3 with one scale per row, s[e, row] (row stride 1, expert stride sse)."""
     pdl_begin(PDL)
     pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
@@ -378,6 +379,10 @@ def _moe_gate_up_kernel(
     x_rows = x_ptr + (slot // top_k).to(tl.int64) * sxm
     # The up rows are N rows on: I * D < 2**31 for every DeepSeek shape.
     gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if SCALED:
+        scales = s_ptr + e.to(tl.int64) * sse + n % N
+        gate = gate * tl.load(scales)[None, :]
+        up = up * tl.load(scales + N)[None, :]
     out_ty = h_ptr.dtype.element_ty
     g = gate.to(out_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
@@ -388,15 +393,15 @@ def _moe_gate_up_kernel(
 
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_down_kernel(
-    h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr,
-    N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym,
+    h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr, s_ptr,
+    N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym, sse,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
-    to slot order."""
+    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1."""
     pdl_begin(PDL)
     pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
@@ -407,6 +412,8 @@ def _moe_down_kernel(
                             BLOCK_K, PRECISION)
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
     mask = valid[:, None] & (n < N)[None, :]
+    if SCALED:
+        acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
     y = acc * weight[:, None]
     tl.store(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -475,42 +482,46 @@ def slot_layout(
     return SlotLayout(ids, expert_map, num_local_experts, block_m, False, *aligned)
 
 
-def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: int, tile: Tile) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: int, tile: Tile,
+                 w13_scale: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM 1 + SiLU-and-mul over the slots: h [P, I] in x's dtype (P = blocks x
     block_m), row p = silu(gate) * up of the slot at position p (rows of padding
-    positions unwritten)."""
+    positions unwritten). An e4m3 w13 comes with w13_scale [E, 2I] (one per row)."""
     num_tokens, d = x.shape
     inter = w13.shape[1] // 2
     bm = layout.block_m
     h = torch.empty(layout.num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     tiles_n = triton.cdiv(inter, tile.block_n)
+    scaled = w13_scale is not None
     _moe_gate_up_kernel[(layout.num_blocks * tiles_n,)](
-        x, w13, h, *layout.kernel_args(),
+        x, w13, h, *layout.kernel_args(), w13_scale if scaled else h,
         inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), **layout.kernel_flags(),
+        h.stride(0), w13_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(x.dtype), **_gemm_opts(tile),
+        PRECISION=dot_precision(x.dtype), SCALED=scaled, **_gemm_opts(tile),
     )
     return h
 
 
 def down_weighted(
     h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
     (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
-    unwritten)."""
+    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row)."""
     num_slots = topk_weights.numel()
     inter = h.shape[1]
     d = w2.shape[1]
     y = torch.empty(num_slots, d, dtype=h.dtype, device=h.device)
     tiles_n = triton.cdiv(d, tile.block_n)
+    scaled = w2_scale is not None
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
-        h, w2, y, *layout.kernel_args(), topk_weights,
+        h, w2, y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        **layout.kernel_flags(),
+        w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), **_gemm_opts(tile),
+        PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
     )
     return y
 
@@ -536,7 +547,7 @@ def sum_topk(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, config: MoeConfig | None = None, out: torch.Tensor | None = None,
-    direct: bool | None = None,
+    direct: bool | None = None, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
 
@@ -546,7 +557,9 @@ def fused_moe(
     expert_map [E_global] int32 (local index or -1) under EP, None when every expert is
     local. Returns [T, D] in x's dtype (written into `out` when given). `config`
     defaults to the table in fused_moe_configs.py for the shape and T; `direct`
-    overrides `slot_layout`'s choice (direct for one token)."""
+    overrides `slot_layout`'s choice (direct for one token). e4m3 weights come with one
+    fp32 scale per row: w13_scale [E_local, 2I], w2_scale [E_local, D] (x stays as it
+    is: the weights' values are converted exactly to x's dtype in the GEMMs)."""
     num_tokens, d = x.shape
     num_experts, two_i, d_w = w13.shape
     inter = two_i // 2
@@ -554,7 +567,12 @@ def fused_moe(
     assert d_w == d and two_i == 2 * inter, f"w13 {tuple(w13.shape)} does not fit x {tuple(x.shape)}"
     assert w2.shape == (num_experts, d, inter), f"w2 {tuple(w2.shape)}, expected {(num_experts, d, inter)}"
     assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
-    assert x.dtype == w13.dtype == w2.dtype, f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    assert (w13_scale is not None) == fp8 == (w2_scale is not None) == (w2.dtype == torch.float8_e4m3fn)
+    assert fp8 or x.dtype == w13.dtype == w2.dtype, f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+    if fp8:
+        assert w13_scale.shape == (num_experts, two_i) and w2_scale.shape == (num_experts, d)
+        assert w13_scale.stride(1) == 1 and w2_scale.stride(1) == 1 and w13_scale.dtype == w2_scale.dtype == torch.float32
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "last dims must be contiguous"
     if out is None:
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
@@ -568,6 +586,6 @@ def fused_moe(
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up)
-    y = down_weighted(h, w2, weights, layout, cfg.down)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
+    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale)
     return sum_topk(y, ids, expert_map, num_experts, out)
