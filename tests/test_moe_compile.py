@@ -41,13 +41,13 @@ def _compile(fn, args: list[tuple[str, str]], constexprs: dict, aligned: set[str
         raise
 
 
-def _check_no_spills(kernel, what: str) -> None:
+def _check_no_spills(kernel, what: str, max_stack: int = 0) -> None:
     from tests.test_kernel_compile import _registers_per_thread
 
     regs, stack = _registers_per_thread(kernel)
     print(f"{what}: {regs} registers/thread, {kernel.metadata.shared} B shared, {stack} B stack")
     assert kernel.asm.get("cubin"), f"{what}: ptxas produced no cubin"
-    assert stack == 0, f"{what}: {stack} bytes of stack (register spills)"
+    assert stack <= max_stack, f"{what}: {stack} bytes of stack (register spills)"
     assert kernel.metadata.shared <= 227 * 1024, f"{what}: {kernel.metadata.shared} B of shared memory"
 
 
@@ -92,29 +92,46 @@ def test_moe_gemm_direct_layout_compiles_without_spills(block_m, gemm, tile):
     _check_gemm(block_m, gemm, tile, direct=True)
 
 
-def _gemm_args(gemm: str, dtype: str = "bf16") -> list[tuple[str, str]]:
+FP8_TILES = sorted(set(GEMM_TILES + ROWS_TILES) | set(DIRECT_TILES), key=str)
+
+
+@pytest.mark.parametrize("block_m,gemm,tile", FP8_TILES, ids=str)
+def test_moe_gemm_fp8_experts_compile_with_few_spills(block_m, gemm, tile):
+    """Every tuned tile with e4m3 experts (converted to bf16 before each dot, scaled in
+    the epilogue), in the layout it runs in."""
+    _check_gemm(block_m, gemm, tile, direct=(block_m, gemm, tile) in DIRECT_TILES, fp8=True)
+
+
+def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> list[tuple[str, str]]:
+    """The GEMM kernels' pointer and integer arguments; `weight`: the experts' dtype
+    (default: the activations')."""
+    weight = weight or dtype
     rows = [("slots_ptr", "*i32"), ("blocks_ptr", "*i32"), ("npad_ptr", "*i32"), ("ids_ptr", "*i32"),
             ("map_ptr", "*i32")]
     if gemm == "up":
-        return [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("h_ptr", f"*{dtype}")] + rows + [
-            (n, "i32") for n in ("N", "K", "top_k", "num_slots", "num_experts", "num_tiles_n", "sxm", "swe", "swn",
-                                 "shm")]
-    return [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{dtype}"), ("y_ptr", f"*{dtype}")] + rows + [
-        ("topw_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "num_slots", "num_experts", "num_tiles_n", "shm",
-                                                       "swe", "swn", "sym")]
+        return [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("h_ptr", f"*{dtype}")] + rows + [
+            ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "top_k", "num_slots", "num_experts", "num_tiles_n",
+                                                        "sxm", "swe", "swn", "shm", "sse")]
+    return [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("y_ptr", f"*{dtype}")] + rows + [
+        ("topw_ptr", "*fp32"), ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "num_slots", "num_experts",
+                                                                           "num_tiles_n", "shm", "swe", "swn", "sym",
+                                                                           "sse")]
 
 
-def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool) -> None:
+def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False) -> None:
     from agent_infer.kernels.triton import fused_moe as moe
 
     common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
-              "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True}
+              "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, "SCALED": fp8}
     fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
-    args = _gemm_args(gemm)
+    args = _gemm_args(gemm, weight="fp8e4nv" if fp8 else None)
     # V2-Lite: N, K in {1408, 2048}, strides multiples of 16; top_k = 6 and T * k are not.
     aligned = {name for name, ty in args if ty.startswith("*")} | {"N", "K", "sxm", "swe", "swn", "shm", "sym"}
     kernel = _compile(fn, args, common, aligned, tile.num_warps, tile.num_stages)
-    _check_no_spills(kernel, f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}")
+    what = f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}{' fp8' if fp8 else ''}"
+    # fp8 experts: the bf16 table's tiles, not yet retuned for them; three GEMM-1 tiles
+    # spill a few registers converting the e4m3 tiles (up to 16 B), none more.
+    _check_no_spills(kernel, what, max_stack=16 if fp8 else 0)
 
 
 @pytest.mark.parametrize("block_e,chunk,block_m", [(64, 8, 16), (64, 128, 16), (64, 128, 1), (256, 32, 128)])
@@ -174,9 +191,10 @@ def test_router_compiles_without_spills(scoring, experts, groups, topk_groups, t
             ("weights_ptr", "*fp32"), ("ids_ptr", "*i32"), ("count_ptr", "*i32"), ("E", "i32"), ("K", "i32"),
             ("scaling", "fp32")]
     constexprs = {"SIGMOID": scoring == "sigmoid", "NORM": scoring == "sigmoid", "GROUPS": groups,
-                  "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k,
-                  "SHARED": 2, "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
-                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k + 2), "PDL": True}
+                  "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k, "SHARED": 2,
+                  "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
+                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k + 2),
+                  "PDL": True}
     kernel = _compile(router._route_m1_kernel, args, constexprs,
                       {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"}, 4, 2)
     _check_no_spills(kernel, f"router {scoring} E={experts}")
@@ -213,7 +231,8 @@ def test_moe_variants_compile(dtype, precision, block_m, even_k):
 
     tile = Tile(32, 64, 4, 3) if block_m > 1 else Tile(8, 256, 4, 2)
     constexprs = {"HAS_MAP": True, "DIRECT": block_m == 1, "EVEN_K": even_k, "BLOCK_M": block_m,
-                  "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False}
+                  "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False,
+                  "SCALED": False}
     for fn, args in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype)),
                      (moe._moe_down_kernel, _gemm_args("down", dtype))):
         kernel = _compile(fn, args, constexprs, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,
