@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from agent_infer.checkpoint_files import ConfigError, read_json_object, require_directory  # noqa: F401 (re-exported)
+from agent_infer.models.registry import MODEL_IMPLS
 from agent_infer.quantization.fp8 import Fp8Config
 
 DTYPES: dict[str, torch.dtype] = {
@@ -283,8 +284,8 @@ class EngineConfig:
             raise ConfigError(f"moe_parallel must be ep or tp, got {self.moe_parallel!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if self.model_impl not in ("auto", "native", "transformers"):
-            raise ConfigError(f"model_impl must be auto, native or transformers, got {self.model_impl!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ConfigError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

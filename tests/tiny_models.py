@@ -58,12 +58,7 @@ def write_tiny_model(name: str, path: str, seed: int = 0, initializer_range: flo
             config.rope_parameters = {"rope_theta": theta, **rope_scaling}
         else:
             config.rope_scaling = rope_scaling
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).to(torch.float32)
-    _randomise_norms(model)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _save_random(arch, config, path, seed)
 
 
 def write_hf_model(arch: str, path: str, seed: int = 0, initializer_range: float = 0.25, **spec) -> str:
@@ -74,6 +69,13 @@ def write_hf_model(arch: str, path: str, seed: int = 0, initializer_range: float
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         vocab_size=VOCAB, max_position_embeddings=512, initializer_range=initializer_range, bos_token_id=1,
         eos_token_id=2, **spec)
+    return _save_random(arch, config, path, seed)
+
+
+def _save_random(arch: str, config, path: str, seed: int) -> str:
+    """transformers' `arch` built from `config` with seeded random weights (norms too), in fp32, saved at `path`."""
+    import transformers
+
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32)
     _randomise_norms(model)

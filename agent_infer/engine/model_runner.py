@@ -119,8 +119,8 @@ class ModelRunner:
             model = cls(self.model_config, self.tp, self.max_model_len)
         weights = iter_weights(self.model_config.path)
         quant = self.config.resolve_quantization(self.model_config.quantization)
-        if quant is not None:
-            stored = [name for name, w in iter_weights(self.model_config.path) if is_fp8(w)]
+        if quant is not None:  # which weights an fp8 checkpoint stores in e4m3 (online: all that can be)
+            stored = [] if quant.online else [n for n, w in iter_weights(self.model_config.path) if is_fp8(w)]
             model.use_fp8(quant, stored)
         if self.model_config.quantization is not None:
             weights = dequantized(weights, self.model_config.quantization)

@@ -115,7 +115,7 @@ def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if _use_triton(x):
         from agent_infer.kernels.triton import fp8_gemm
 
-        return fp8_gemm.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale, block, bias).view(*x.shape[:-1], -1)
+        return fp8_gemm.fp8_linear(x, weight, scale, block, bias)
     return reference.fp8_linear(x, weight, scale, block, bias)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from agent_infer.distributed.state import ParallelState, all_reduce_sum, divide
 from agent_infer.kernels import ops
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
-from agent_infer.quantization.fp8 import FP8, Fp8Config, Fp8Weight, check_block_slice, dequantize, quantize
+from agent_infer.quantization.fp8 import FP8, Fp8Config, check_block_slice, dequantize, fp8_slice
 
 
 def _shard(loaded: Weight, dim: int, start: int, size: int) -> torch.Tensor:
@@ -84,19 +84,9 @@ class LinearBase(nn.Module):
             copy_into(param.data if dim == 1 else param.data.narrow(0, offset, part.shape[0]), part)
             return
         cfg = self.fp8
-        full = shape_of(loaded)[dim]
-        start = 0 if full == size else start
         if dim == 0:  # the part's place in this weight's block grid
             check_block_slice(cfg, tuple(param.shape), 0, offset, size, "share")
-        if isinstance(loaded, Fp8Weight) and loaded.config.layout == cfg.layout and loaded.config.block == cfg.block:
-            q, scale = loaded.raw(dim, start, size)
-        elif dim == 1 and cfg.layout == "channel":
-            # A row's scale covers the whole row: quantize all of it, keep this rank's columns
-            # (so any tensor-parallel size holds the values one rank holds).
-            q, scale = quantize(materialize(loaded).to(param.device, torch.float32), cfg)
-            q = q.narrow(1, start, size)
-        else:  # a full-precision tensor (or another fp8 layout): quantized where it will live
-            q, scale = quantize(_shard(loaded, dim, start, size).to(param.device, torch.float32), cfg)
+        q, scale = fp8_slice(loaded, dim, start, size, cfg, param.device)
         if dim == 1:
             copy_into(param, q)
             copy_into(self.weight_scale, scale.view(self.weight_scale.shape))

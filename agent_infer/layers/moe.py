@@ -44,7 +44,7 @@ from agent_infer.layers.linear import all_reduce_add_rms_norm
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.loader.load import WeightRule
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
-from agent_infer.quantization.fp8 import FP8, Fp8Config, Fp8Weight, quantize
+from agent_infer.quantization.fp8 import FP8, Fp8Config, dequantize, fp8_slice
 
 MOE_PLACEMENTS = ("ep", "tp")
 # Steps of up to this many tokens run the shared experts inside the fused MoE: all decode
@@ -182,7 +182,7 @@ class RoutedExperts(nn.Module):
             return
         for name in ("w13", "w2"):
             w, s = getattr(self, name).data, getattr(self, name + "_scale").data
-            full = (w.float() * s[..., None]).to(self.full_dtype)
+            full = dequantize(w.flatten(0, 1), s.reshape(-1, 1), self.fp8, self.full_dtype).view(w.shape)
             setattr(self, name, nn.Parameter(full, requires_grad=False))
             setattr(self, name + "_scale", None)
         self.fp8 = None
@@ -193,16 +193,7 @@ class RoutedExperts(nn.Module):
         scale over the whole row (a column slice quantizes the whole rows first)."""
         if self.fp8 is None:
             return _slice(loaded, dim, start, size), None
-        if shape_of(loaded)[dim] == size:
-            start = 0
-        if isinstance(loaded, Fp8Weight) and loaded.config.layout == "channel":
-            q, scale = loaded.raw(dim, start, size)
-        else:
-            q, scale = quantize(materialize(loaded).to(self.w13.device, torch.float32), self.fp8)
-            if dim == 0:
-                q, scale = q.narrow(0, start, size), scale.narrow(0, start, size)
-            else:
-                q = q.narrow(1, start, size)
+        q, scale = fp8_slice(loaded, dim, start, size, self.fp8, self.w13.device)
         return q, scale.reshape(-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:

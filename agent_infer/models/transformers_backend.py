@@ -116,7 +116,8 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     paged: PagedCacheAttention = module.paged_attention
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged(q.contiguous(), k.contiguous(), v.contiguous(), scale)[None], None
+    # The cache write takes k and v as strided views; the attention kernels want q whole.
+    return paged(q.contiguous(), k, v, scale)[None], None
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -169,6 +169,25 @@ def dequantize(w_fp8: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
     return Fp8Weight("weight", w_fp8, scale, config).load().to(dtype)
 
 
+def fp8_slice(loaded, dim: int, start: int, size: int, config: Fp8Config,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (dim 0) or columns (dim 1) [start, start + size) of a checkpoint tensor (a
+    tensor, a lazy handle or an `Fp8Weight`) in `config`'s fp8 form: (e4m3 values,
+    scales). An fp8 tensor of that layout gives its stored values (`Fp8Weight.raw`);
+    anything else is quantized on `device`, where a column slice under per-row scales
+    quantizes the whole rows first, so any split holds the values one piece holds. A
+    tensor whose extent along `dim` is `size` is the slice itself."""
+    if tuple(loaded.shape)[dim] == size:
+        start = 0
+    if isinstance(loaded, Fp8Weight) and loaded.config.layout == config.layout and loaded.config.block == config.block:
+        return loaded.raw(dim, start, size)
+    whole_rows = dim == 1 and config.layout == "channel"
+    part = loaded if whole_rows or tuple(loaded.shape)[dim] == size else loaded.narrow(dim, start, size)
+    part = part if isinstance(part, torch.Tensor) else part.load()
+    q, scale = quantize(part.to(device, torch.float32), config)
+    return (q.narrow(1, start, size), scale) if whole_rows else (q, scale)
+
+
 def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: x [T, K] -> (x_fp8 [T, K], scale [T, ceil(K / group)]),
     one scale per token and group of `group` features (per token: group >= K)."""
