@@ -209,7 +209,9 @@ def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(defa
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
         code = proc.wait(30)
-    p99 = statistics.quantiles(times, n=100)[98]
+    # Inclusive: numpy's linear rule. The default (exclusive) rule extrapolates past the
+    # slowest of 50 probes, so one 79 ms probe read as a 114 ms p99.
+    p99 = statistics.quantiles(times, n=100, method="inclusive")[98]
     assert p99 < 0.100, sorted(times)[-5:]
     assert huge_result[0].status_code == 400 and huge_result[0].json()["error"]["code"] == "context_length_exceeded"
     assert tmpl_result[0].status_code == 400 and tmpl_result[0].json()["error"]["code"] == "template_timeout"
