@@ -56,6 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts models with --tp: ep = whole routed experts per rank (each rank loads only "
                         "its own), tp = every expert's intermediate dimension split")
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are drawn from it)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup) or \'{"method": "mtp", '
+                        '"num_speculative_tokens": 1}\' (the checkpoint\'s multi-token-prediction layer)')
 
 
 def kv_cache_bytes_from_gib(gib: float | None) -> int | None:
@@ -101,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace):
         all_reduce=args.all_reduce,
         moe_parallel=args.moe_parallel,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 

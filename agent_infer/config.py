@@ -11,6 +11,7 @@ import torch
 from agent_infer.checkpoint_files import ConfigError, read_json_object, require_directory  # noqa: F401 (re-exported)
 from agent_infer.models.registry import MODEL_IMPLS
 from agent_infer.quantization.fp8 import Fp8Config
+from agent_infer.speculative.config import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -255,8 +256,12 @@ class EngineConfig:
     # intermediate dimension.
     moe_parallel: str = "ep"
     seed: int = 0
+    # Speculative decoding (vLLM's --speculative-config): a SpeculativeConfig, or vLLM's
+    # dict or its JSON text, parsed on construction. None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

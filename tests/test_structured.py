@@ -44,9 +44,9 @@ class LaunchLog:
         runner = engine.runner
         launch, execute, resolve = runner.launch, runner.execute, engine._resolve
 
-        def log_launch(step, seqs, process=None):
+        def log_launch(step, seqs, process=None, drafts=None):
             self.hooks.append(process is not None)
-            out = launch(step, seqs, process)
+            out = launch(step, seqs, process, drafts)
             self.events.append("sampled")
             return out
 

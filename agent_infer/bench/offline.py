@@ -476,6 +476,8 @@ def format_table(rows: list[tuple]) -> str:
     def num(v) -> str:
         if v is None:
             return "-"
+        if isinstance(v, str):
+            return v
         return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
 
     table = [("metric", "agent-infer", "HF", "ratio", "roofline")]
@@ -570,7 +572,35 @@ def report_payload(kind, args, setup: Setup, engine, init_s, results, hf, roofli
         "roofline": roofline,
         "gpu_monitor": monitor,
         "profile": None,
+        "speculative": speculative_summary(engine),
     }
+
+
+def speculative_summary(engine) -> dict | None:
+    """What speculative decoding did over the engine's life (None: it is off): the
+    acceptance per draft position (accepted / verify rows), and tokens per verify row."""
+    if getattr(engine, "drafter", None) is None:
+        return None
+    s = engine.draft_policy.stats
+    return {
+        "config": asdict(engine.config.speculative_config),
+        "num_drafts": s.num_drafts,
+        "num_draft_tokens": s.num_draft_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens,
+        "acceptance_rate": s.acceptance_rate,
+        "mean_acceptance_length": s.mean_acceptance_length,
+        "acceptance_per_position": [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else [],
+    }
+
+
+def speculative_rows(summary: dict | None) -> list[tuple]:
+    if not summary:
+        return []
+    per_pos = " / ".join(f"{a:.2f}" for a in summary["acceptance_per_position"]) or "-"
+    return [("spec decode: verify rows", summary["num_drafts"], None, "info", None),
+            ("spec decode: draft acceptance rate", summary["acceptance_rate"], None, "info", None),
+            ("spec decode: tokens per verify row", summary["mean_acceptance_length"], None, "info", None),
+            ("spec decode: acceptance by position", per_pos, None, "info", None)]
 
 
 def save_json(args, payload: dict) -> None:
@@ -609,5 +639,5 @@ def finish(args, title: str, rows: list[tuple], payload: dict) -> None:
         print(f"HF: {payload['hf'].get('description', '')}")
     print()
     print(title)
-    print(format_table(rows))
+    print(format_table(rows + speculative_rows(payload.get("speculative"))))
     sys.stdout.flush()

@@ -350,10 +350,10 @@ class EngineCore:
         stats = engine.stats
         if stats.steps != steps0:
             is_prefill = stats.prefill_steps != prefill0
-            num_seqs = stats.generation_tokens - gen0
-            if is_prefill:
-                num_seqs -= stats.last_batch_decode_rows  # count the prompts that finished only
-            num_tokens = stats.prompt_tokens - prompt0 if is_prefill else num_seqs
+            # Prefill: the prompts that finished; decode: the batch (a verify step's
+            # sequences may yield several tokens each).
+            num_seqs = stats.last_batch_prompts_done if is_prefill else stats.last_batch_size
+            num_tokens = stats.prompt_tokens - prompt0 if is_prefill else stats.generation_tokens - gen0
             self.metrics.on_step(StepInfo(is_prefill, num_seqs, num_tokens, seconds))
         self._route(outputs)
         # These outputs go out right after the next launch (see _after_launch), unless this
@@ -467,13 +467,18 @@ class EngineCore:
     def snapshot(self) -> P.EngineSnapshot:
         e = self.engine
         bm = e.block_manager
+        spec = e.draft_policy.stats if e.drafter is not None else None
         return P.EngineSnapshot(
             num_running=e.num_running, num_waiting=e.num_waiting, num_blocks=bm.num_blocks,
             num_used_blocks=bm.num_used_blocks, prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits, prompt_tokens=e.stats.prompt_tokens,
             generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
             max_decode_batch=e.stats.max_decode_batch, num_preemptions=e.scheduler.num_preemptions,
-            num_live=len(self._live), num_front_ends=len(self._clients))
+            num_live=len(self._live), num_front_ends=len(self._clients),
+            spec_num_drafts=spec.num_drafts if spec else None,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_pos=list(spec.accepted_per_pos) if spec else [])
 
     def info(self) -> P.CoreInfo:
         e = self.engine

@@ -64,6 +64,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
     "request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
     "request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 _VLLM_LABELS = {"finish_reason": "finished_reason"}
 _VLLM_SUCCESS = {"stop", "length", "abort"}
@@ -102,6 +106,16 @@ class _EngineCollector(Collector):
         yield _counter("engine_steps", "Engine steps run.", s.steps)
         yield _counter("num_preemptions", "Requests sent back to the queue by recompute preemption.",
                        s.num_preemptions)
+        if s.spec_num_drafts is not None:  # speculative decoding is on
+            yield _counter("spec_decode_num_drafts", "Verify rows: a sequence's drafts checked in one step.",
+                           s.spec_num_drafts)
+            yield _counter("spec_decode_num_draft_tokens", "Draft tokens checked.", s.spec_num_draft_tokens)
+            yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft.", labels=["position"])
+            for position, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([str(position)], count)
+            yield per_pos
 
 
 class _VllmNames(Collector):

@@ -50,6 +50,12 @@ class EngineSnapshot(msgspec.Struct, frozen=True):
     num_preemptions: int = 0  # requests sent back to the queue (recompute preemption)
     num_live: int = 0  # requests the core is tracking, from every front end
     num_front_ends: int = 0
+    # Speculative decoding (None: off): verify rows, their draft tokens, the accepted
+    # ones, and the accepted ones by draft position.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 # ---- front end -> core ------------------------------------------------------------------

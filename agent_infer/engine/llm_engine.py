@@ -25,11 +25,13 @@ from agent_infer.engine.model_runner import StepOutput
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
 from agent_infer.engine.runner_setup import setup_runner
 from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from agent_infer.engine.structs import FinishReason, Sequence
+from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
 from agent_infer.engine.warmup import warm_up
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.models.registry import resolve_model_class
 from agent_infer.sampling_params import SamplingParams
+from agent_infer.speculative.ngram import NgramDrafter
+from agent_infer.speculative.policy import DraftPolicy
 from agent_infer.structured.constraints import Constraints
 from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
@@ -139,9 +141,15 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
         self._inflight: tuple[ScheduledBatch, object] | None = None  # launched, not read back
         self._penalty_requests: set[str] = set()
+        # Speculative decoding: drafts proposed on the host before each decode step that
+        # the policy lets carry them (agent_infer/speculative).
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
+        self.draft_policy = DraftPolicy(spec.disable_by_batch_size if spec is not None else None)
         # Masks and biases of constrained requests (agent_infer/structured), rank 0 only.
         self.constraints = Constraints(self.grammar, self.model_config.vocab_size, self.eos_token_ids, self.device,
-                                       config.max_num_seqs)
+                                       config.max_num_seqs * (1 + self.num_speculative_tokens))
         self._early_outputs: list[RequestOutput] = []  # read back inside a constrained launch
         # Overlap keeps the sampled tokens on the device (TP workers get them by a device
         # broadcast, see workers.py). Recompute preemption would re-prefill tokens the
@@ -266,9 +274,16 @@ class LLMEngine:
         or not) the batch is launched before the previous one's tokens are read back, so
         the host's bookkeeping overlaps the device's work; outputs then trail the device
         by one step. Otherwise each batch is launched and read back in the same call."""
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self._inflight is not None and self._penalty_requests:
             outputs += self._resolve()  # penalties need every earlier token on the host
+        decoding = self._draft_candidates()
+        drafting = self.drafter is not None and self.draft_policy.batch_drafts(len(decoding))
+        if drafting:
+            if self._inflight is not None:
+                outputs += self._resolve()  # drafts follow the last token, which must be known
+            self._propose(decoding)
         batch = self.scheduler.schedule()
         if batch is None:
             if self._inflight is not None:
@@ -283,9 +298,32 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._resolve()
         self._inflight = launched
-        if not self.async_scheduling:
+        if not self.async_scheduling or batch.num_draft_tokens:
+            # A verify step's tokens decide where its sequences stand: resolved at once.
             outputs += self._resolve()
+        if self.drafter is not None and batch.num_prompt_rows == 0:  # decode steps are timed for the policy
+            self.draft_policy.record_step(len(batch), time.perf_counter() - t0, bool(batch.num_draft_tokens),
+                                          len(batch) + sum(batch.accepted))
         return outputs
+
+    def _draft_candidates(self) -> list[Sequence]:
+        """The sequences a draft could go to now: decoding, with room past the next token."""
+        if self.drafter is None:
+            return []
+        return [s for s in self.scheduler.running
+                if s.status == SequenceStatus.RUNNING_DECODE and len(s.output_token_ids) + 1 < s.max_tokens]
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Set each sequence's drafts for the coming step (none while its policy pauses it)."""
+        k = self.num_speculative_tokens
+        for seq in seqs:
+            drafts: list[int] = []
+            if self.draft_policy.may_draft(seq.request_id):
+                room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+                drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens, room)
+                if drafts and seq.request_id in self.constraints:
+                    drafts = self.constraints.check_drafts(seq, drafts)
+            seq.draft_token_ids = drafts
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
@@ -293,12 +331,13 @@ class LLMEngine:
         # A batch without a constrained row takes the plain path; otherwise the masks are
         # built between the forward pass and sampling (see _constrain).
         process = functools.partial(self._constrain, batch, sampling) if self.constraints.any_in(sampling) else None
+        drafts = [batch.drafts[i] for i, samples in enumerate(batch.samples) if samples] if batch.drafts else None
         if self.workers is None:
-            handle = self.runner.launch(step, sampling, process)
+            handle = self.runner.launch(step, sampling, process, drafts)
         else:
             try:
                 self.workers.send_step(step)
-                handle = self.runner.launch(step, sampling, process)
+                handle = self.runner.launch(step, sampling, process, drafts)
             except Exception as e:
                 self._worker_failed(e)
         if process is None:
@@ -316,7 +355,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             self._early_outputs += self._resolve()
             self.constraints.stats.wait_seconds += time.perf_counter() - t0
-        return self.constraints.apply(sampling, logits)
+        drafts = [batch.drafts[i] for i, samples in enumerate(batch.samples) if samples] if batch.drafts else None
+        return self.constraints.apply(sampling, logits, drafts)
 
     def _resolve(self) -> list[RequestOutput]:
         batch, handle = self._inflight
@@ -351,35 +391,57 @@ class LLMEngine:
             for seq, lps in zip(batch.seqs, result.prompt_logprobs):
                 k = seq.sampling_params.prompt_logprobs or 0
                 seq.prompt_logprobs.extend((lp, top[:k]) for lp, top in lps)
-        sampling = [s for s, samples in zip(batch.seqs, batch.samples) if samples]
-        if result.logprobs is not None:
-            for i, seq in enumerate(sampling):
-                if seq.sampling_params.logprobs is not None and not seq.is_finished:
-                    k = seq.sampling_params.logprobs
-                    top = result.top_logprobs[i][:k] if result.top_logprobs else []
-                    seq.output_logprobs.append((result.logprobs[i], top))
+        # The first logit row of each sampling sequence (a verify row has 1 + k).
+        first_row: dict[int, int] = {}
+        row = 0
+        for i, seq in enumerate(batch.seqs):
+            if batch.samples[i]:
+                first_row[id(seq)] = row
+                row += batch.sample_rows(i)
         now = time.monotonic()
         outputs = []
-        for seq in self.scheduler.on_result(batch, result.tokens):
+        new_tokens = self.scheduler.on_result(batch, result.tokens)
+        verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
+        for (seq, drafted), accepted in zip(verify, batch.accepted):
+            self.draft_policy.on_verified(seq.request_id, drafted, accepted)
+        for seq, first in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
-            token = seq.output_token_ids[seq.num_resolved - 1]
-            if req.text is not None:
-                stop = req.text.add_token(token)
-                if stop is not None:
-                    self.scheduler.finish(seq, FinishReason.STOP)
-            if not seq.is_finished and seq.request_id in self.constraints and self.constraints.on_token(seq, token):
-                self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
+            self._take_tokens(req, first, first_row[id(seq)], result)
+            self.stats.generation_tokens += seq.num_resolved - first
             outputs.append(self._output(req))
             if seq.is_finished:
                 self._forget(seq.request_id)
         return outputs
 
+    def _take_tokens(self, req: _Request, first: int, row: int, result: StepOutput) -> None:
+        """Output tokens `first`.. of `req` (logit rows `row`..): their logprobs, then stop
+        strings and grammars, which may end the sequence inside a verify row's run."""
+        seq = req.seq
+        lp = seq.sampling_params.logprobs
+        tokens = seq.output_token_ids[first : seq.num_resolved]
+        ended = seq.is_finished  # the scheduler stopped it at its last token (EOS, max_tokens, ...)
+        for j, token in enumerate(tokens):
+            if lp is not None and result.logprobs is not None:
+                top = result.top_logprobs[row + j][:lp] if result.top_logprobs else []
+                seq.output_logprobs.append((result.logprobs[row + j], top))
+            keep = first + j + 1
+            if req.text is not None and req.text.add_token(token) is not None:
+                self.scheduler.finish(seq, FinishReason.STOP, keep=keep)
+                break
+            if (not ended or j < len(tokens) - 1) and seq.request_id in self.constraints \
+                    and self.constraints.on_token(seq, token):
+                self.scheduler.finish(seq, FinishReason.STOP, keep=keep)  # the grammar is complete
+                break
+
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
+            self.draft_policy.forget(request_id)
         self._penalty_requests.discard(request_id)
         self.constraints.remove(request_id)
 
@@ -547,6 +609,7 @@ class EngineStats:
     last_batch_tokens: int = 0
     last_batch_prefill: bool = False
     last_batch_decode_rows: int = 0  # a mixed step's decode rows
+    last_batch_prompts_done: int = 0  # prompts of the latest step that sampled their first token
     trace: StepTrace | None = field(default=None, repr=False)  # between start_trace() and stop_trace()
 
     def start_trace(self) -> StepTrace:
@@ -562,11 +625,13 @@ class EngineStats:
         self.steps += 1
         self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
         self.last_batch_decode_rows = batch.num_decode
-        if batch.is_prefill:
+        decode_rows = batch.num_decode if batch.is_prefill else len(batch)
+        self.last_batch_prompts_done = sum(1 for i in range(decode_rows, len(batch))
+                                           if batch.samples[i] and not batch.drafts_of(i))
+        if batch.num_prompt_rows:
             self.prefill_steps += 1
-            self.prompt_tokens += batch.num_tokens - batch.num_decode  # a mixed step's decode rows are not prompt
-            self.generation_tokens += sum(batch.samples)
+            # A mixed step's decode and verify rows are not prompt.
+            self.prompt_tokens += batch.num_tokens - batch.num_decode - batch.num_verify_rows - batch.num_draft_tokens
         else:
             self.decode_steps += 1
-            self.generation_tokens += len(batch)
             self.max_decode_batch = max(self.max_decode_batch, len(batch))

@@ -273,10 +273,12 @@ class ModelRunner:
     def launch(
         self, step: HostStep, sampling_seqs: list[Sequence],
         process_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> InFlight:
         """Queue the forward pass and sampling (rank 0) without waiting for them;
         `sampling_seqs` are the batch's sequences that sample, in batch order (one per
-        row of `step.sample_indices`). The sampled tokens stay on the device for the next
+        row of `step.sample_indices`; with `drafts`, per sequence, 1 + len(drafts) rows
+        each: a verify row samples at every position). The sampled tokens stay on the device for the next
         step's placeholder inputs (and go to the TP workers, see `follow`) and are copied
         to the host in the background. `process_logits`, when given, runs on the host
         after the forward pass is queued and before sampling (structured-output masks,
@@ -284,7 +286,7 @@ class ModelRunner:
         logits, prompt_lp = self.execute(step)
         if not sampling_seqs:  # the workers skip the broadcast too: S = 0 in the step
             return InFlight.start(None, prompt_lp, step, self.device)
-        sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
+        sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device, drafts)
         if process_logits is not None:
             logits = process_logits(logits)
         out = self.sampler(logits, sampling)
@@ -387,6 +389,12 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     prev: list[int] | None = None
     decode_rows = len(batch.seqs) if not batch.is_prefill else batch.num_decode
     for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
+        drafts = batch.drafts_of(i)
+        if drafts:  # a verify row: its last token (known: verify steps resolve at once) and drafts
+            assert seq.last_token_id != PLACEHOLDER, "a verify row needs its last token on the host"
+            ids.append(seq.last_token_id)
+            ids.extend(drafts)
+            continue
         if i >= decode_rows:
             ids.extend(seq.all_token_ids[start : start + n])
             continue
@@ -414,11 +422,20 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         context_lens=(starts + query_lens).astype(np.int32),
         query_lens=query_lens,
         query_start_loc=qsl,
-        sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
+        sample_indices=_sample_indices(batch, qsl, samples),
         prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
         num_decode=batch.num_decode,
         **(prompt_lp or {}),
     )
+
+
+def _sample_indices(batch: ScheduledBatch, qsl: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """The rows that go through the LM head: each sampling sequence's last, and every row
+    of a verify row."""
+    if not batch.num_draft_tokens:
+        return (qsl[1:] - 1)[samples].astype(np.int64)
+    rows = [np.arange(qsl[i + 1] - batch.sample_rows(i), qsl[i + 1]) for i in range(len(batch.seqs))]
+    return np.concatenate(rows).astype(np.int64)
 
 
 def _prompt_lp_rows(batch: ScheduledBatch, starts: np.ndarray, qsl: np.ndarray) -> dict | None:

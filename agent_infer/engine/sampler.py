@@ -36,7 +36,14 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [B, V] bool: in prompt or output
 
     @staticmethod
-    def from_seqs(seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_seqs(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                  drafts: list[list[int]] | None = None) -> "SamplingBatch":
+        """One row per sequence; with `drafts` (per sequence), 1 + len(drafts) rows each:
+        row j samples output token num_output_tokens + j as if drafts[:j] came first
+        (its seed position, and the output its penalties count)."""
+        rows = [(s, d[:j]) for s, d in zip(seqs, drafts) for j in range(1 + len(d))] if drafts else None
+        if rows is not None:
+            seqs = [s for s, _ in rows]
         params = [s.sampling_params for s in seqs]
         greedy = [p.temperature == 0.0 for p in params]
         nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
@@ -53,7 +60,8 @@ class SamplingBatch:
         batch = SamplingBatch(
             temperature=tensor([p.temperature for p in params], torch.float32),
             seeds=tensor([s.seed for s in seqs], torch.int64),
-            steps=tensor([s.num_output_tokens for s in seqs], torch.int64),
+            steps=tensor([s.num_output_tokens + len(d) for s, d in rows] if rows else
+                         [s.num_output_tokens for s in seqs], torch.int64),
             top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
             if use_top_k
             else None,
@@ -66,11 +74,13 @@ class SamplingBatch:
             batch.presence = tensor([p.presence_penalty for p in params], torch.float32)
             batch.frequency = tensor([p.frequency_penalty for p in params], torch.float32)
             batch.repetition = tensor([p.repetition_penalty for p in params], torch.float32)
-            batch.output_counts, batch.seen_mask = _token_stats(seqs, vocab_size, device)
+            outputs = [s.output_token_ids + d for s, d in rows] if rows else [s.output_token_ids for s in seqs]
+            batch.output_counts, batch.seen_mask = _token_stats(seqs, outputs, vocab_size, device)
         return batch
 
 
-def _token_stats(seqs: list[Sequence], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_stats(seqs: list[Sequence], outputs: list[list[int]], vocab_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(1, max(len(x) for x in lists))
         ids = torch.zeros(len(lists), width, dtype=torch.int64)
@@ -80,7 +90,7 @@ def _token_stats(seqs: list[Sequence], vocab_size: int, device: torch.device) ->
             ones[i, : len(x)] = 1.0
         return ids.to(device), ones.to(device)
 
-    out_ids, out_ones = padded([s.output_token_ids for s in seqs])
+    out_ids, out_ones = padded(outputs)
     counts = torch.zeros(len(seqs), vocab_size, device=device).scatter_add_(1, out_ids, out_ones)
     prompt_ids, prompt_ones = padded([s.prompt_token_ids for s in seqs])
     seen = torch.zeros(len(seqs), vocab_size, device=device).scatter_add_(1, prompt_ids, prompt_ones)

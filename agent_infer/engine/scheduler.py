@@ -14,6 +14,13 @@ finish before it. Decode growth is granted under the same rule, so a running req
 never starved forever and nothing is ever evicted. With `preemption_mode="recompute"`
 admission is optimistic instead, and when blocks run out the newest request is sent
 back to the queue, its KV dropped, to be recomputed later (its tokens are kept).
+
+Speculative decoding: a decoding sequence may bring draft tokens (`draft_token_ids`,
+set before scheduling). It then computes its last token and k drafts in one step and
+samples at all k + 1 positions; `on_result` keeps the drafts the target agrees with
+plus the target's own next token, and rolls `num_computed_tokens` back over the rest,
+whose K/V (already written) are overwritten later and never published to the prefix
+cache. Drafts never reach past `max_tokens`, and they get blocks only when that is safe.
 """
 
 from __future__ import annotations
@@ -46,10 +53,37 @@ class ScheduledBatch:
     samples: list[bool] = field(default_factory=list)
     # A mixed batch (is_prefill): its first num_decode sequences are decode rows.
     num_decode: int = 0
+    # Per sequence, the draft tokens it verifies (a verify row: its last token and these,
+    # sampled at every position); empty for the others. A batch with a verify row is
+    # run as a prefill batch (several query tokens per sequence).
+    drafts: list[list[int]] = field(default_factory=list)
+    # Filled by `on_result`: per verify row, how many of its drafts were accepted.
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+    @property
+    def num_verify_rows(self) -> int:
+        return sum(1 for d in self.drafts if d)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Sequences computing prompt tokens (neither decode nor verify rows)."""
+        decode = self.num_decode if self.is_prefill else len(self.seqs)
+        return len(self.seqs) - decode - self.num_verify_rows
+
+    def drafts_of(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
+
+    def sample_rows(self, i: int) -> int:
+        """Logit rows sequence i samples: 1 + its drafts, or 0."""
+        return (1 + len(self.drafts_of(i))) if self.samples[i] else 0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -112,13 +146,15 @@ class Scheduler:
     def _schedule_mixed(self) -> ScheduledBatch | None:
         """Every decode that can grow, then prefill in the budget they leave."""
         decode = self._schedule_decode()
-        used = len(decode) if decode is not None else 0
+        used = decode.num_tokens if decode is not None else 0
         prefill = self._schedule_prefill(self.config.max_num_batched_tokens - used)
         if prefill is None or decode is None:
             return prefill or decode
+        drafts = decode.drafts + [[] for _ in prefill.seqs] if decode.drafts else []
         return ScheduledBatch(
             decode.seqs + prefill.seqs, True, decode.num_new_tokens + prefill.num_new_tokens,
-            decode.samples + prefill.samples, num_decode=len(decode),
+            decode.samples + prefill.samples, num_decode=decode.num_decode if decode.is_prefill else len(decode),
+            drafts=drafts,
         )
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
@@ -178,12 +214,29 @@ class Scheduler:
         # grant is safe, and stays so: a grant lowers the free count and one need alike.
         plenty = sum(self._need(s) for s in decoding) <= self.bm.get_num_free_blocks()
         seqs: list[Sequence] = []
+        verify: list[tuple[Sequence, list[int]]] = []
+        budget = self.config.max_num_batched_tokens - len(decoding)  # for drafts
         for seq in decoding:
-            if seq.status == SequenceStatus.RUNNING_DECODE and self._grow(seq, plenty):
+            if seq.status != SequenceStatus.RUNNING_DECODE:
+                continue  # preempted by an earlier grant this step
+            # Drafts stop where max_tokens does: k + 1 tokens come out at most.
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []  # this step's, or none
+            k = min(len(drafts), seq.max_tokens - len(seq.output_token_ids) - 1, max(0, budget))
+            if k > 0 and self._grow(seq, plenty, extra_tokens=k, preempt=False):
+                verify.append((seq, drafts[:k]))
+                budget -= k
+            elif self._grow(seq, plenty):
                 seqs.append(seq)
-        if not seqs:
+        if not seqs and not verify:
             return None
-        return ScheduledBatch(seqs, False, [1] * len(seqs), [True] * len(seqs))
+        if not verify:
+            return ScheduledBatch(seqs, False, [1] * len(seqs), [True] * len(seqs))
+        # Plain rows first (a prefill batch's decode rows), then the verify rows.
+        n = len(seqs)
+        return ScheduledBatch(
+            seqs + [s for s, _ in verify], True, [1] * n + [1 + len(d) for _, d in verify],
+            [True] * (n + len(verify)), num_decode=n, drafts=[[] for _ in seqs] + [d for _, d in verify],
+        )
 
     # ---- admission and growth ------------------------------------------------------
 
@@ -203,18 +256,22 @@ class Scheduler:
         jobs.append((need, take))
         return _is_safe(free - take, jobs)
 
-    def _grow(self, seq: Sequence, plenty: bool) -> bool:
-        """Make room for the token `seq` computes next. False: it sits this step out."""
-        extra = self.bm.blocks_needed_for(seq, seq.num_tokens)
+    def _grow(self, seq: Sequence, plenty: bool, extra_tokens: int = 0, preempt: bool = True) -> bool:
+        """Make room for the token `seq` computes next (and `extra_tokens` drafts after it).
+        False: it sits this step out (or, without `preempt`, goes without drafts)."""
+        num_tokens = seq.num_tokens + extra_tokens
+        extra = self.bm.blocks_needed_for(seq, num_tokens)
         if extra == 0:
             return True
+        if not preempt and extra > self.bm.get_num_free_blocks():
+            return False
         if self.config.preemption_mode == "recompute":
             while self.bm.get_num_free_blocks() < extra:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     return False
-            return self.bm.ensure_capacity(seq, seq.num_tokens)
+            return self.bm.ensure_capacity(seq, num_tokens)
         free = self.bm.get_num_free_blocks()
         if extra > free:
             return False
@@ -226,7 +283,7 @@ class Scheduler:
             ]
             if not _is_safe(free - extra, trial):
                 return False
-        return self.bm.ensure_capacity(seq, seq.num_tokens)
+        return self.bm.ensure_capacity(seq, num_tokens)
 
     def _need(self, seq: Sequence) -> int:
         """Blocks `seq` may still need to reach its max_tokens."""
@@ -252,7 +309,7 @@ class Scheduler:
         sampling sequence a placeholder output token that `on_result` fills in. The next
         step can then be scheduled before this one's tokens are known."""
         row = 0
-        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+        for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples)):
             seq.num_computed_tokens += n
             if batch.is_prefill:
                 # Prompt blocks this step fills can serve requests scheduled from now on:
@@ -262,33 +319,49 @@ class Scheduler:
                 if seq.status == SequenceStatus.RUNNING_PREFILL:
                     seq.transition_to(SequenceStatus.RUNNING_DECODE)
                 seq.output_token_ids.append(PLACEHOLDER)
-                seq.pending_row = row
-                row += 1
+                seq.pending_row = row  # a verify row's is never read: its step is resolved at once
+                row += batch.sample_rows(i)
 
-    def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Fill in the step's sampled tokens and apply stop conditions; returns the
-        sequences that got a token. `token_ids[i]` belongs to the i-th sampling sequence."""
-        sampled: list[Sequence] = []
+    def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int]]:
+        """Fill in the step's sampled tokens and apply stop conditions; returns each
+        sequence that got tokens with the output index of its first new one.
+        `token_ids` holds the sampling sequences' rows in order: one each, 1 + k for a
+        verify row, whose tokens are its accepted drafts and then the target's own."""
+        sampled: list[tuple[Sequence, int]] = []
         tokens = iter(token_ids)
-        for seq, samples in zip(batch.seqs, batch.samples):
+        batch.accepted = []
+        for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if not samples:
                 if not seq.is_finished:
                     self.bm.commit_full_blocks(seq)
                 continue
-            token = next(tokens)
+            drafts = batch.drafts_of(i)
+            rows = [next(tokens) for _ in range(1 + len(drafts))]
+            if drafts:
+                accepted = _num_accepted(drafts, rows)
+                batch.accepted.append(accepted)
+                rows = rows[: accepted + 1]
             if seq.is_finished:  # aborted, or stopped by an earlier token, while this step ran
                 continue
-            index = seq.num_resolved
-            seq.output_token_ids[index] = token
-            seq.num_resolved = index + 1
+            first = seq.num_resolved
+            for j, token in enumerate(rows):
+                index = first + j
+                if j == 0:
+                    seq.output_token_ids[index] = token
+                else:
+                    seq.output_token_ids.append(token)
+                seq.num_resolved = index + 1
+                reason = self._stop_reason(seq, token, index)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            if drafts and not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1  # the rejected drafts' K/V are void
             self.bm.commit_full_blocks(seq)
-            sampled.append(seq)
-            reason = self._stop_reason(seq, token, index)
-            if reason is not None:
-                self.finish(seq, reason)
+            sampled.append((seq, first))
         return sampled
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int]]:
         """on_launch and on_result at once (a step run synchronously)."""
         self.on_launch(batch)
         return self.on_result(batch, token_ids)
@@ -301,7 +374,15 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None) -> None:
+        """End `seq`; `keep`: only its first `keep` output tokens stand (a stop string or a
+        complete grammar inside a verify row's accepted run)."""
+        if keep is not None and keep < seq.num_resolved:
+            seq.num_resolved = keep
+            if seq.is_finished:  # by a later token of the same run (EOS, max_tokens): this came first
+                del seq.output_token_ids[keep:]
+                seq.finish_reason = reason
+                return
         if seq.is_finished:
             return
         del seq.output_token_ids[seq.num_resolved :]  # placeholders of steps still in flight
@@ -311,6 +392,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.finish(reason)
+
+
+def _num_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """Leading drafts the target sampled itself. With one draft per position (a point
+    mass q), this is exact rejection sampling: a draft d survives with probability p(d),
+    and on a mismatch the target's own sample is one from p given "not d", which is the
+    residual distribution max(p - q, 0) normalised."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return n
 
 
 def _is_safe(free: int, jobs: list[tuple[int, int]]) -> bool:

@@ -83,6 +83,9 @@ class Sequence:
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # Prompt tokens 1, 2, ... in order as their prefill chunks finish (token 0 has none).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Speculative decoding: tokens proposed to follow the output, for the next step to
+    # verify (the scheduler may take fewer); set before each schedule.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

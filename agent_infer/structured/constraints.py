@@ -176,6 +176,20 @@ class Constraints:
                 return True
         return False
 
+    def check_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The leading drafts `seq`'s grammar accepts (a verify step computes the masks of
+        the rows after them by consuming them). A reasoning block's start is not drafted
+        across: no drafts while a block may open, none past its end."""
+        row = self._rows.get(seq.request_id)
+        if row is None or row.matcher is None or not drafts:
+            return drafts
+        if row.phase == MAYBE:
+            return []
+        if row.phase == THINKING:
+            end = row.think[1]
+            return drafts[: drafts.index(end)] if end in drafts else drafts
+        return drafts[: row.matcher.validate_tokens(drafts)]
+
     def on_token(self, seq: Sequence, token: int) -> bool:
         """Advance `seq`'s grammar by its new token; True when the grammar is complete
         (or broken), so the sequence should stop here."""
@@ -201,19 +215,25 @@ class Constraints:
 
     # ---- one step -------------------------------------------------------------------
 
-    def apply(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Apply the constraints of `seqs` (the step's sampling rows, in order) to their
-        logits [len(seqs), vocab], in place; returns the logits."""
+    def apply(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Apply the constraints of `seqs` (the step's sampling sequences, in order) to
+        their logits, in place; returns the logits. One logit row per sequence, or with
+        `drafts` (per sequence, as `check_drafts` left them) 1 + len(drafts) rows each:
+        row j is constrained as if drafts[:j] had been generated."""
         with torch.profiler.record_function("structured.masks"):  # named in profiles (bench --profile)
-            return self._apply(seqs, logits)
+            rows = [(seq, j) for seq, d in zip(seqs, drafts) for j in range(1 + len(d))] if drafts else \
+                [(seq, 0) for seq in seqs]
+            return self._apply(rows, logits, {id(s): d for s, d in zip(seqs, drafts or []) if d})
 
-    def _apply(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _apply(self, seq_rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+               drafts: dict[int, list[int]]) -> torch.Tensor:
         t0 = time.perf_counter()
         rows = self._rows
         mask_rows: list[int] = []
         mask_of: list[_Row] = []
+        mask_at: list[tuple[Sequence, int]] = []
         bias_rows, bias_ids, bias_values = [], [], []
-        for i, seq in enumerate(seqs):
+        for i, (seq, j) in enumerate(seq_rows):
             row = rows.get(seq.request_id)
             if row is None or seq.is_finished:
                 continue  # unconstrained, or finished while this step was being prepared
@@ -221,16 +241,17 @@ class Constraints:
                 bias_rows.append(np.full(len(row.bias_ids), i, dtype=np.int64))
                 bias_ids.append(row.bias_ids)
                 bias_values.append(row.bias_values)
-            if self._needs_mask(row, seq):
+            if self._needs_mask(row, seq, j):
                 mask_rows.append(i)
                 mask_of.append(row)
+                mask_at.append((seq, j))
         if bias_rows:
             index = (torch.from_numpy(np.concatenate(bias_rows)).to(logits.device, non_blocking=True),
                      torch.from_numpy(np.concatenate(bias_ids)).to(logits.device, non_blocking=True))
             values = torch.from_numpy(np.concatenate(bias_values)).to(logits.device, non_blocking=True)
             logits.index_put_(index, values.to(logits.dtype), accumulate=True)
         if mask_rows:
-            host = self._fill(seqs, mask_rows, mask_of)
+            host = self._fill(mask_at, mask_of, drafts)
             mask = host.to(logits.device, non_blocking=True)
             index = torch.tensor(mask_rows, dtype=torch.int64).to(logits.device, non_blocking=True)
             ops.apply_token_bitmask(logits, mask, index)
@@ -240,21 +261,25 @@ class Constraints:
         return logits
 
     @staticmethod
-    def _needs_mask(row: _Row, seq: Sequence) -> bool:
+    def _needs_mask(row: _Row, seq: Sequence, offset: int = 0) -> bool:
         if row.allowed is not None:
             return True
-        # The token being sampled now is output token num_output_tokens - 1 (its
-        # placeholder is already in place).
-        if row.early_stop_ids is not None and seq.num_output_tokens - 1 < row.min_tokens:
+        # The token being sampled now is output token num_output_tokens - 1 + offset (its
+        # placeholder is already in place; `offset` drafts before it in a verify row).
+        if row.early_stop_ids is not None and seq.num_output_tokens - 1 + offset < row.min_tokens:
             return True
         return row.matcher is not None and row.phase != THINKING
 
-    def _fill(self, seqs: list[Sequence], mask_rows: list[int], mask_of: list[_Row]) -> torch.Tensor:
-        """The bitmasks of the masked rows, [len(mask_rows), words] int32 in (pinned)
-        host memory."""
-        host = self._staging()[: len(mask_rows)]
+    def _fill(self, mask_at: list[tuple[Sequence, int]], mask_of: list[_Row],
+              drafts: dict[int, list[int]]) -> torch.Tensor:
+        """The bitmasks of the masked rows, [len(mask_at), words] int32 in (pinned) host
+        memory. A row at draft offset j > 0 gets its grammar's mask after the first j
+        drafts, consumed and then rolled back."""
+        host = self._staging()[: len(mask_at)]
         arr = host.numpy()
-        grammar = [(r.matcher, k) for k, r in enumerate(mask_of) if r.matcher is not None and r.phase != THINKING]
+        grammar = [(r.matcher, k) for k, r in enumerate(mask_of)
+                   if r.matcher is not None and r.phase != THINKING and mask_at[k][1] == 0]
+        ahead = [k for k, r in enumerate(mask_of) if r.matcher is not None and r.phase != THINKING and mask_at[k][1]]
         # Rows of one shard share a lexer lock (grammar.py): kept together, so the
         # executor's contiguous splits give each thread whole shards.
         grammar.sort(key=lambda mk: mask_of[mk[1]].lexer)
@@ -265,11 +290,18 @@ class Constraints:
             m.unsafe_compute_mask_ptr(arr[k].ctypes.data, arr[k].nbytes)
         elif grammar:
             self.executor.unsafe_compute_mask_ptr(grammar, arr.ctypes.data, arr.shape[1] * 4, arr.shape[0])
-        for k, (i, row) in enumerate(zip(mask_rows, mask_of)):
+        for k in ahead:  # one sequence's rows come in order: consume one draft per row
+            seq, j = mask_at[k]
+            m = mask_of[k].matcher
+            m.consume_token(drafts[id(seq)][j - 1])
+            m.unsafe_compute_mask_ptr(arr[k].ctypes.data, arr[k].nbytes)
+            if j == len(drafts[id(seq)]):
+                m.rollback(j)
+        for k, ((seq, _), row) in enumerate(zip(mask_at, mask_of)):
             if row.matcher is not None and row.phase != THINKING and row.matcher.is_error():
                 # A grammar that hit a limit (or broke) allows nothing; end the sequence
                 # cleanly with EOS rather than sample from a row of -inf.
-                log.warning("request %s: its grammar failed (%s); ending it", seqs[i].request_id,
+                log.warning("request %s: its grammar failed (%s); ending it", seq.request_id,
                             row.matcher.get_error().splitlines()[0] if row.matcher.get_error() else "")
                 arr[k] = self._eos_mask
                 continue
@@ -279,7 +311,7 @@ class Constraints:
                 set_bit(arr[k], row.think[0])  # the model may open a reasoning block instead
             if row.allowed is not None:
                 np.bitwise_and(arr[k], row.allowed, out=arr[k])
-            if row.early_stop_ids is not None and seqs[i].num_output_tokens - 1 < row.min_tokens:
+            if row.early_stop_ids is not None and seq.num_output_tokens - 1 + mask_at[k][1] < row.min_tokens:
                 clear_bits(arr[k], row.early_stop_ids)
         return host
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from prometheus_client import REGISTRY
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, running_server
 
 
 def test_metrics_follow_a_request(idle_server):
@@ -100,4 +102,36 @@ def test_vllm_names_and_request_phases(idle_server):
     text = httpx.get(idle_server.url + "/metrics", trust_env=False).text
     for names in VLLM_NAMES.values():
         for name in names:
+            if name.startswith("vllm:spec_decode"):
+                continue  # exported only with speculative decoding on (tested below)
             assert f"# TYPE {name} " in text or f"# TYPE {name}_total counter" in text, name
+
+
+def test_speculative_decoding_metrics_count_what_happened(default_model_dir):
+    """vLLM's spec-decode counters over a server with prompt lookup: drafts, draft tokens,
+    accepted ones by position; every token generated counted once; a stream that gets
+    several tokens in one step says the same as the whole answer."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    body = {"model": MODEL_NAME, "prompt": "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2", "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True}
+    with running_server(default_model_dir, speculative_config=spec) as srv:
+        with srv.client() as c:
+            whole = c.post("/v1/completions", json=body).json()
+            with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        srv.wait_idle()
+        m = srv.metrics()
+    pieces = [ch["choices"][0]["text"] for ch in chunks]
+    assert "".join(pieces) == whole["choices"][0]["text"]
+    drafts, tokens, accepted = (m[f"vllm:spec_decode_num_{k}_total"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
+    per_pos = [m[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(3)]
+    assert drafts > 0 and tokens >= accepted > 0 and tokens <= 3 * drafts
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert m["agent_infer_spec_decode_num_accepted_tokens_total"] == accepted
+    assert m["vllm:generation_tokens_total"] == 2 * whole["usage"]["completion_tokens"] == 60
+    # Fewer steps than tokens: accepted drafts came out several to a step, and the stream saw it.
+    assert m["agent_infer_engine_steps_total"] < 60 and len(pieces) < 30
+
+
+def test_no_spec_decode_metrics_without_speculation(idle_server):
+    assert not any(k.startswith("vllm:spec_decode") for k in idle_server.metrics())

@@ -1,0 +1,339 @@
+"""Speculative decoding: greedy tokens equal plain decoding (prompt lookup on the default
+model, batched, with runs cut by stop strings, max_tokens and EOS), rejected drafts leave
+nothing in the prefix cache, rejection sampling keeps the target's distribution (a
+chi-square test on a tiny vocabulary), structured outputs still match with drafts, the
+draft policy turns drafting off where it costs, and the metrics count what happened."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from agent_infer.config import ConfigError, EngineConfig
+from agent_infer.engine.block_manager import chain_hash, chain_root
+from agent_infer.engine.llm_engine import LLMEngine
+from agent_infer.loader.tokenizer import ChatFormatter
+from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams as SO
+from agent_infer.speculative.config import SpeculativeConfig
+from agent_infer.speculative.ngram import propose_ngram
+from agent_infer.speculative.policy import MAX_PAUSE_STEPS, DraftPolicy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def spec_engine(model: str, **kw) -> LLMEngine:
+    """A CPU engine that drafts at every decode step (the timing policy is tested apart)."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=1024,
+                                    speculative_config=kw.pop("speculative_config", NGRAM), **kw))
+    engine.draft_policy.batch_drafts = lambda num_decoding: True
+    return engine
+
+
+class Runs:
+    """Per verify row that ended its sequence: (request, finish reason, drafts accepted,
+    tokens kept), and the output cut short by a stop string or grammar after the fact."""
+
+    def __init__(self, engine: LLMEngine):
+        self.ended: list[tuple[str, str, int, int]] = []
+        self.cut: list[tuple[str, int, int]] = []
+        sched = engine.scheduler
+        on_result, finish = sched.on_result, sched.finish
+
+        def log_result(batch, tokens):
+            before = {id(s): s.num_resolved for s in batch.seqs}
+            out = on_result(batch, tokens)
+            accepted = iter(batch.accepted)
+            for i, seq in enumerate(batch.seqs):
+                if batch.drafts_of(i):
+                    n = next(accepted)
+                    if seq.is_finished and n:
+                        self.ended.append((seq.request_id, seq.finish_reason.value, n, seq.num_resolved - before[id(seq)]))
+            return out
+
+        def log_finish(seq, reason, keep=None):
+            if keep is not None and keep < seq.num_resolved:
+                self.cut.append((seq.request_id, keep, seq.num_resolved))
+            return finish(seq, reason, keep)
+
+        sched.on_result, sched.finish = log_result, log_finish
+
+
+def chat_ids(engine: LLMEngine, text: str) -> list[int]:
+    fmt = ChatFormatter(engine.tokenizer)
+    return engine.tokenizer.encode(fmt.render([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+# ---- configuration and drafts ---------------------------------------------------------------
+
+
+def test_the_config_takes_vllm_keys_and_refuses_the_rest():
+    c = SpeculativeConfig.parse(json.dumps(NGRAM))
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 3, 1)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}) \
+        .prompt_lookup_min == 3
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}).method == "mtp"
+    for bad, words in [({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'model'"),
+                       ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_maxx": 3}, "prompt_lookup_maxx"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 3}, "prompt_lookup_min"),
+                       ("{not json", "JSON")]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            SpeculativeConfig.parse(bad)
+    assert EngineConfig(model="m", speculative_config=NGRAM).speculative_config == SpeculativeConfig.parse(NGRAM)
+
+
+def test_prompt_lookup_takes_the_longest_then_latest_match():
+    t = torch.tensor([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3]).numpy()
+    assert propose_ngram(t, 3, 1, 3) == [4, 7, 2]  # "1 2 3" (at 0) beats the later "2 3" (at 5)
+    assert propose_ngram(t, 3, 1, 2) == [5, 1, 2]  # at most two: the latest "2 3"
+    assert propose_ngram(t, 9, 1, 2) == [5, 1, 2, 3]  # what follows, up to the end
+    assert propose_ngram(t, 2, 4, 4) == []  # no earlier "3 1 2 3"
+    assert propose_ngram(t[:3], 2, 1, 1) == []
+
+
+# ---- exactness ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_smol(default_model_dir):
+    return spec_engine(default_model_dir)
+
+
+def test_greedy_tokens_equal_plain_decoding_on_the_default_model(smol_engine, spec_smol):
+    """Batched prompts that repeat themselves (so drafts are accepted), runs that end on
+    max_tokens, EOS and a stop string inside them, logprobs and a repetition penalty."""
+    engine = spec_smol
+    prompts = [
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+        "a b c d e f g h a b c d e f g h a b c",
+        chat_ids(engine, "Say exactly this and nothing else: The cat sat on the mat."),
+        chat_ids(engine, "Copy this line: def add(a, b): return a + b"),
+        "The capital of France is",
+        "red green blue red green blue red green",
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10),  # the run reaches max_tokens
+        SamplingParams(temperature=0, max_tokens=40, stop=["f g h a b c d"]),  # a stop string inside a run
+        SamplingParams(temperature=0, max_tokens=40),  # EOS inside a run
+        SamplingParams(temperature=0, max_tokens=40, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=30),  # seeded sampling: the same tokens too
+    ]
+    runs = Runs(engine)
+    try:
+        plain = smol_engine.generate(prompts, params)
+        spec = engine.generate(prompts, params)
+    finally:
+        del engine.scheduler.on_result, engine.scheduler.finish
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert len(x.top) == len(y.top) == 3 and [t for t, _ in x.top] == [t for t, _ in y.top]
+    stats = engine.draft_policy.stats
+    assert stats.num_accepted_tokens > 20, stats
+    reasons = {(rid, reason) for rid, reason, _, _ in runs.ended}
+    ids = [o.request_id for o in spec]
+    assert (ids[0], "length") in reasons
+    eos_inside = [r for r in runs.ended if r[0] == ids[2] and r[1] == "stop"]
+    assert eos_inside and eos_inside[0][3] < eos_inside[0][2] + 1  # EOS, with accepted drafts after it dropped
+    assert any(rid == ids[1] for rid, _, _ in runs.cut)  # the stop string ended it before the run did
+    assert spec[1].text.endswith(" d e ") and spec[1].stop_reason == "f g h a b c d"
+
+
+def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smol):
+    """Every block the prefix cache knows holds tokens its sequence really has, and
+    prompts that extend the outputs (served from blocks written by verify steps) still
+    decode as plain decoding does."""
+    engine = spec_smol
+    prompts = ["x y z x y z x y z x y", "one two three one two three one two three one"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    engine.reset_history()  # only this test's blocks in the cache
+    first = engine.generate(prompts, params)
+    assert engine.draft_policy.stats.num_draft_tokens > engine.draft_policy.stats.num_accepted_tokens > 0
+    bm = engine.block_manager
+    bs = bm.block_size
+    real: set[int] = set()
+    for out in first:
+        tokens = out.prompt_token_ids + out.token_ids[:-1]  # the last token has no K/V
+        parent = chain_root(None)
+        for i in range(len(tokens) // bs):
+            parent = chain_hash(parent, tuple(tokens[i * bs: (i + 1) * bs]))
+            real.add(parent)
+    published = {k for k, b in bm.key_to_block.items() if bm.block_tokens[b] is not None}
+    output_keys = published - {k for out in first for k in _prompt_keys(out.prompt_token_ids, bs)}
+    assert output_keys and output_keys <= real
+    again = [o.prompt_token_ids + o.token_ids for o in first]
+    hits0 = bm.stats.hits
+    spec = engine.generate(again, params)
+    assert bm.stats.hits - hits0 >= sum(len(p) // bs - 1 for p in again)
+    plain = smol_engine.generate(again, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def _prompt_keys(prompt: list[int], bs: int) -> set[int]:
+    keys, parent = set(), chain_root(None)
+    for i in range(len(prompt) // bs):
+        parent = chain_hash(parent, tuple(prompt[i * bs: (i + 1) * bs]))
+        keys.add(parent)
+    return keys
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_continuous_batching_with_arrivals(default_model_dir, smol_engine, mixed):
+    """Requests arrive while others verify (chunked prefill beside verify rows with
+    --mixed-batches, prefill steps between them without): the tokens stay those of plain decoding."""
+    engine = spec_engine(default_model_dir, mixed_batches=mixed, max_num_batched_tokens=24)
+    prompts = ["1 2 3 4 1 2 3 4 1 2", "The quick brown fox jumps over the lazy dog. The quick brown",
+               "A long prompt that needs several chunks of prefill: " + "lorem ipsum dolor " * 6, "z y x z y x z"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = smol_engine.generate(prompts, params)
+    got = {}
+    engine.add_request(prompts[0], params, request_id="r0")
+    pending = list(enumerate(prompts))[1:]
+    while engine.has_unfinished_requests() or pending:
+        if pending and engine.draft_policy.stats.num_drafts:  # the next arrives once drafting runs
+            i, p = pending.pop(0)
+            engine.add_request(p, params, request_id=f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+    assert [got[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]
+    assert engine.draft_policy.stats.num_accepted_tokens > 0
+
+
+# ---- distribution ------------------------------------------------------------------------------
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1 % point of chi-square with `df` degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tmp_path):
+    """Three tokens from a tiny-vocabulary model at T = 0.9: the first from the prefill,
+    the next two from a verify row whose drafts are fixed. Their joint frequencies over
+    4,000 seeds match p(t0) p(t1 | t0) p(t2 | t0 t1), computed with transformers."""
+    import transformers
+
+    from tests.tiny_models import _save_random
+
+    vocab = 6
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      initializer_range=0.3, bos_token_id=0, eos_token_id=vocab - 1)
+    path = _save_random("LlamaForCausalLM", config, str(tmp_path / "v6"), seed=3)
+    prompt, temperature, n = [0, 3, 1], 0.9, 4000
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        p0 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logits = hf(seqs).logits / temperature
+    p1 = torch.softmax(logits[::vocab, -2], -1)  # [t0, t1]
+    p2 = torch.softmax(logits[:, -1], -1).reshape(vocab, vocab, vocab)  # [t0, t1, t2]
+    joint = p0[:, None, None] * p1[:, :, None] * p2
+    # Drafts that are right often enough to exercise both acceptance and rejection.
+    d1 = int(p1[int(p0.argmax())].argmax())
+    d2 = int(p2[int(p0.argmax()), d1].argmax())
+
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=2048, max_num_seqs=256,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                        "prompt_lookup_max": 1, "prompt_lookup_min": 1}))
+    engine.draft_policy.batch_drafts = lambda num_decoding: True
+
+    class Fixed:
+        def propose(self, request_id, prompt_ids, tokens_at, total, k):
+            return [d1, d2][:k]
+
+        def forget(self, request_id):
+            pass
+
+    engine.drafter = Fixed()
+    params = [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=3, ignore_eos=True) for i in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    stats = engine.draft_policy.stats
+    assert stats.num_drafts == n and 0.2 * n < stats.accepted_per_pos[0] < 0.95 * n, stats
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert sum(counts.values()) == n and all(len(k) == 3 for k in counts)
+    expected = (joint * n).flatten().tolist()
+    observed = [counts.get((a, b, c), 0) for a in range(vocab) for b in range(vocab) for c in range(vocab)]
+    # Cells expected fewer than 5 times are pooled (the chi-square approximation needs it).
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    e = [expected[i] for i in big] + [sum(x for i, x in enumerate(expected) if i not in set(big))]
+    o = [observed[i] for i in big] + [sum(x for i, x in enumerate(observed) if i not in set(big))]
+    chi2 = sum((oi - ei) ** 2 / ei for oi, ei in zip(o, e) if ei > 0)
+    assert len(big) >= 8, "the target is too peaked to test"
+    assert chi2 < _chi2_critical(len(e) - 1), (chi2, len(e))
+
+
+# ---- constraints, metrics, policy --------------------------------------------------------------
+
+
+def test_structured_outputs_with_drafts_match_their_schema(smol_engine, spec_smol):
+    """Drafts are checked against the grammar and each verify row's mask follows the
+    drafts before it: the outputs match their schema and equal plain decoding's."""
+    engine = spec_smol
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompts = [chat_ids(engine, 'Reply with this JSON exactly: {"city": "Paris", "country": "France"}'),
+               chat_ids(engine, "Repeat: 555-1234 555-1234 555-1234"),
+               chat_ids(engine, 'Repeat the JSON list [1, 2, 3, 1, 2, 3, 1, 2, 3] twice.')]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=SO(regex=r"(\d{3}-\d{4} ){2}\d{3}-\d{4}")),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
+                  json={"type": "array", "items": {"type": "integer"}, "maxItems": 12}))]
+    before = engine.draft_policy.stats.num_accepted_tokens
+    masked0 = engine.constraints.stats.masked_rows
+    spec = engine.generate(prompts, params)
+    plain = smol_engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    obj = json.loads(spec[0].text)
+    assert set(obj) == {"city", "country"}
+    assert re.fullmatch(r"(\d{3}-\d{4} ){2}\d{3}-\d{4}", spec[1].text)
+    assert all(isinstance(x, int) for x in json.loads(spec[2].text))
+    assert engine.draft_policy.stats.num_accepted_tokens - before > 5
+    assert engine.constraints.stats.masked_rows - masked0 > sum(len(o.token_ids) for o in spec) / 2
+
+
+def test_drafting_stops_where_it_costs():
+    policy = DraftPolicy()
+    # One sequence whose drafts keep failing pauses, longer each time, never past the cap.
+    pauses, paused = [], 0
+    for _ in range(400):
+        if policy.may_draft("a"):
+            if paused:
+                pauses.append(paused)
+                paused = 0
+            policy.on_verified("a", 4, 0)
+        else:
+            paused += 1
+    assert pauses[:4] == [2, 4, 8, 16] and max(pauses) == MAX_PAUSE_STEPS
+    policy.on_verified("a", 4, 2)  # an acceptance resets it
+    assert policy.may_draft("a")
+
+    def run(batch: int, plain_s: float, verify_s: float, tokens_per_row: float, steps: int = 3000) -> int:
+        drafted = 0
+        for _ in range(steps):
+            verify = policy.batch_drafts(batch)
+            drafted += verify
+            policy.record_step(batch, verify_s if verify else plain_s, verify,
+                               round(batch * tokens_per_row) if verify else batch)
+        return drafted
+
+    # Batch 1: a verify step costs 1.1 plain ones and yields 2.5 tokens: drafting stays on.
+    assert run(1, 1.0, 1.1, 2.5) > 2900
+    # Batch 256: a verify step costs 3 plain ones for 1.4 tokens a row: off after a probe or two.
+    assert run(256, 1.0, 3.0, 1.4) <= 8
+    assert not any(policy.batch_drafts(256) for _ in range(50))
+    assert policy.batch_drafts(1)  # each batch size keeps its own measurements
+    assert DraftPolicy(disable_by_batch_size=8).batch_drafts(8) is False
