@@ -429,3 +429,40 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
         assert calls[path] == before[path] + 1 and sum(calls.values()) == sum(before.values()) + 1
         torch.testing.assert_close(summed, 2 * x)
         torch.testing.assert_close(out, reference.rms_norm(2 * x, weight, 1e-6))
+
+
+def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
+    """Verify steps (several query rows per sequence, rows sampled at each) go to the
+    workers like any step: TP = 2 with drafts gives plain TP = 1's tokens. The drafts
+    replay the reference (every third one wrong), so both acceptance and rejection occur
+    whatever the random model writes."""
+    path = tiny_model_dirs["qwen3"]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], list(range(20, 61))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = run(path, 1, prompts, params)
+    eng = make_engine(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    eng.draft_policy.batch_drafts = lambda num_decoding: True
+
+    class Replay:
+        calls = 0
+
+        def propose(self, request_id, prompt, tokens_at, total, k):
+            out = next(o.token_ids for o in ref if o.prompt_token_ids == prompt)
+            drafts = list(out[total - len(prompt): total - len(prompt) + k])
+            Replay.calls += 1
+            if drafts and Replay.calls % 3 == 0:
+                drafts[-1] = (drafts[-1] + 1) % 100
+            return drafts
+
+        def forget(self, request_id):
+            pass
+
+    eng.drafter = Replay()
+    try:
+        got = eng.generate(prompts, params)
+        stats = eng.draft_policy.stats
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
