@@ -293,6 +293,10 @@ class EngineConfig:
             raise ConfigError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative method mtp runs on one GPU only for now (its draft layer is not split "
+                              "over tensor-parallel ranks); use method ngram with --tp")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -30,6 +30,7 @@ from agent_infer.engine.warmup import warm_up
 from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from agent_infer.models.registry import resolve_model_class
 from agent_infer.sampling_params import SamplingParams
+from agent_infer.speculative.mtp import MtpDrafter
 from agent_infer.speculative.ngram import NgramDrafter
 from agent_infer.speculative.policy import DraftPolicy
 from agent_infer.structured.constraints import Constraints
@@ -145,7 +146,10 @@ class LLMEngine:
         # the policy lets carry them (agent_infer/speculative).
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
+        self.drafter: NgramDrafter | MtpDrafter | None = None
+        if spec is not None:
+            self.drafter = (MtpDrafter(self.runner) if spec.method == "mtp"
+                            else NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
         self.draft_policy = DraftPolicy(spec.disable_by_batch_size if spec is not None else None)
         # Masks and biases of constrained requests (agent_infer/structured), rank 0 only.
         self.constraints = Constraints(self.grammar, self.model_config.vocab_size, self.eos_token_ids, self.device,
@@ -153,8 +157,10 @@ class LLMEngine:
         self._early_outputs: list[RequestOutput] = []  # read back inside a constrained launch
         # Overlap keeps the sampled tokens on the device (TP workers get them by a device
         # broadcast, see workers.py). Recompute preemption would re-prefill tokens the
-        # host does not know yet, so it runs synchronously.
-        self.async_scheduling = config.async_scheduling and config.preemption_mode == "none"
+        # host does not know yet, so it runs synchronously; so does an MTP draft layer,
+        # which runs after each step on its tokens.
+        self.async_scheduling = (config.async_scheduling and config.preemption_mode == "none"
+                                 and not self.runner.uses_draft_layer)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -372,7 +378,10 @@ class LLMEngine:
         self.stats.record_step(batch)
         if self.stats.trace is not None:
             self.stats.trace.record(batch, now, blocked_s=now - t_wait)
-        return self._postprocess(batch, result)
+        outputs = self._postprocess(batch, result)
+        if self.drafter is not None:
+            self.drafter.after_step(batch)
+        return outputs
 
     def _worker_failed(self, error: Exception):
         """A TP step failed part-way (a worker died or failed, or rank 0's own part of the

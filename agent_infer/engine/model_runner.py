@@ -110,13 +110,22 @@ class ModelRunner:
         # received by broadcast), read by the next step's placeholder inputs.
         self._prev_tokens: torch.Tensor | None = None
         self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
+        # A draft layer (speculative method mtp) reads the last step's inputs and hidden states.
+        self._last: tuple[HostStep, torch.Tensor] | None = None
 
     # ---- set-up --------------------------------------------------------------------
 
     def _load_model(self) -> torch.nn.Module:
         cls = resolve_model_class(self.model_config.architecture, self.model_config.impl)
+        spec = self.config.speculative_config
+        self.uses_draft_layer = spec is not None and spec.method == "mtp"
         with build_context(self.device, self.dtype):
             model = cls(self.model_config, self.tp, self.max_model_len)
+            if self.uses_draft_layer:
+                if not getattr(model, "num_draft_layers", 0):
+                    raise ConfigError(f"speculative method mtp needs a checkpoint with a multi-token-prediction "
+                                      f"layer; this {self.model_config.architecture} has none")
+                model.enable_draft_layer()
         weights = iter_weights(self.model_config.path)
         quant = self.config.resolve_quantization(self.model_config.quantization)
         if quant is not None:  # which weights an fp8 checkpoint stores in e4m3 (online: all that can be)
@@ -148,7 +157,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
-        if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs:
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs \
+                or self.uses_draft_layer:  # the draft layer reads every step's hidden states
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.backend)
@@ -246,6 +256,8 @@ class ModelRunner:
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.uses_draft_layer:
+            self._last = (step, hidden)
         prompt_lp = self._prompt_logprobs(hidden, step) if step.prompt_lp_rows is not None else None
         return self.model.compute_logits(hidden[inputs.sample_indices]), prompt_lp
 
@@ -313,6 +325,55 @@ class ModelRunner:
             buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64, device=self.device)
             self._received_tokens = buf
         return buf[:n]
+
+    @torch.inference_mode()
+    def draft_with_mtp(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run the draft layer over what the last step (`batch`, now resolved) computed and
+        kept: position p of a sequence takes the step's hidden state at p and token p + 1.
+        Returns (sequence, draft) for each sequence whose last such position predicts
+        its next unknown token."""
+        assert self._last is not None, "draft_with_mtp follows a step run eagerly"
+        step, hidden = self._last
+        self._last = None
+        qsl = step.query_start_loc
+        rows, ids, kept, starts, lens = [], [], [], [], []
+        for i, seq in enumerate(batch.seqs):
+            start = int(step.positions[qsl[i]])
+            n = min(int(step.query_lens[i]), seq.num_tokens - 1 - start)  # rows whose next token is known
+            if seq.is_finished or n <= 0:
+                continue
+            rows.append(np.arange(qsl[i], qsl[i] + n))
+            ids += [seq.token_at(p + 1) for p in range(start, start + n)]
+            kept.append(seq)
+            starts.append(start)
+            lens.append(n)
+        if not kept:
+            return []
+        tables = np.zeros((len(kept), max(len(s.block_table) for s in kept)), dtype=np.int32)
+        for k, seq in enumerate(kept):
+            tables[k, : len(seq.block_table)] = seq.block_table
+        q_lens = np.asarray(lens, dtype=np.int32)
+        positions, slots, cu = ragged_slots(tables, np.asarray(starts, dtype=np.int64), q_lens, self.block_size)
+        ctx = (np.asarray(starts) + q_lens).astype(np.int32)
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = self.backend.prepare(AttentionMetadata(
+            is_prefill=True, slot_mapping=to_dev(slots), block_tables=to_dev(tables), context_lens=to_dev(ctx),
+            query_start_loc=to_dev(cu), max_query_len=int(q_lens.max()), query_lens_host=q_lens.tolist(),
+            context_lens_host=ctx.tolist(), block_tables_host=tables,
+        ))
+        with forward_context(meta):
+            out = self.model.draft_hidden(to_dev(np.asarray(ids, dtype=np.int64)),
+                                          hidden[to_dev(np.concatenate(rows))], to_dev(positions))
+        want = [k for k, seq in enumerate(kept) if starts[k] + lens[k] == seq.num_tokens - 1]
+        if not want:
+            return []
+        last = to_dev((cu[1:] - 1)[want].astype(np.int64))
+        drafts = self.model.compute_logits(out[last]).argmax(dim=-1).tolist()
+        return [(kept[k], t) for k, t in zip(want, drafts)]
 
     def collect(self, inflight: InFlight) -> StepOutput:
         """Wait for a launched step; its results on the host (the step's one sync)."""

@@ -39,6 +39,7 @@ from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding, yarn_mscale
 from agent_infer.loader.load import WeightMap, WeightRule
 from agent_infer.models.base import DecoderLM, DecoderStack
+from agent_infer.models.deepseek_mtp import MTP_SHARED, DeepseekMTP, mtp_weight_renames
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,11 @@ class DeepseekModel(DecoderStack):
         )
 
 
+# Decoder layers' MLPs: the main stack's, and the MTP layer's (loaded as `mtp.block`).
+_MLP = r"(?:model\.layers\.\d+|mtp\.block)\.mlp"
 # The dense layers' gate and up into their merged projection; the experts' rules are MoE's.
 _DENSE_RULES = (
-    WeightRule(r"(?P<pre>model\.layers\.\d+\.mlp)\.(?P<shard>gate|up)_proj\.weight", "{pre}.gate_up_proj.weight",
+    WeightRule(rf"(?P<pre>{_MLP})\.(?P<shard>gate|up)_proj\.weight", "{pre}.gate_up_proj.weight",
                shards={"gate": 0, "up": 1}),
 )
 
@@ -232,21 +235,49 @@ class DeepseekForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
         super().__init__(cfg, DeepseekModel(cfg, tp, max_pos), tp)
         self.shared_joined = shared_experts_join(cfg.family, tp)
+        self.tp = tp
+        self.mtp: DeepseekMTP | None = None
+
+    @property
+    def num_draft_layers(self) -> int:
+        return self.config.family.num_nextn_predict_layers
+
+    def enable_draft_layer(self) -> None:
+        """Build the first multi-token-prediction layer (loaded, not skipped), whose
+        attention joins `attention_layers` last (a latent cache of its own)."""
+        cfg = self.config
+        rotary = self.model.layers[0].self_attn.rotary
+        self.mtp = DeepseekMTP(cfg, DeepseekDecoderLayer(cfg, cfg.num_layers, rotary, self.tp))
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        main = super().attention_layers
+        return main if self.mtp is None else main + [self.mtp.block.self_attn.attn]
+
+    def draft_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The MTP layer at positions p given t_{p+1} and the main model's h_p; its output
+        goes through `compute_logits` for t_{p+2}."""
+        return self.mtp(self.model.embed_tokens(next_ids), hidden, positions)
 
     def weight_map(self) -> WeightMap:
         cfg, f = self.config, self.config.family
         skip = [r".*\.rotary_emb\.inv_freq"]
         if cfg.tie_word_embeddings:
             skip.append(r"lm_head\.weight")
+        rules = expert_rules(_MLP, "gate_proj", "up_proj", "down_proj", self.shared_joined)
+        if self.mtp is not None:
+            later = "|".join(str(cfg.num_layers + i) for i in range(1, f.num_nextn_predict_layers))
+            skip += list(MTP_SHARED) + ([rf"model\.layers\.({later})\..*"] if later else [])
+            return WeightMap(rules=rules + _DENSE_RULES, skip=tuple(skip),
+                             renames=mtp_weight_renames(cfg.num_layers))
         if f.num_nextn_predict_layers:
-            # V3's multi-token-prediction layers follow the decoder layers; decoding one
-            # token at a time never runs them.
+            # V3's multi-token-prediction layers follow the decoder layers; only
+            # speculative decoding with method mtp runs them.
             first = cfg.num_layers
             mtp = "|".join(str(first + i) for i in range(f.num_nextn_predict_layers))
             skip.append(rf"model\.layers\.({mtp})\..*")
-            log.info("skipping %d multi-token-prediction layer(s) (model.layers.%d...) at load",
-                     f.num_nextn_predict_layers, first)
-        rules = expert_rules(r"model\.layers\.\d+\.mlp", "gate_proj", "up_proj", "down_proj", self.shared_joined)
+            log.info("skipping %d multi-token-prediction layer(s) (model.layers.%d...) at load: no "
+                     "--speculative-config with method mtp", f.num_nextn_predict_layers, first)
         return WeightMap(rules=rules + _DENSE_RULES, skip=tuple(skip))
 
     def warmup_prompt_lengths(self) -> tuple[int, ...]:

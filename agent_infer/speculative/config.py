@@ -50,6 +50,10 @@ class SpeculativeConfig:
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("speculative_config: 1 <= prompt_lookup_min <= prompt_lookup_max is needed, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "mtp" and self.num_speculative_tokens != 1:
+            raise ConfigError("speculative_config: method mtp drafts one token per step (the checkpoint's first "
+                              f"multi-token-prediction layer), so num_speculative_tokens must be 1, got "
+                              f"{self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ConfigError(f"speculative_config: disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
 
