@@ -141,7 +141,7 @@ class FakeRunner:
         self.inflight = 0
 
     def build_step(self, batch):
-        from agent_infer.engine.model_runner import build_host_step
+        from agent_infer.engine.host_step import build_host_step
 
         return build_host_step(batch, self.block_size)  # the real host-side input building
 

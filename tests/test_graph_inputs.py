@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from agent_infer.engine.cuda_graphs import RowInputs, _RowStaging
-from agent_infer.engine.model_runner import HostStep
+from agent_infer.engine.host_step import HostStep
 
 
 def _step(b: int, placeholders: bool) -> HostStep:

@@ -455,6 +455,9 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
                 drafts[-1] = (drafts[-1] + 1) % 100
             return drafts
 
+        def after_step(self, batch):
+            pass
+
         def forget(self, request_id):
             pass
 

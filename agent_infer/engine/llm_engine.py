@@ -634,13 +634,12 @@ class EngineStats:
         self.steps += 1
         self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
         self.last_batch_decode_rows = batch.num_decode
-        decode_rows = batch.num_decode if batch.is_prefill else len(batch)
-        self.last_batch_prompts_done = sum(1 for i in range(decode_rows, len(batch))
-                                           if batch.samples[i] and not batch.drafts_of(i))
+        decode_seqs = batch.num_decode_seqs
+        self.last_batch_prompts_done = sum(batch.samples[decode_seqs:])
         if batch.num_prompt_rows:
             self.prefill_steps += 1
-            # A mixed step's decode and verify rows are not prompt.
-            self.prompt_tokens += batch.num_tokens - batch.num_decode - batch.num_verify_rows - batch.num_draft_tokens
+            # A mixed step's decode rows (with their drafts) are not prompt.
+            self.prompt_tokens += sum(batch.num_new_tokens[decode_seqs:])
         else:
             self.decode_steps += 1
             self.max_decode_batch = max(self.max_decode_batch, len(batch))

@@ -25,9 +25,10 @@ from agent_infer.attention.metadata import AttentionMetadata, forward_context, l
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.state import ParallelState, broadcast_from_first
 from agent_infer.engine.cuda_graphs import DecodeGraphs
+from agent_infer.engine.host_step import HostStep, build_host_step
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
-from agent_infer.engine.structs import PLACEHOLDER, Sequence
+from agent_infer.engine.structs import Sequence
 from agent_infer.kernels import ops
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
 from agent_infer.kvcache.slots import ragged_slots
@@ -161,7 +162,9 @@ class ModelRunner:
                 or self.uses_draft_layer:  # the draft layer reads every step's hidden states
             return
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_blocks, self.device, self.backend)
+        spec = self.config.speculative_config
+        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        self.graphs = DecodeGraphs(self.model, min(rows, 512), max_blocks, self.device, self.backend)
         self.graphs.capture()
 
     def eager_decode_batches(self) -> tuple[list[int], list[int]]:
@@ -335,14 +338,14 @@ class ModelRunner:
         assert self._last is not None, "draft_with_mtp follows a step run eagerly"
         step, hidden = self._last
         self._last = None
-        qsl = step.query_start_loc
         rows, ids, kept, starts, lens = [], [], [], [], []
         for i, seq in enumerate(batch.seqs):
-            start = int(step.positions[qsl[i]])
-            n = min(int(step.query_lens[i]), seq.num_tokens - 1 - start)  # rows whose next token is known
+            first, end = step.token_range(i)
+            start = int(step.positions[first])
+            n = min(end - first, seq.num_tokens - 1 - start)  # rows whose next token is known
             if seq.is_finished or n <= 0:
                 continue
-            rows.append(np.arange(qsl[i], qsl[i] + n))
+            rows.append(np.arange(first, first + n))
             ids += [seq.token_at(p + 1) for p in range(start, start + n)]
             kept.append(seq)
             starts.append(start)
@@ -414,118 +417,6 @@ class InFlight:
         if self.prompt is not None:
             result.prompt_logprobs = _split_prompt_logprobs(self.prompt, self.prompt_counts)
         return result
-
-
-@dataclass
-class HostStep:
-    """A step's inputs as host arrays: built once on rank 0, sent as is to TP workers."""
-
-    is_prefill: bool
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
-    block_tables: np.ndarray  # [B, max_blocks] int32
-    context_lens: np.ndarray  # [B] int32
-    query_lens: np.ndarray  # [B] int32
-    query_start_loc: np.ndarray  # [B + 1] int32
-    sample_indices: np.ndarray  # [S] int64
-    # Input tokens still on the device: index into the previous step's sampled tokens
-    # (-1: the id in input_ids is real), one per input token. None when there are none.
-    prev_index: np.ndarray | None = None
-    # A mixed step (is_prefill): its first num_decode sequences are one-token decode rows.
-    num_decode: int = 0
-    # Prompt logprobs (prefill only; None when no sequence asks): the rows whose logits
-    # predict a later prompt token, that token, how many rows each sequence has (batch
-    # order), and the top-k to return.
-    prompt_lp_rows: np.ndarray | None = None  # [R] int64
-    prompt_lp_targets: np.ndarray | None = None  # [R] int64
-    prompt_lp_counts: np.ndarray | None = None  # [B] int64
-    prompt_lp_k: int = 0
-
-
-def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
-    ids: list = []
-    query_lens = np.asarray(batch.num_new_tokens, dtype=np.int32)
-    starts = np.asarray([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
-    prev: list[int] | None = None
-    decode_rows = len(batch.seqs) if not batch.is_prefill else batch.num_decode
-    for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
-        drafts = batch.drafts_of(i)
-        if drafts:  # a verify row: its last token (known: verify steps resolve at once) and drafts
-            assert seq.last_token_id != PLACEHOLDER, "a verify row needs its last token on the host"
-            ids.append(seq.last_token_id)
-            ids.extend(drafts)
-            continue
-        if i >= decode_rows:
-            ids.extend(seq.all_token_ids[start : start + n])
-            continue
-        # A decode row: its one token is the last sampled, maybe not read back yet. Decode
-        # rows come first, so row i is input token i.
-        token = seq.last_token_id
-        if token == PLACEHOLDER:
-            if prev is None:
-                prev = [-1] * sum(batch.num_new_tokens)
-            prev[i] = seq.pending_row
-        ids.append(token)
-    width = max(len(s.block_table) for s in batch.seqs)
-    tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
-    for i, seq in enumerate(batch.seqs):
-        tables[i, : len(seq.block_table)] = seq.block_table
-    positions, slots, qsl = ragged_slots(tables, starts, query_lens, block_size)
-    samples = np.asarray(batch.samples, dtype=bool)
-    prompt_lp = _prompt_lp_rows(batch, starts, qsl) if batch.is_prefill else None
-    return HostStep(
-        is_prefill=batch.is_prefill,
-        input_ids=np.asarray(ids, dtype=np.int64),
-        positions=positions,
-        slot_mapping=slots,
-        block_tables=tables,
-        context_lens=(starts + query_lens).astype(np.int32),
-        query_lens=query_lens,
-        query_start_loc=qsl,
-        sample_indices=_sample_indices(batch, qsl, samples),
-        prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
-        num_decode=batch.num_decode,
-        **(prompt_lp or {}),
-    )
-
-
-def _sample_indices(batch: ScheduledBatch, qsl: np.ndarray, samples: np.ndarray) -> np.ndarray:
-    """The rows that go through the LM head: each sampling sequence's last, and every row
-    of a verify row."""
-    if not batch.num_draft_tokens:
-        return (qsl[1:] - 1)[samples].astype(np.int64)
-    rows = [np.arange(qsl[i + 1] - batch.sample_rows(i), qsl[i + 1]) for i in range(len(batch.seqs))]
-    return np.concatenate(rows).astype(np.int64)
-
-
-def _prompt_lp_rows(batch: ScheduledBatch, starts: np.ndarray, qsl: np.ndarray) -> dict | None:
-    """For sequences asking for prompt logprobs: each row of this chunk at a position p
-    whose next token p + 1 is still a prompt token (the last prompt position predicts
-    the first output token, which the sampler reports)."""
-    rows: list[np.ndarray] = []
-    targets: list[int] = []
-    counts = np.zeros(len(batch.seqs), dtype=np.int64)
-    k = -1
-    for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens)):
-        want = seq.sampling_params.prompt_logprobs
-        if want is None:
-            continue
-        end = min(int(start) + n, seq.num_prompt_tokens - 1)  # positions start .. end - 1
-        if end <= start:
-            continue
-        rows.append(qsl[i] + np.arange(end - start))
-        targets.extend(seq.prompt_token_ids[start + 1 : end + 1])
-        counts[i] = end - start
-        k = max(k, want)
-    if not rows:
-        return None
-    return {
-        "prompt_lp_rows": np.concatenate(rows).astype(np.int64),
-        "prompt_lp_targets": np.asarray(targets, dtype=np.int64),
-        "prompt_lp_counts": counts,
-        "prompt_lp_k": k,
-    }
 
 
 def _split_prompt_logprobs(p: PromptLogprobs, counts: np.ndarray) -> list[list[tuple[float, list[tuple[int, float]]]]]:

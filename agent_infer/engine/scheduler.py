@@ -16,11 +16,12 @@ admission is optimistic instead, and when blocks run out the newest request is s
 back to the queue, its KV dropped, to be recomputed later (its tokens are kept).
 
 Speculative decoding: a decoding sequence may bring draft tokens (`draft_token_ids`,
-set before scheduling). It then computes its last token and k drafts in one step and
-samples at all k + 1 positions; `on_result` keeps the drafts the target agrees with
-plus the target's own next token, and rolls `num_computed_tokens` back over the rest,
-whose K/V (already written) are overwritten later and never published to the prefix
-cache. Drafts never reach past `max_tokens`, and they get blocks only when that is safe.
+set before scheduling). It then computes its last token and k drafts in one step, as
+k + 1 decode rows (each attends up to its own position), and samples at all of them;
+`on_result` keeps the drafts the target agrees with plus the target's own next token,
+and rolls `num_computed_tokens` back over the rest, whose K/V (already written) are
+overwritten later and never published to the prefix cache. Drafts never reach past
+`max_tokens`, and they get blocks only when that is safe.
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ class ScheduledBatch:
     samples: list[bool] = field(default_factory=list)
     # A mixed batch (is_prefill): its first num_decode sequences are decode rows.
     num_decode: int = 0
-    # Per sequence, the draft tokens it verifies (a verify row: its last token and these,
-    # sampled at every position); empty for the others. A batch with a verify row is
-    # run as a prefill batch (several query tokens per sequence).
+    # Per sequence, the draft tokens it verifies (a verify row: a decode row whose last
+    # token and drafts are computed and sampled at every position); empty for the others.
     drafts: list[list[int]] = field(default_factory=list)
     # Filled by `on_result`: per verify row, how many of its drafts were accepted.
     accepted: list[int] = field(default_factory=list)
@@ -69,14 +69,14 @@ class ScheduledBatch:
         return sum(len(d) for d in self.drafts)
 
     @property
-    def num_verify_rows(self) -> int:
-        return sum(1 for d in self.drafts if d)
+    def num_decode_seqs(self) -> int:
+        """Decode (and verify) rows: the first num_decode of a prefill batch, else all."""
+        return self.num_decode if self.is_prefill else len(self.seqs)
 
     @property
     def num_prompt_rows(self) -> int:
-        """Sequences computing prompt tokens (neither decode nor verify rows)."""
-        decode = self.num_decode if self.is_prefill else len(self.seqs)
-        return len(self.seqs) - decode - self.num_verify_rows
+        """Sequences computing prompt tokens."""
+        return len(self.seqs) - self.num_decode_seqs
 
     def drafts_of(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
@@ -153,8 +153,7 @@ class Scheduler:
         drafts = decode.drafts + [[] for _ in prefill.seqs] if decode.drafts else []
         return ScheduledBatch(
             decode.seqs + prefill.seqs, True, decode.num_new_tokens + prefill.num_new_tokens,
-            decode.samples + prefill.samples, num_decode=decode.num_decode if decode.is_prefill else len(decode),
-            drafts=drafts,
+            decode.samples + prefill.samples, num_decode=len(decode), drafts=drafts,
         )
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
@@ -214,29 +213,25 @@ class Scheduler:
         # grant is safe, and stays so: a grant lowers the free count and one need alike.
         plenty = sum(self._need(s) for s in decoding) <= self.bm.get_num_free_blocks()
         seqs: list[Sequence] = []
-        verify: list[tuple[Sequence, list[int]]] = []
+        drafts: list[list[int]] = []
         budget = self.config.max_num_batched_tokens - len(decoding)  # for drafts
         for seq in decoding:
             if seq.status != SequenceStatus.RUNNING_DECODE:
                 continue  # preempted by an earlier grant this step
             # Drafts stop where max_tokens does: k + 1 tokens come out at most.
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []  # this step's, or none
-            k = min(len(drafts), seq.max_tokens - len(seq.output_token_ids) - 1, max(0, budget))
+            proposed, seq.draft_token_ids = seq.draft_token_ids, []  # this step's, or none
+            k = min(len(proposed), seq.max_tokens - len(seq.output_token_ids) - 1, max(0, budget))
             if k > 0 and self._grow(seq, plenty, extra_tokens=k, preempt=False):
-                verify.append((seq, drafts[:k]))
+                seqs.append(seq)
+                drafts.append(proposed[:k])
                 budget -= k
             elif self._grow(seq, plenty):
                 seqs.append(seq)
-        if not seqs and not verify:
+                drafts.append([])
+        if not seqs:
             return None
-        if not verify:
-            return ScheduledBatch(seqs, False, [1] * len(seqs), [True] * len(seqs))
-        # Plain rows first (a prefill batch's decode rows), then the verify rows.
-        n = len(seqs)
-        return ScheduledBatch(
-            seqs + [s for s, _ in verify], True, [1] * n + [1 + len(d) for _, d in verify],
-            [True] * (n + len(verify)), num_decode=n, drafts=[[] for _ in seqs] + [d for _, d in verify],
-        )
+        return ScheduledBatch(seqs, False, [1 + len(d) for d in drafts], [True] * len(seqs),
+                              drafts=drafts if any(drafts) else [])
 
     # ---- admission and growth ------------------------------------------------------
 
