@@ -98,6 +98,10 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      then nano-vllm's workload (two rounds, empty Triton cache)
   backend            the Llama-3-8B shape natively and through --model-impl transformers:
                      batch 1 and nano-vllm's workload
+  spec [PART...]     speculative decoding; parts: verify (a verify step against a plain one at
+                     batch 1, k = 1..8, Qwen3-8B shape), agent (the default model's real
+                     weights on its own source files, batch 1 and 8, with and without prompt
+                     lookup: run default-model first), mtp (DeepSeek-V3-small's MTP layer)
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
@@ -105,7 +109,7 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      fp8 (the fp8 GEMV chain and the W8A8 GEMMs)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, families (Qwen3-MoE,
-                     Mixtral, the transformers backend), tp (2 GPUs)
+                     Mixtral, the transformers backend), spec (verify steps in graphs), tp (2 GPUs)
 
 Outputs: $FIGURES_DIR, default /tmp/figures. COMMIT=<sha> names the tree in the JSON.
 EOF
@@ -528,6 +532,25 @@ cmd_backend() {  # the Llama-3-8B shape natively and through the transformers ba
   table "$FIG"/backend_*.json
 }
 
+cmd_spec() {  # speculative decoding: verify cost, the agent workload, the MTP layer
+  local part rc parts=${*:-verify agent mtp}
+  for part in $parts; do
+    case $part in
+      verify) m8 || return 1
+              timeout 400 python3 benchmarks/spec_decode.py verify --model "$M8" --output-json "$FIG/spec_verify.json" \
+                > "$FIG/spec_verify.log" 2>&1 ;;
+      agent)  timeout 540 python3 benchmarks/spec_decode.py agent --output-json "$FIG/spec_agent.json" \
+                > "$FIG/spec_agent.log" 2>&1 ;;
+      mtp)    timeout 400 python3 benchmarks/spec_decode.py mtp --random-weights deepseek-v3-small \
+                --output-json "$FIG/spec_mtp.json" > "$FIG/spec_mtp.log" 2>&1 ;;
+      *)      echo "unknown spec part: $part"; return 2 ;;
+    esac
+    rc=$?
+    say "spec $part: rc $rc"
+    tail -n 14 "$FIG/spec_$part.log" | cut -c1-160
+  done
+}
+
 cmd_structured() {
   m8 && need_tokenizer || return 1
   timeout 400 python3 benchmarks/structured_output.py --model "$M8" --batch-sizes 1,64 --input-len 128 \
@@ -620,6 +643,8 @@ cmd_tests() {
       fp8)     timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gemm.py tests/gpu/test_fp8_engine.py \
                  > "$FIG/tests_$part.log" 2>&1 ;;
       families) timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_new_families_gpu.py \
+                 > "$FIG/tests_$part.log" 2>&1 ;;
+      spec)    timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_gpu.py \
                  > "$FIG/tests_$part.log" 2>&1 ;;
       tp)      need_gpus 2 && m8 || return 1
                AGENT_INFER_TP_MODEL_DIR=$M8 timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py \
@@ -722,7 +747,7 @@ main() {
   shift || true
   case $sub in
     help|-h|--help) usage; return 0 ;;
-    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|moe|backend|structured|\
+    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|moe|backend|spec|structured|\
     default-model|tests) ;;
     *) usage; return 2 ;;
   esac

@@ -246,16 +246,18 @@ def test_roofline_counts_every_tensor_but_the_embedding(tmp_path, name):
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3-small"])
 @pytest.mark.parametrize("batch", [1, 8, 256])
 def test_moe_roofline_counts_the_touched_routed_experts_and_all_the_rest(tmp_path, name, batch):
-    """Every checkpoint tensor but the embedding, the routed experts' at the share a step
-    of `batch` tokens touches under uniform routing; the shared experts, which one GPU
-    stores among the routed ones, always in full."""
+    """Every checkpoint tensor but the embedding and the MTP layer (which plain decoding
+    never runs), the routed experts' at the share a step of `batch` tokens touches under
+    uniform routing; the shared experts, which one GPU stores among the routed ones,
+    always in full."""
     cfg = _config(tmp_path, name)
     f = cfg.family
     e, k = f.n_routed_experts, f.router.top_k
     touched = 1 - (1 - k / e) ** batch
     expected = 0.0
+    mtp = f"model.layers.{cfg.num_layers}."
     for tensor, shape in rw.tensor_shapes(rw.PRESETS[name]):
-        if tensor == "model.embed_tokens.weight":
+        if tensor == "model.embed_tokens.weight" or tensor.startswith(mtp):
             continue
         expected += math.prod(shape) * (touched if ".mlp.experts." in tensor else 1.0)
     assert decode_weight_params(cfg, batch) == pytest.approx(expected, rel=1e-12)

@@ -105,6 +105,7 @@ _DEEPSEEK_V3_SMALL = {
     "rms_norm_eps": 1e-6, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid", "norm_topk_prob": True, "hidden_act": "silu", "attention_bias": False,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    "num_nextn_predict_layers": 1,  # V3's MTP layer (loaded only for --speculative-config method mtp)
 }
 
 _QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json

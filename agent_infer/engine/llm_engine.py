@@ -280,16 +280,16 @@ class LLMEngine:
         or not) the batch is launched before the previous one's tokens are read back, so
         the host's bookkeeping overlaps the device's work; outputs then trail the device
         by one step. Otherwise each batch is launched and read back in the same call."""
-        t0 = time.perf_counter()
+        t0, prefills0 = time.perf_counter(), self.stats.prefill_steps
         outputs, self._pending = self._pending, []
         if self._inflight is not None and self._penalty_requests:
             outputs += self._resolve()  # penalties need every earlier token on the host
-        decoding = self._draft_candidates()
-        drafting = self.drafter is not None and self.draft_policy.batch_drafts(len(decoding))
+        decoding, candidates = self._draft_candidates()
+        drafting = bool(candidates) and self.draft_policy.batch_drafts(decoding)
         if drafting:
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
-            self._propose(decoding)
+            self._propose(candidates)
         batch = self.scheduler.schedule()
         if batch is None:
             if self._inflight is not None:
@@ -307,28 +307,34 @@ class LLMEngine:
         if not self.async_scheduling or batch.num_draft_tokens:
             # A verify step's tokens decide where its sequences stand: resolved at once.
             outputs += self._resolve()
-        if self.drafter is not None and batch.num_prompt_rows == 0:  # decode steps are timed for the policy
-            self.draft_policy.record_step(len(batch), time.perf_counter() - t0, bool(batch.num_draft_tokens),
+        # Decode steps are timed for the policy: verify steps, and plain ones that did not
+        # give up their overlap for drafts that did not come (nor waited on a prefill step).
+        if self.drafter is not None and batch.num_prompt_rows == 0 and drafting == bool(batch.num_draft_tokens) \
+                and self.stats.prefill_steps == prefills0:
+            self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
                                           len(batch) + sum(batch.accepted))
         return outputs
 
-    def _draft_candidates(self) -> list[Sequence]:
-        """The sequences a draft could go to now: decoding, with room past the next token."""
+    def _draft_candidates(self) -> tuple[int, list[Sequence]]:
+        """The decoding sequences, and those a draft could go to now: room past the next
+        token, and not paused by the policy (drafts that kept failing, or not coming)."""
         if self.drafter is None:
-            return []
-        return [s for s in self.scheduler.running
-                if s.status == SequenceStatus.RUNNING_DECODE and len(s.output_token_ids) + 1 < s.max_tokens]
+            return 0, []
+        decoding = [s for s in self.scheduler.running if s.status == SequenceStatus.RUNNING_DECODE]
+        return len(decoding), [s for s in decoding if len(s.output_token_ids) + 1 < s.max_tokens
+                               and self.draft_policy.may_draft(s.request_id)]
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Set each sequence's drafts for the coming step (none while its policy pauses it)."""
+        """Set each sequence's drafts for the coming step. A sequence that gets none counts
+        a miss: it paused like one whose drafts fail, since looking cost the step its overlap."""
         k = self.num_speculative_tokens
         for seq in seqs:
-            drafts: list[int] = []
-            if self.draft_policy.may_draft(seq.request_id):
-                room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
-                drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens, room)
-                if drafts and seq.request_id in self.constraints:
-                    drafts = self.constraints.check_drafts(seq, drafts)
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens, room)
+            if drafts and seq.request_id in self.constraints:
+                drafts = self.constraints.check_drafts(seq, drafts)
+            if not drafts:
+                self.draft_policy.on_verified(seq.request_id, 0, 0)
             seq.draft_token_ids = drafts
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
@@ -337,7 +343,7 @@ class LLMEngine:
         # A batch without a constrained row takes the plain path; otherwise the masks are
         # built between the forward pass and sampling (see _constrain).
         process = functools.partial(self._constrain, batch, sampling) if self.constraints.any_in(sampling) else None
-        drafts = [batch.drafts[i] for i, samples in enumerate(batch.samples) if samples] if batch.drafts else None
+        drafts = batch.sampling_drafts()
         if self.workers is None:
             handle = self.runner.launch(step, sampling, process, drafts)
         else:
@@ -361,8 +367,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             self._early_outputs += self._resolve()
             self.constraints.stats.wait_seconds += time.perf_counter() - t0
-        drafts = [batch.drafts[i] for i, samples in enumerate(batch.samples) if samples] if batch.drafts else None
-        return self.constraints.apply(sampling, logits, drafts)
+        return self.constraints.apply(sampling, logits, batch.sampling_drafts())
 
     def _resolve(self) -> list[RequestOutput]:
         batch, handle = self._inflight

@@ -78,6 +78,10 @@ class ScheduledBatch:
         """Sequences computing prompt tokens."""
         return len(self.seqs) - self.num_decode_seqs
 
+    def sampling_drafts(self) -> list[list[int]] | None:
+        """The drafts of the sampling sequences, in order (None: no drafts in the batch)."""
+        return [d for d, samples in zip(self.drafts, self.samples) if samples] if self.drafts else None
+
     def drafts_of(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
 

@@ -318,7 +318,8 @@ class DeepseekForCausalLM(DecoderLM):
             return [(pre + "gate_proj.weight", (inter, h)), (pre + "up_proj.weight", (inter, h)),
                     (pre + "down_proj.weight", (h, inter))]
 
-        for i in range(cfg.num_layers):
+        def layer(i: int) -> list[tuple[str, tuple[int, ...]]]:
+            out: list[tuple[str, tuple[int, ...]]] = []
             pre = f"model.layers.{i}."
             out.append((pre + "input_layernorm.weight", (h,)))
             a = pre + "self_attn."
@@ -337,8 +338,7 @@ class DeepseekForCausalLM(DecoderLM):
                     out.append((a + "q_a_proj.bias", (f.q_lora_rank,)))
             out.append((pre + "post_attention_layernorm.weight", (h,)))
             if not f.is_moe_layer(i):
-                out += mlp(pre + "mlp.", f.intermediate_size)
-                continue
+                return out + mlp(pre + "mlp.", f.intermediate_size)
             out.append((pre + "mlp.gate.weight", (f.n_routed_experts, h)))
             if f.router.correction_bias:
                 out.append((pre + "mlp.gate.e_score_correction_bias", (f.n_routed_experts,)))
@@ -346,7 +346,17 @@ class DeepseekForCausalLM(DecoderLM):
                 out += mlp(pre + f"mlp.experts.{e}.", f.moe_intermediate_size)
             if f.n_shared_experts:
                 out += mlp(pre + "mlp.shared_experts.", f.moe_intermediate_size * f.n_shared_experts)
+            return out
+
+        for i in range(cfg.num_layers):
+            out += layer(i)
         out.append(("model.norm.weight", (h,)))
         if not cfg.tie_word_embeddings:
             out.append(("lm_head.weight", (cfg.vocab_size, h)))
+        for i in range(cfg.num_layers, cfg.num_layers + f.num_nextn_predict_layers):  # V3's MTP layers
+            pre = f"model.layers.{i}."
+            out += [(pre + "embed_tokens.weight", (cfg.vocab_size, h)), (pre + "enorm.weight", (h,)),
+                    (pre + "hnorm.weight", (h,)), (pre + "eh_proj.weight", (h, 2 * h))]
+            out += layer(i)
+            out += [(pre + "shared_head.norm.weight", (h,)), (pre + "shared_head.head.weight", (cfg.vocab_size, h))]
         return out

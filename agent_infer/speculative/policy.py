@@ -1,8 +1,9 @@
 """When to draft, and what drafting has done (the spec-decode metrics).
 
 Drafting must never cost. Two rules keep it so:
-* a sequence whose drafts keep failing stops drafting for a while, twice as long each
-  time it fails again (text that stops repeating itself), and resumes on its own;
+* a sequence whose drafts keep failing, or that keeps having none (looking for drafts
+  costs a step its overlap with the previous one), stops drafting for a while, twice as
+  long each time it fails again (text that stops repeating itself), and resumes on its own;
 * per decode batch size (in powers of two), the engine times plain steps and verify
   steps and drafts only while a verify step yields more tokens per second than a plain
   one: at large batches a step is compute-bound, a verify step costs up to k + 1 plain
@@ -120,7 +121,9 @@ class DraftPolicy:
         return s.steps >= s.resume_at
 
     def on_verified(self, request_id: str, drafted: int, accepted: int) -> None:
-        self.stats.record(drafted, accepted)
+        """A verify row's outcome; `drafted` = 0: the drafter had nothing to propose."""
+        if drafted:
+            self.stats.record(drafted, accepted)
         s = self._seqs.setdefault(request_id, _Backoff())
         if accepted:
             s.fails, s.pause, s.resume_at = 0, 0, 0

@@ -1,0 +1,201 @@
+"""Speculative decoding, measured.
+
+  verify  what a verify step costs next to a plain decode step, at batch 1, for k = 1..8
+          draft tokens (drafts that are always rejected: the step's own cost, one token
+          out); with --random-weights qwen3-8b on a GPU, the issue's Qwen3-8B shape.
+  agent   the agent-like workload on the default model's real weights: source files of
+          this repository given in the prompt and asked back with one change. Tokens/s at
+          batch 1 and 8 with and without prompt lookup, acceptance per draft position,
+          and whether the greedy texts are identical.
+  mtp     DeepSeek-V3's MTP layer: a plain step, a verify step with its draft (and the
+          draft layer's own pass) on --random-weights deepseek-v3-small.
+
+Prints a table last; --output-json keeps the figures. Runs on CPU too (slowly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from agent_infer.config import EngineConfig  # noqa: E402
+from agent_infer.engine.llm_engine import LLMEngine  # noqa: E402
+from agent_infer.sampling_params import SamplingParams  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def model_path(args) -> str:
+    if args.random_weights:
+        from agent_infer.bench.random_weights import ensure_random_model
+
+        return ensure_random_model(args.random_weights)
+    if args.model:
+        return args.model
+    from agent_infer.loader.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def engine(args, path: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device=args.device, max_model_len=args.max_model_len, **kw))
+
+
+class FixedDrafts:
+    """k drafts every step that the target never agrees with (token ids off its path)."""
+
+    def __init__(self, k: int, vocab: int):
+        self.k, self.vocab, self.n = k, vocab, 0
+
+    def propose(self, request_id, prompt, tokens_at, total, k):
+        self.n += 1
+        return [(7919 * (self.n + i)) % self.vocab for i in range(min(k, self.k))]
+
+    def after_step(self, batch):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+
+def time_steps(eng: LLMEngine, prompt_len: int, steps: int) -> float:
+    """Median wall time of a decode step of one request, prefill excluded."""
+    eng.add_request(list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=steps + 2, temperature=0,
+                                                                     ignore_eos=True))
+    eng.step()  # prefill
+    times = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:-2] or times)
+
+
+def force_drafting(eng: LLMEngine) -> None:
+    eng.draft_policy.batch_drafts = lambda num_decoding: True
+    eng.draft_policy.may_draft = lambda request_id: True
+
+
+def cmd_verify(args) -> tuple[list[tuple], dict]:
+    path = model_path(args)
+    eng = engine(args, path, max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": 8,
+                                                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    force_drafting(eng)
+    vocab = eng.model_config.vocab_size
+    results = {}
+    for k in [0] + list(range(1, 9)):
+        eng.drafter = FixedDrafts(k, vocab)
+        time_steps(eng, args.prompt_len, 8)  # warm-up of this shape
+        results[k] = statistics.median(time_steps(eng, args.prompt_len, args.steps) for _ in range(args.repeats))
+    base = results[0]
+    rows = [(f"k = {k}" if k else "plain decode step", results[k] * 1e3, results[k] / base) for k in results]
+    return [("step", "ms", "x plain")] + rows, {"model": path, "step_s": results}
+
+
+def agent_prompts(eng: LLMEngine, n: int, max_chars: int) -> list[list[int]]:
+    """Chat prompts: a source file of this repository, asked back with one change."""
+    from agent_infer.loader.tokenizer import ChatFormatter
+
+    files = sorted(glob.glob(os.path.join(REPO, "agent_infer", "**", "*.py"), recursive=True))
+    files = [f for f in files if os.path.getsize(f) > max_chars // 2][:n]
+    fmt = ChatFormatter(eng.tokenizer)
+    prompts = []
+    for f in files:
+        src = open(f).read()[:max_chars]
+        src = src[: src.rfind("\n") + 1]
+        ask = (f"Here is the start of {os.path.relpath(f, REPO)}:\n\n```python\n{src}```\n\nWrite it out again "
+               "exactly, with one change: put the line `# reviewed` at the very top. Reply with the code only.")
+        text = fmt.render([{"role": "user", "content": ask}])
+        prompts.append(eng.tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def run_agent(eng: LLMEngine, prompts, batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs, tokens, wall = [], 0, 0.0
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        got = eng.generate(prompts[i : i + batch], params)
+        wall += time.perf_counter() - t0
+        tokens += sum(len(o.token_ids) for o in got)
+        outs += [o.token_ids for o in got]
+    return tokens / wall, outs
+
+
+def cmd_agent(args) -> tuple[list[tuple], dict]:
+    path = model_path(args)
+    plain = engine(args, path, max_num_seqs=8)
+    spec = engine(args, path, max_num_seqs=8, speculative_config=NGRAM)
+    prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
+    run_agent(plain, prompts[:1], 1, 16)  # warm-up
+    run_agent(spec, prompts[:1], 1, 16)
+    spec.draft_policy.stats.__init__()
+    rows, payload = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical")], {"model": path}
+    for batch in args.batches:
+        rate_p, out_p = run_agent(plain, prompts, batch, args.max_tokens)
+        rate_s, out_s = run_agent(spec, prompts, batch, args.max_tokens)
+        same = sum(a == b for a, b in zip(out_p, out_s))
+        rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}"))
+        payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same}
+    s = spec.draft_policy.stats
+    per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
+    payload["acceptance_per_position"] = per_pos
+    payload["tokens_per_verify_row"] = s.mean_acceptance_length
+    rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", ""))
+    rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", ""))
+    return rows, payload
+
+
+def cmd_mtp(args) -> tuple[list[tuple], dict]:
+    path = model_path(args)
+    plain = engine(args, path, max_num_seqs=1)
+    spec = engine(args, path, max_num_seqs=1, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    force_drafting(spec)
+    for e in (plain, spec):
+        time_steps(e, args.prompt_len, 8)
+    t_plain = statistics.median(time_steps(plain, args.prompt_len, args.steps) for _ in range(args.repeats))
+    t_spec = statistics.median(time_steps(spec, args.prompt_len, args.steps) for _ in range(args.repeats))
+    s = spec.draft_policy.stats
+    rows = [("step", "ms", "x plain"), ("plain decode step", t_plain * 1e3, 1.0),
+            ("verify step + MTP draft pass", t_spec * 1e3, t_spec / t_plain),
+            ("break-even acceptance", t_spec / t_plain - 1, "")]
+    return rows, {"model": path, "plain_s": t_plain, "verify_s": t_spec, "drafts": s.num_drafts}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["verify", "agent", "mtp"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--random-weights", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-chars", type=int, default=2400)
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": f"spec_decode {args.what}", "args": vars(args), **payload}, f, indent=1)
+    from agent_infer.bench.table import render_table
+
+    print(render_table([tuple(x if isinstance(x, str) else str(x) if isinstance(x, int) else f"{x:,.3f}" for x in r)
+                        for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Speculative decoding on a GPU (bf16): verify steps replayed from CUDA graphs give the
+tokens eager verify steps give, and greedy decoding with drafts stays close to
+transformers under vLLM's logprob-closeness rule (verify rows are decode rows of a
+larger batch, so bf16 rounding may differ from plain decoding's: exactness is the CPU
+suite's, in fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent_infer.sampling_params import SamplingParams
+from tests.gpu.test_engine_gpu import TOP, _engine, _matched_with_transformers, _prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class Replay:
+    """Drafts from a reference run (every third one wrong): acceptance and rejection both
+    happen whatever the random weights write."""
+
+    def __init__(self, outs):
+        self.outs, self.calls = outs, 0
+
+    def propose(self, request_id, prompt, tokens_at, total, k):
+        out = next(o.token_ids for o in self.outs if o.prompt_token_ids == prompt)
+        drafts = list(out[total - len(prompt): total - len(prompt) + k])
+        self.calls += 1
+        if drafts and self.calls % 3 == 0:
+            drafts[-1] = (drafts[-1] + 1) % 100
+        return drafts
+
+    def after_step(self, batch):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_verify_steps_in_graphs_equal_eager_and_stay_close_to_transformers(name, tiny_model_dirs):
+    path = tiny_model_dirs[name]
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=TOP)
+    plain = _engine(path, eager=False).generate(prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    outs = {}
+    for eager in (False, True):
+        eng = _engine(path, eager=eager, speculative_config=spec)
+        assert (eng.runner.graphs is None) == eager
+        eng.draft_policy.batch_drafts = lambda num_decoding: True
+        eng.drafter = Replay(plain)
+        outs[eager] = eng.generate(prompts, params)
+        stats = eng.draft_policy.stats
+        assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+    assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]], "graphs and eager differ"
+    matched = _matched_with_transformers(path, prompts, {"spec": outs[False], "plain": plain}, name)
+    print(f"{name} with drafts: tokens matched before first (tolerated) difference: {matched}")
