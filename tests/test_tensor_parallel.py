@@ -22,6 +22,7 @@ from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.distributed.control import ControlClient, ControlServer, WorkerError
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.drafters import Replay
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 12, 13], list(range(20, 61))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=20)
@@ -332,6 +333,7 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
         from agent_infer.config import EngineConfig
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.drafters import Replay
         e = LLMEngine(EngineConfig(model={tiny_model_dirs['llama']!r}, device="cpu", num_kv_blocks=64, tensor_parallel_size=2))
         print("OK", e.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].token_ids)
         e.shutdown()
@@ -433,9 +435,8 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
 
 def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
     """Verify steps (several query rows per sequence, rows sampled at each) go to the
-    workers like any step: TP = 2 with drafts gives plain TP = 1's tokens. The drafts
-    replay the reference (every third one wrong), so both acceptance and rejection occur
-    whatever the random model writes."""
+    workers like any step: TP = 2 with drafts gives plain TP = 1's tokens (the drafts
+    replay the reference, some wrong)."""
     path = tiny_model_dirs["qwen3"]
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], list(range(20, 61))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -443,25 +444,7 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
     eng = make_engine(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                    "prompt_lookup_max": 2, "prompt_lookup_min": 1})
     eng.draft_policy.batch_drafts = lambda num_decoding: True
-
-    class Replay:
-        calls = 0
-
-        def propose(self, request_id, prompt, tokens_at, total, k):
-            out = next(o.token_ids for o in ref if o.prompt_token_ids == prompt)
-            drafts = list(out[total - len(prompt): total - len(prompt) + k])
-            Replay.calls += 1
-            if drafts and Replay.calls % 3 == 0:
-                drafts[-1] = (drafts[-1] + 1) % 100
-            return drafts
-
-        def after_step(self, batch):
-            pass
-
-        def forget(self, request_id):
-            pass
-
-    eng.drafter = Replay()
+    eng.drafter = Replay(ref)
     try:
         got = eng.generate(prompts, params)
         stats = eng.draft_policy.stats

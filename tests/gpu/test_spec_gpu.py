@@ -10,31 +10,10 @@ import pytest
 import torch
 
 from agent_infer.sampling_params import SamplingParams
+from tests.drafters import Replay
 from tests.gpu.test_engine_gpu import TOP, _engine, _matched_with_transformers, _prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-class Replay:
-    """Drafts from a reference run (every third one wrong): acceptance and rejection both
-    happen whatever the random weights write."""
-
-    def __init__(self, outs):
-        self.outs, self.calls = outs, 0
-
-    def propose(self, request_id, prompt, tokens_at, total, k):
-        out = next(o.token_ids for o in self.outs if o.prompt_token_ids == prompt)
-        drafts = list(out[total - len(prompt): total - len(prompt) + k])
-        self.calls += 1
-        if drafts and self.calls % 3 == 0:
-            drafts[-1] = (drafts[-1] + 1) % 100
-        return drafts
-
-    def after_step(self, batch):
-        pass
-
-    def forget(self, request_id):
-        pass
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
