@@ -129,6 +129,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # the final hidden states (a draft layer reads them)
         self.pool = None
 
     def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:
@@ -144,11 +145,11 @@ class DecodeGraphs:
             decode_order=rows.order,
         ))
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.rows.device_rows(bs)
         with forward_context(self._meta(bs, rows)):
             hidden = self.model(rows.input_ids, rows.positions)
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -163,7 +164,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
+                self.hidden[bs], self.logits[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -173,11 +174,13 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
 
-    def run(self, step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Replay the graph for `step` (a decode HostStep); returns logits [B, vocab]."""
+    def run(self, step, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for `step` (a decode HostStep); returns the final hidden states
+        [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites."""
         size = self.stage(step, prev_tokens)
         self.graphs[size].replay()
-        return self.logits[size][:len(step.input_ids)]
+        n = len(step.input_ids)
+        return self.hidden[size][:n], self.logits[size][:n]
 
     def stage(self, step, prev_tokens: torch.Tensor | None) -> int:
         """Everything a replay needs that runs outside the graph: the inputs copied into the

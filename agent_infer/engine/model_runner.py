@@ -158,8 +158,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
-        if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs \
-                or self.uses_draft_layer:  # the draft layer reads every step's hidden states
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         spec = self.config.speculative_config
@@ -255,7 +254,10 @@ class ModelRunner:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab] and
         the prompt logprobs the step asks for (None when none)."""
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            return self.graphs.run(step, self._prev_tokens), None  # every decode row samples
+            hidden, logits = self.graphs.run(step, self._prev_tokens)
+            if self.uses_draft_layer:
+                self._last = (step, hidden)  # read before the next replay: MTP steps resolve at once
+            return logits, None  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
