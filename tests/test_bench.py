@@ -126,7 +126,9 @@ def test_hub_presets_load_everywhere_and_hold_transformers_tensors(tmp_path, nam
                 theirs[k.removesuffix("down_proj") + f"{i}.down_proj.weight"] = tuple(v.shape[1:])
         elif "rotary_emb" not in k:
             theirs[k] = tuple(v.shape)
-    assert theirs == dict(rw.tensor_shapes(preset))
+    # transformers has no class for V3's MTP layer (it drops those tensors at load).
+    mtp = f"model.layers.{ours.num_layers}."
+    assert theirs == {n: s for n, s in rw.tensor_shapes(preset) if not n.startswith(mtp)}
 
 
 def test_writer_shards_index_values_and_cache_reuse(tmp_path, monkeypatch, default_model_dir):

@@ -333,7 +333,6 @@ def test_two_tp_engines_on_one_host(tiny_model_dirs):
         from agent_infer.config import EngineConfig
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.drafters import Replay
         e = LLMEngine(EngineConfig(model={tiny_model_dirs['llama']!r}, device="cpu", num_kv_blocks=64, tensor_parallel_size=2))
         print("OK", e.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].token_ids)
         e.shutdown()

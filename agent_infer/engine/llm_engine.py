@@ -307,10 +307,8 @@ class LLMEngine:
         if not self.async_scheduling or batch.num_draft_tokens:
             # A verify step's tokens decide where its sequences stand: resolved at once.
             outputs += self._resolve()
-        # Decode steps are timed for the policy: verify steps, and plain ones that did not
-        # give up their overlap for drafts that did not come (nor waited on a prefill step).
-        if self.drafter is not None and batch.num_prompt_rows == 0 and drafting == bool(batch.num_draft_tokens) \
-                and self.stats.prefill_steps == prefills0:
+        # Decode steps are timed for the policy (not one that waited on a prefill step).
+        if self.drafter is not None and batch.num_prompt_rows == 0 and self.stats.prefill_steps == prefills0:
             self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
                                           len(batch) + sum(batch.accepted))
         return outputs

@@ -337,7 +337,7 @@ class ModelRunner:
         kept: position p of a sequence takes the step's hidden state at p and token p + 1.
         Returns (sequence, draft) for each sequence whose last such position predicts
         its next unknown token."""
-        assert self._last is not None, "draft_with_mtp follows a step run eagerly"
+        assert self._last is not None, "draft_with_mtp follows the step it drafts from"
         step, hidden = self._last
         self._last = None
         rows, ids, kept, starts, lens = [], [], [], [], []

@@ -4,21 +4,24 @@ Drafting must never cost. Two rules keep it so:
 * a sequence whose drafts keep failing, or that keeps having none (looking for drafts
   costs a step its overlap with the previous one), stops drafting for a while, twice as
   long each time it fails again (text that stops repeating itself), and resumes on its own;
-* per decode batch size (in powers of two), the engine times plain steps and verify
-  steps and drafts only while a verify step yields more tokens per second than a plain
-  one: at large batches a step is compute-bound, a verify step costs up to k + 1 plain
-  ones, and drafting turns itself off. It re-measures now and then, so a change in the
-  workload turns it back on.
+* per decode batch size (in powers of two), the engine times plain steps and drafting
+  steps (those that looked for drafts, found or not) and drafts only while a drafting
+  step yields more tokens per second than a plain one: at large batches a step is
+  compute-bound, a verify step costs up to k + 1 plain ones, and drafting turns itself
+  off. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
+  the steps' time, so a change in the workload turns it back on.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 FAILS_BEFORE_PAUSE = 3  # verify steps in a row that accept nothing
 MAX_PAUSE_STEPS = 16  # at most this many tokens go undrafted once the text repeats again
 PLAIN_PROBE_EVERY = 64  # while drafting pays: one plain step in this many refreshes its timing
-MAX_PROBE_GAP = 4096  # while it does not: verify probes ever rarer, down to one in this many steps
+MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
+PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
 _EMA = 0.1
 
@@ -66,8 +69,7 @@ class _Bucket:
     verify_s: float | None = None  # EMA of a verify step's
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
-    probe_gap: int = 0  # steps between verify probes while drafting does not pay (0: it pays)
-    next_probe: int = 0
+    next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
 
 
 class DraftPolicy:
@@ -91,20 +93,21 @@ class DraftPolicy:
         if b.verify_s is None:
             return True
         if b.tokens_per_row * b.plain_s >= b.verify_s:  # more tokens per second than a plain step
-            b.probe_gap = 0
+            b.next_probe = 0
             return b.steps % PLAIN_PROBE_EVERY != 0
         if b.steps < b.next_probe:
             return False
-        b.probe_gap = min(MAX_PROBE_GAP, 2 * b.probe_gap or PLAIN_PROBE_EVERY)
-        b.next_probe = b.steps + b.probe_gap
+        extra = b.verify_s / b.plain_s - 1.0  # what a probe costs, in plain steps
+        b.next_probe = b.steps + max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET))
         return True
 
-    def record_step(self, num_decoding: int, seconds: float, verify: bool, tokens: int) -> None:
-        """A decode step's wall time (`verify`: it carried drafts) and the tokens it yielded."""
+    def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
+        """A decode step's wall time and the tokens it yielded; `drafting`: it looked for
+        drafts (found or not), so it also gave up overlapping the previous step."""
         if num_decoding == 0:
             return
         b = self._bucket(num_decoding)
-        if verify:
+        if drafting:
             b.verify_s = _ema(b.verify_s, seconds)
             b.tokens_per_row = _ema(b.tokens_per_row, tokens / num_decoding)
         else:
