@@ -161,15 +161,10 @@ def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smo
     assert engine.draft_policy.stats.num_draft_tokens > engine.draft_policy.stats.num_accepted_tokens > 0
     bm = engine.block_manager
     bs = bm.block_size
-    real: set[int] = set()
-    for out in first:
-        tokens = out.prompt_token_ids + out.token_ids[:-1]  # the last token has no K/V
-        parent = chain_root(None)
-        for i in range(len(tokens) // bs):
-            parent = chain_hash(parent, tuple(tokens[i * bs: (i + 1) * bs]))
-            real.add(parent)
+    # The last token has no K/V.
+    real = {k for out in first for k in _block_keys(out.prompt_token_ids + out.token_ids[:-1], bs)}
     published = {k for k, b in bm.key_to_block.items() if bm.block_tokens[b] is not None}
-    output_keys = published - {k for out in first for k in _prompt_keys(out.prompt_token_ids, bs)}
+    output_keys = published - {k for out in first for k in _block_keys(out.prompt_token_ids, bs)}
     assert output_keys and output_keys <= real
     again = [o.prompt_token_ids + o.token_ids for o in first]
     hits0 = bm.stats.hits
@@ -179,10 +174,11 @@ def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smo
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 
-def _prompt_keys(prompt: list[int], bs: int) -> set[int]:
+def _block_keys(tokens: list[int], bs: int) -> set[int]:
+    """The prefix cache's chained keys of the full blocks of `tokens` (unsalted)."""
     keys, parent = set(), chain_root(None)
-    for i in range(len(prompt) // bs):
-        parent = chain_hash(parent, tuple(prompt[i * bs: (i + 1) * bs]))
+    for i in range(len(tokens) // bs):
+        parent = chain_hash(parent, tuple(tokens[i * bs: (i + 1) * bs]))
         keys.add(parent)
     return keys
 

@@ -79,11 +79,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         row_seq += [i] * n
         row_start += range(start, start + n)
         row_len += [1] * n
-    width = max(len(s.block_table) for s in batch.seqs)
-    tables = np.zeros((len(row_seq), width), dtype=np.int32)
-    for r, i in enumerate(row_seq):
-        table = batch.seqs[i].block_table
-        tables[r, : len(table)] = table
+    tables = block_tables([batch.seqs[i] for i in row_seq])
     starts = np.asarray(row_start, dtype=np.int64)
     query_lens = np.asarray(row_len, dtype=np.int32)
     positions, slots, qsl = ragged_slots(tables, starts, query_lens, block_size)
@@ -109,6 +105,14 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         seq_rows=seq_rows,
         **(prompt_lp or {}),
     )
+
+
+def block_tables(seqs) -> np.ndarray:
+    """The sequences' block tables as rows of one int32 array, zero-padded."""
+    tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+    for r, seq in enumerate(seqs):
+        tables[r, : len(seq.block_table)] = seq.block_table
+    return tables
 
 
 def _prompt_lp_rows(batch: ScheduledBatch, first_token: np.ndarray) -> dict | None:

@@ -403,26 +403,19 @@ class LLMEngine:
             for seq, lps in zip(batch.seqs, result.prompt_logprobs):
                 k = seq.sampling_params.prompt_logprobs or 0
                 seq.prompt_logprobs.extend((lp, top[:k]) for lp, top in lps)
-        # The first logit row of each sampling sequence (a verify row has 1 + k).
-        first_row: dict[int, int] = {}
-        row = 0
-        for i, seq in enumerate(batch.seqs):
-            if batch.samples[i]:
-                first_row[id(seq)] = row
-                row += batch.sample_rows(i)
         now = time.monotonic()
         outputs = []
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
         for (seq, drafted), accepted in zip(verify, batch.accepted):
             self.draft_policy.on_verified(seq.request_id, drafted, accepted)
-        for seq, first in new_tokens:
+        for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
-            self._take_tokens(req, first, first_row[id(seq)], result)
+            self._take_tokens(req, first, row, result)
             self.stats.generation_tokens += seq.num_resolved - first
             outputs.append(self._output(req))
             if seq.is_finished:
@@ -620,7 +613,6 @@ class EngineStats:
     last_batch_size: int = 0  # sequences in the latest step
     last_batch_tokens: int = 0
     last_batch_prefill: bool = False
-    last_batch_decode_rows: int = 0  # a mixed step's decode rows
     last_batch_prompts_done: int = 0  # prompts of the latest step that sampled their first token
     trace: StepTrace | None = field(default=None, repr=False)  # between start_trace() and stop_trace()
 
@@ -636,7 +628,6 @@ class EngineStats:
     def record_step(self, batch: ScheduledBatch) -> None:
         self.steps += 1
         self.last_batch_size, self.last_batch_tokens, self.last_batch_prefill = len(batch), batch.num_tokens, batch.is_prefill
-        self.last_batch_decode_rows = batch.num_decode
         decode_seqs = batch.num_decode_seqs
         self.last_batch_prompts_done = sum(batch.samples[decode_seqs:])
         if batch.num_prompt_rows:

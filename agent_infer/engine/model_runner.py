@@ -25,7 +25,7 @@ from agent_infer.attention.metadata import AttentionMetadata, forward_context, l
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.state import ParallelState, broadcast_from_first
 from agent_infer.engine.cuda_graphs import DecodeGraphs
-from agent_infer.engine.host_step import HostStep, build_host_step
+from agent_infer.engine.host_step import HostStep, block_tables, build_host_step
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import Sequence
@@ -354,30 +354,23 @@ class ModelRunner:
             lens.append(n)
         if not kept:
             return []
-        tables = np.zeros((len(kept), max(len(s.block_table) for s in kept)), dtype=np.int32)
-        for k, seq in enumerate(kept):
-            tables[k, : len(seq.block_table)] = seq.block_table
+        tables = block_tables(kept)
         q_lens = np.asarray(lens, dtype=np.int32)
-        positions, slots, cu = ragged_slots(tables, np.asarray(starts, dtype=np.int64), q_lens, self.block_size)
-        ctx = (np.asarray(starts) + q_lens).astype(np.int32)
-        dev = self.device
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        meta = self.backend.prepare(AttentionMetadata(
-            is_prefill=True, slot_mapping=to_dev(slots), block_tables=to_dev(tables), context_lens=to_dev(ctx),
-            query_start_loc=to_dev(cu), max_query_len=int(q_lens.max()), query_lens_host=q_lens.tolist(),
-            context_lens_host=ctx.tolist(), block_tables_host=tables,
-        ))
-        with forward_context(meta):
-            out = self.model.draft_hidden(to_dev(np.asarray(ids, dtype=np.int64)),
-                                          hidden[to_dev(np.concatenate(rows))], to_dev(positions))
+        starts_arr = np.asarray(starts, dtype=np.int64)
+        positions, slots, cu = ragged_slots(tables, starts_arr, q_lens, self.block_size)
+        # Its K/V is written for every kept position; drafts only where the next token is unknown.
         want = [k for k, seq in enumerate(kept) if starts[k] + lens[k] == seq.num_tokens - 1]
+        inputs = self.prepare(HostStep(
+            is_prefill=True, input_ids=np.asarray(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
+            block_tables=tables, context_lens=(starts_arr + q_lens).astype(np.int32), query_lens=q_lens,
+            query_start_loc=cu, sample_indices=(cu[1:] - 1)[want].astype(np.int64),
+        ))
+        rows_dev = torch.from_numpy(np.concatenate(rows)).to(self.device, non_blocking=True)
+        with forward_context(inputs.meta):
+            out = self.model.draft_hidden(inputs.input_ids, hidden[rows_dev], inputs.positions)
         if not want:
             return []
-        last = to_dev((cu[1:] - 1)[want].astype(np.int64))
-        drafts = self.model.compute_logits(out[last]).argmax(dim=-1).tolist()
+        drafts = self.model.compute_logits(out[inputs.sample_indices]).argmax(dim=-1).tolist()
         return [(kept[k], t) for k, t in zip(want, drafts)]
 
     def collect(self, inflight: InFlight) -> StepOutput:

@@ -321,13 +321,14 @@ class Scheduler:
                 seq.pending_row = row  # a verify row's is never read: its step is resolved at once
                 row += batch.sample_rows(i)
 
-    def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int]]:
+    def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
         """Fill in the step's sampled tokens and apply stop conditions; returns each
-        sequence that got tokens with the output index of its first new one.
-        `token_ids` holds the sampling sequences' rows in order: one each, 1 + k for a
-        verify row, whose tokens are its accepted drafts and then the target's own."""
-        sampled: list[tuple[Sequence, int]] = []
-        tokens = iter(token_ids)
+        sequence that got tokens with the output index of its first new one and the
+        row of `token_ids` it came from. `token_ids` holds the sampling sequences' rows in
+        order: one each, 1 + k for a verify row, whose tokens are its accepted drafts and
+        then the target's own."""
+        sampled: list[tuple[Sequence, int, int]] = []
+        row = 0
         batch.accepted = []
         for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if not samples:
@@ -335,7 +336,8 @@ class Scheduler:
                     self.bm.commit_full_blocks(seq)
                 continue
             drafts = batch.drafts_of(i)
-            rows = [next(tokens) for _ in range(1 + len(drafts))]
+            first_row, row = row, row + 1 + len(drafts)
+            rows = token_ids[first_row:row]
             if drafts:
                 accepted = _num_accepted(drafts, rows)
                 batch.accepted.append(accepted)
@@ -357,10 +359,10 @@ class Scheduler:
             if drafts and not seq.is_finished:
                 seq.num_computed_tokens = seq.num_tokens - 1  # the rejected drafts' K/V are void
             self.bm.commit_full_blocks(seq)
-            sampled.append((seq, first))
+            sampled.append((seq, first, first_row))
         return sampled
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int]]:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
         """on_launch and on_result at once (a step run synchronously)."""
         self.on_launch(batch)
         return self.on_result(batch, token_ids)
