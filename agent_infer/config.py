@@ -300,6 +300,13 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
+    @property
+    def max_decode_rows(self) -> int:
+        """The most one-token rows a decode step holds: every sequence with its verify rows
+        (k + 1 each under speculative decoding)."""
+        spec = self.speculative_config
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

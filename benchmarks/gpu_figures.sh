@@ -101,7 +101,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   spec [PART...]     speculative decoding; parts: verify (a verify step against a plain one at
                      batch 1, k = 1..8, Qwen3-8B shape), agent (the default model's real
                      weights on its own source files, batch 1 and 8, with and without prompt
-                     lookup: run default-model first), mtp (DeepSeek-V3-small's MTP layer)
+                     lookup: run default-model first), mtp (DeepSeek-V3-small's MTP layer),
+                     workload (nano-vllm's workload with and without prompt lookup, twice)
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
@@ -543,6 +544,15 @@ cmd_spec() {  # speculative decoding: verify cost, the agent workload, the MTP l
                 > "$FIG/spec_agent.log" 2>&1 ;;
       mtp)    timeout 400 python3 benchmarks/spec_decode.py mtp --random-weights deepseek-v3-small \
                 --output-json "$FIG/spec_mtp.json" > "$FIG/spec_mtp.log" 2>&1 ;;
+      workload) m8 || return 1  # plain and prompt lookup alternating, fresh processes
+              local r v ngram='{"method": "ngram", "num_speculative_tokens": 4}'
+              for r in 1 2; do
+                for v in plain ngram; do
+                  if [ $v = plain ]; then bench spec_thr_${v}_$r 240 throughput --model "$M8"
+                  else bench spec_thr_${v}_$r 240 throughput --model "$M8" --speculative-config "$ngram"; fi
+                done
+              done > "$FIG/spec_workload.log" 2>&1
+              table "$FIG"/spec_thr_*.json >> "$FIG/spec_workload.log" ;;
       *)      echo "unknown spec part: $part"; return 2 ;;
     esac
     rc=$?

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -46,7 +47,12 @@ def model_path(args) -> str:
 
 
 def engine(args, path: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, device=args.device, max_model_len=args.max_model_len, **kw))
+    config = EngineConfig(model=path, device=args.device, max_model_len=args.max_model_len, **kw)
+    if config.resolve_device().type == "cuda":
+        # Two engines live side by side (plain and speculative): a fixed KV cache each,
+        # where the default would give the first one nearly all of the GPU.
+        config = replace(config, kv_cache_bytes=4 << 30)
+    return LLMEngine(config)
 
 
 class FixedDrafts:

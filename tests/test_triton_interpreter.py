@@ -427,6 +427,53 @@ else:
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
 
+    @pytest.mark.parametrize("family", ["qwen3", "v3"])
+    def test_verify_steps_on_triton_kernels_match_plain_decoding(tmp_path, monkeypatch, family):
+        """Speculative verify steps on the Triton decode kernels (dense and MLA): with two
+        sequences of k + 1 rows each, a step holds more rows than max_num_seqs, and the
+        greedy tokens equal plain decoding's on the torch path."""
+        from agent_infer.attention.dense_triton import DenseTritonBackend
+        from agent_infer.attention.mla import LatentTritonBackend
+        from agent_infer.config import EngineConfig
+        from agent_infer.engine import model_runner
+        from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.kernels import ops
+        from agent_infer.sampling_params import SamplingParams
+        from tests.deepseek_models import write_deepseek_model
+        from tests.drafters import Replay
+        from tests.tiny_models import write_tiny_model
+
+        if family == "v3":
+            path, backend = write_deepseek_model("v3", str(tmp_path / family)), LatentTritonBackend
+        else:
+            path, backend = write_tiny_model("qwen3", str(tmp_path / family)), DenseTritonBackend
+        prompts = [[(7 * i + 3) % 300 + 3 for i in range(19)], [5, 6, 7, 8]]
+        params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        spec = {"method": "ngram", "num_speculative_tokens": 3}
+
+        def engine(**kw) -> LLMEngine:
+            return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=16,
+                                          max_num_seqs=2, **kw))
+
+        plain = engine().generate(prompts, params)
+        verify_rows: list[int] = []
+
+        class CountingBackend(backend):
+            def prepare(self, meta):
+                if not meta.is_prefill:
+                    verify_rows.append(len(meta.context_lens_host))
+                return super().prepare(meta)
+
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
+        eng = engine(speculative_config=spec)
+        eng.draft_policy.batch_drafts = lambda num_decoding: True
+        eng.drafter = Replay(plain)
+        got = eng.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+        assert max(verify_rows) > 2, f"no verify step held more rows than sequences: {verify_rows}"
+        assert eng.draft_policy.stats.num_accepted_tokens > 0
+
     # ---- DeepSeek MLA kernels (tests/mla_checks.py) -----------------------------------
     # Odd tiny shapes on purpose: latent widths and rope dims that are not powers of two
     # (masked tiles), 3 or 20 heads (padded head blocks), block sizes 16 and 32; one case

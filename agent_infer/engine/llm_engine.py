@@ -153,7 +153,7 @@ class LLMEngine:
         self.draft_policy = DraftPolicy(spec.disable_by_batch_size if spec is not None else None)
         # Masks and biases of constrained requests (agent_infer/structured), rank 0 only.
         self.constraints = Constraints(self.grammar, self.model_config.vocab_size, self.eos_token_ids, self.device,
-                                       config.max_num_seqs * (1 + self.num_speculative_tokens))
+                                       config.max_decode_rows)
         self._early_outputs: list[RequestOutput] = []  # read back inside a constrained launch
         # Overlap keeps the sampled tokens on the device (TP workers get them by a device
         # broadcast, see workers.py). Recompute preemption would re-prefill tokens the

@@ -145,7 +145,7 @@ class ModelRunner:
             raise ConfigError(f"{type(self.model).__name__} mixes cache layouts; one backend serves one layout")
         cls = backend_class(layout, self.device, self.config.attention_backend)
         cls.check_cache_dtype(self.kv_cache_dtype, self.dtype)
-        return cls(self.model.attention_layers[0], self.config.max_num_seqs, self.device)
+        return cls(self.model.attention_layers[0], self.config.max_decode_rows, self.device)
 
     def cache_bytes_per_token(self) -> int:
         """KV-cache bytes one token costs on this rank, over all layers."""
@@ -161,16 +161,15 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
-        spec = self.config.speculative_config
-        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
-        self.graphs = DecodeGraphs(self.model, min(rows, 512), max_blocks, self.device, self.backend)
+        self.graphs = DecodeGraphs(self.model, min(self.config.max_decode_rows, 512), max_blocks, self.device,
+                                   self.backend)
         self.graphs.capture()
 
     def eager_decode_batches(self) -> tuple[list[int], list[int]]:
         """Decode-row counts for the start-up warm-up to run eagerly, so that no eager step
         compiles a decode-kernel variant later: (plain decode steps, which run eagerly
         without graphs; the decode rows of mixed steps, which always do)."""
-        n = self.config.max_num_seqs
+        n = self.config.max_decode_rows
         plain = [] if self.graphs is not None else self.backend.eager_decode_batches(n, mixed=False)
         mixed = self.backend.eager_decode_batches(n - 1, mixed=True) if self.config.mixed_batches else []
         return plain, mixed
@@ -327,7 +326,7 @@ class ModelRunner:
         previous tokens (placeholder fill) before the broadcast that overwrites them."""
         buf = self._received_tokens
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64, device=self.device)
+            buf = torch.empty(max(n, self.config.max_decode_rows), dtype=torch.int64, device=self.device)
             self._received_tokens = buf
         return buf[:n]
 

@@ -40,7 +40,7 @@ def setup_runner(
     max_model_len = resolve_max_model_len(config, model_config)
     tp = replace(choose_all_reduce(tp, device, dtype, config.all_reduce), moe_parallel=config.moe_parallel)
     runner = ModelRunner(model_config, config, device, dtype, max_model_len, tp)
-    peak = runner.profile_peak_memory(min(config.max_num_batched_tokens, max_model_len), config.max_num_seqs)
+    peak = runner.profile_peak_memory(min(config.max_num_batched_tokens, max_model_len), config.max_decode_rows)
     budget = KVMemoryPool.estimate_num_blocks(
         runner.cache_bytes_per_token() * config.block_size, device, config.gpu_memory_utilization,
         config.kv_cache_bytes, config.num_kv_blocks, peak,
