@@ -47,7 +47,7 @@ def model_path(args) -> str:
 
 
 def engine(args, path: str, **kw) -> LLMEngine:
-    config = EngineConfig(model=path, device=args.device, max_model_len=args.max_model_len, **kw)
+    config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **kw)
     if config.resolve_device().type == "cuda":
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
@@ -87,7 +87,7 @@ def time_steps(eng: LLMEngine, prompt_len: int, steps: int) -> float:
 
 def force_drafting(eng: LLMEngine) -> None:
     eng.draft_policy.batch_drafts = lambda num_decoding: True
-    eng.draft_policy.may_draft = lambda request_id: True
+    eng.draft_policy.may_draft = lambda request_id, length: True
 
 
 def cmd_verify(args) -> tuple[list[tuple], dict]:
@@ -144,19 +144,26 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     run_agent(plain, prompts[:1], 1, 16)  # warm-up
     run_agent(spec, prompts[:1], 1, 16)
     spec.draft_policy.stats.__init__()
-    rows, payload = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical")], {"model": path}
+    # "plain = first": plain decoding's text at this batch size against its text at the
+    # first one, the variation that batch shapes alone give (bf16 rounding differs with the
+    # number of rows; speculation's verify rows are such a change too).
+    rows = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical", "plain = first")]
+    payload, first = {"model": path, "dtype": args.dtype}, None
     for batch in args.batches:
         rate_p, out_p = run_agent(plain, prompts, batch, args.max_tokens)
         rate_s, out_s = run_agent(spec, prompts, batch, args.max_tokens)
+        first = first or out_p
         same = sum(a == b for a, b in zip(out_p, out_s))
-        rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}"))
-        payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same}
+        stable = sum(a == b for a, b in zip(out_p, first))
+        rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}", f"{stable}/{len(prompts)}"))
+        payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same,
+                                     "plain_same_as_first_batch": stable}
     s = spec.draft_policy.stats
     per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
     payload["acceptance_per_position"] = per_pos
     payload["tokens_per_verify_row"] = s.mean_acceptance_length
-    rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", ""))
-    rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", ""))
+    rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", "", ""))
+    rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", "", ""))
     return rows, payload
 
 
@@ -182,6 +189,7 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--random-weights", default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)

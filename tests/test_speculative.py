@@ -307,18 +307,20 @@ def test_structured_outputs_with_drafts_match_their_schema(smol_engine, spec_smo
 def test_drafting_stops_where_it_costs():
     policy = DraftPolicy()
     # One sequence whose drafts keep failing pauses, longer each time, never past the cap.
+    # Its length is the clock: one token a step while it does not draft.
     pauses, paused = [], 0
-    for _ in range(400):
-        if policy.may_draft("a"):
+    for length in range(100, 500):
+        if policy.may_draft("a", length):
             if paused:
                 pauses.append(paused)
                 paused = 0
-            policy.on_verified("a", 4, 0)
+            policy.on_verified("a", 4, 0, length + 1)
         else:
             paused += 1
     assert pauses[:4] == [2, 4, 8, 16] and max(pauses) == MAX_PAUSE_STEPS
-    policy.on_verified("a", 4, 2)  # an acceptance resets it
-    assert policy.may_draft("a")
+    assert not policy.may_draft("a", 500)
+    policy.on_verified("a", 4, 2, 503)  # an acceptance resets it
+    assert policy.may_draft("a", 503) and policy.may_draft("b", 1)
 
     def run(batch: int, plain_s: float, verify_s: float, tokens_per_row: float, steps: int = 3000) -> int:
         drafted = 0

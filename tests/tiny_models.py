@@ -90,3 +90,20 @@ def _randomise_norms(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+
+
+def decisive_router(path: str, factor: float = 8.0) -> str:
+    """Scale the router (gate) weights of the mixture-of-experts checkpoint at `path` by
+    `factor`, in place. Tiny random routers nearly tie between experts, and in bf16 such a
+    tie flips with rounding and moves the next token by a nat or more (transformers' own
+    bf16 run departs from its fp32 run the same way); bf16 closeness checks need routing
+    that rounding does not decide."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    for name in state:
+        if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+            state[name] = state[name] * factor
+    save_file(state, file, metadata={"format": "pt"})
+    return path

@@ -284,8 +284,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self._inflight is not None and self._penalty_requests:
             outputs += self._resolve()  # penalties need every earlier token on the host
-        decoding, candidates = self._draft_candidates()
-        drafting = bool(candidates) and self.draft_policy.batch_drafts(decoding)
+        candidates = self._draft_candidates()
+        drafting = bool(candidates)
         if drafting:
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
@@ -313,14 +313,17 @@ class LLMEngine:
                                           len(batch) + sum(batch.accepted))
         return outputs
 
-    def _draft_candidates(self) -> tuple[int, list[Sequence]]:
-        """The decoding sequences, and those a draft could go to now: room past the next
-        token, and not paused by the policy (drafts that kept failing, or not coming)."""
+    def _draft_candidates(self) -> list[Sequence]:
+        """The sequences a draft could go to in this step, if the policy drafts at this
+        batch size: room past the next token, and not paused (drafts that kept failing, or
+        not coming). A plain step looks at no sequence one by one."""
         if self.drafter is None:
-            return 0, []
+            return []
         decoding = [s for s in self.scheduler.running if s.status == SequenceStatus.RUNNING_DECODE]
-        return len(decoding), [s for s in decoding if len(s.output_token_ids) + 1 < s.max_tokens
-                               and self.draft_policy.may_draft(s.request_id)]
+        if not self.draft_policy.batch_drafts(len(decoding)):
+            return []
+        return [s for s in decoding if s.num_output_tokens + 1 < s.max_tokens
+                and self.draft_policy.may_draft(s.request_id, s.num_tokens)]
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """Set each sequence's drafts for the coming step. A sequence that gets none counts
@@ -332,7 +335,7 @@ class LLMEngine:
             if drafts and seq.request_id in self.constraints:
                 drafts = self.constraints.check_drafts(seq, drafts)
             if not drafts:
-                self.draft_policy.on_verified(seq.request_id, 0, 0)
+                self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens)
             seq.draft_token_ids = drafts
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
@@ -408,7 +411,7 @@ class LLMEngine:
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
         for (seq, drafted), accepted in zip(verify, batch.accepted):
-            self.draft_policy.on_verified(seq.request_id, drafted, accepted)
+            self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
         for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now

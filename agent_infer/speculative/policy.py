@@ -58,9 +58,8 @@ class SpecDecodeStats:
 @dataclass
 class _Backoff:
     fails: int = 0
-    pause: int = 0  # the last pause's length, in decode steps
-    resume_at: int = 0  # the sequence's step count at which it may draft again
-    steps: int = 0  # decode steps the sequence has taken part in
+    pause: int = 0  # the last pause's length, in tokens
+    resume_at: int = 0  # the sequence's length at which it may draft again
 
 
 @dataclass
@@ -118,13 +117,15 @@ class DraftPolicy:
 
     # ---- per sequence ---------------------------------------------------------------
 
-    def may_draft(self, request_id: str) -> bool:
-        s = self._seqs.setdefault(request_id, _Backoff())
-        s.steps += 1
-        return s.steps >= s.resume_at
+    def may_draft(self, request_id: str, length: int) -> bool:
+        """Whether the sequence, `length` tokens long now, may look for drafts. Its own
+        length is the clock of a pause, so steps that draft for no one cost nothing here."""
+        s = self._seqs.get(request_id)
+        return s is None or length >= s.resume_at
 
-    def on_verified(self, request_id: str, drafted: int, accepted: int) -> None:
-        """A verify row's outcome; `drafted` = 0: the drafter had nothing to propose."""
+    def on_verified(self, request_id: str, drafted: int, accepted: int, length: int) -> None:
+        """A verify row's outcome, the sequence `length` tokens long after it; `drafted` = 0:
+        the drafter had nothing to propose."""
         if drafted:
             self.stats.record(drafted, accepted)
         s = self._seqs.setdefault(request_id, _Backoff())
@@ -134,7 +135,7 @@ class DraftPolicy:
         s.fails += 1
         if s.fails >= FAILS_BEFORE_PAUSE:
             s.pause = min(MAX_PAUSE_STEPS, 2 * s.pause or 2)
-            s.resume_at = s.steps + s.pause + 1  # the next `pause` steps go without drafts
+            s.resume_at = length + s.pause  # the next `pause` tokens come without drafts
             s.fails = 0
 
     def forget(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ from agent_infer.sampling_params import SamplingParams
 from tests.deepseek_models import DEEPSEEK_SPECS, VOCAB, write_deepseek_model
 from tests.gpu.test_engine_gpu import NEW, check_logprobs_close
 from tests.hf_reference import check_greedy_close, hf_greedy, load_hf_model
+from tests.tiny_models import decisive_router
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,22 +36,8 @@ TOP = 10
 def ds_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("deepseek_gpu")
     dirs = {name: write_deepseek_model(name, str(root / name)) for name in DEEPSEEK_SPECS}
-    dirs["decisive"] = _decisive_router(write_deepseek_model("v2_lite", str(root / "decisive"), initializer_range=0.6))
+    dirs["decisive"] = decisive_router(write_deepseek_model("v2_lite", str(root / "decisive"), initializer_range=0.6))
     return dirs
-
-
-def _decisive_router(path: str) -> str:
-    import os
-
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    state = load_file(file)
-    for name in state:
-        if name.endswith("mlp.gate.weight"):
-            state[name] = state[name] * 8.0
-    save_file(state, file, metadata={"format": "pt"})
-    return path
 
 
 def _prompts(seed=3):
