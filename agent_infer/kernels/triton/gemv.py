@@ -360,6 +360,78 @@ def _launch_row(
     )
 
 
+# ---- M = 2..MAX_ROWS: the row kernel's layout, every weight tile used by all the rows --
+
+
+# The most rows of x the few-row kernel takes: a speculative verify step at batch 1 (k + 1
+# rows, k <= 7) and small decode batches.
+MAX_ROWS = 8
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for this program's BLOCK_N rows of w and
+    all M rows of x, with FMAs (no tensor cores: at a few rows the cost is reading w once).
+    Each weight tile is loaded once and multiplied with every row of x; the products are
+    summed over the tile's columns at once, which keeps the registers at one
+    [BLOCK_M, BLOCK_N, BLOCK_K] product. K is a multiple of BLOCK_K."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
+    x_rows = x_ptr + m[:, None] * sxm + kk[None, :]
+    w = tl.load(w_rows, mask=n_mask[:, None], other=0.0)  # weights never depend on the predecessor
+    pdl_begin(PDL)
+    x = tl.load(x_rows, mask=m_mask[:, None], other=0.0)
+    acc = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0.0)
+        x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m[:, None] * som + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def rows_config(m: int, k: int) -> RowConfig:
+    """4 weight rows a program, as the M = 1 kernel; the column tile shrinks as x's rows
+    grow so that the [rows, 4, columns] product stays near 8,192 values (64 registers a
+    thread at 4 warps)."""
+    block_m = max(2, triton.next_power_of_2(m))
+    block_k = 8192 // (4 * block_m)
+    while k % block_k:
+        block_k //= 2
+    return RowConfig(4, block_k)
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    config: RowConfig | None = None, pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] (2 <= M <= MAX_ROWS) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
+    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
+    cfg = config or rows_config(m, k)
+    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+    _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=max(2, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
+    return out
+
+
 # The last program holds the whole output row in registers: up to this many features.
 MAX_ADD_NORM_FEATURES = 16384
 
