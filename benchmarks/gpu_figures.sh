@@ -107,8 +107,7 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
-                     fp8 (the fp8 GEMV chain and the W8A8 GEMMs), rows (the few-row GEMV
-                     against cuBLAS at 2-8 rows)
+                     fp8 (the fp8 GEMV chain and the W8A8 GEMMs)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, families (Qwen3-MoE,
                      Mixtral, the transformers backend), spec (verify steps in graphs), tp (2 GPUs)
@@ -621,7 +620,6 @@ cmd_kernels() {
               kernel_part chain 240 python3 benchmarks/throughput_kernels.py --only chain,prefill_rows ;;
       floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
-      rows)   kernel_part rows 200 python3 benchmarks/gpu_kernels.py --only rows ;;
       fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;

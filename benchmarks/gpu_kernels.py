@@ -36,9 +36,7 @@ from agent_infer.kernels.triton import activation, norm, rope_store  # noqa: E40
 from agent_infer.kernels.triton.decode_attention import (  # noqa: E402
     DecodeConfig, decode_attention, decode_counters, decode_num_splits,
 )
-from agent_infer.kernels.triton.gemv import (  # noqa: E402
-    GemvConfig, RowConfig, default_config, linear, linear_m1, linear_rows, rows_config,
-)
+from agent_infer.kernels.triton.gemv import GemvConfig, default_config, linear  # noqa: E402
 from agent_infer.kernels.triton.kv_store import store_kv  # noqa: E402
 from agent_infer.kernels.triton.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 
@@ -322,42 +320,6 @@ def bench_gemv() -> None:
         del w, w32
 
 
-ROWS_MS = (2, 3, 5, 8)
-
-
-def rows_sweep(m: int, k: int) -> list[RowConfig]:
-    """The few-row GEMV's default first, then other row counts, column tiles and warps."""
-    base = rows_config(m, k)
-    if not sweeping():
-        return [base]
-    alts = [RowConfig(2, base.block_k), RowConfig(8, base.block_k // 2), RowConfig(4, base.block_k // 2),
-            RowConfig(4, base.block_k, num_warps=8), RowConfig(8, base.block_k, num_warps=8),
-            RowConfig(4, base.block_k, num_stages=3)]
-    return [base] + [c for c in alts if c.block_k >= 16 and k % c.block_k == 0]
-
-
-def bench_rows() -> None:
-    print("\n== few-row GEMV (verify steps, small batches) vs cuBLAS and the M = 1 GEMV, bf16 ==")
-    for name, (n, k) in GEMV_SHAPES.items():
-        w = torch.randn(n, k, dtype=DTYPE, device=DEV) * k**-0.5
-        wbytes = n * k * ELEM
-        t_one = bench(lambda: linear_m1(torch.randn(1, k, dtype=DTYPE, device=DEV), w))
-        for m in ROWS_MS:
-            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
-            ref = F.linear(x.float(), w.float())
-            t_torch = bench(lambda: F.linear(x, w))
-            timed = []
-            for cfg in rows_sweep(m, k):
-                err = rel_err(linear_rows(x, w, config=cfg), ref)
-                timed.append((bench(lambda: linear_rows(x, w, config=cfg)), cfg, err))
-            t, _, err = timed[0]
-            tb, cfg, _ = min(timed, key=lambda e: e[0])
-            add(Row("gemv rows", f"{name} {k}->{n} M={m}", t, f"{wbytes / t / 1e6:5.2f} TB/s", t_torch, "cuBLAS", err,
-                    f"M=1 GEMV {t_one:.1f} us; best n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} "
-                    f"s{cfg.num_stages} {tb:.1f} us = {wbytes / tb / 1e6:.2f} TB/s"))
-        del w
-
-
 def print_table() -> None:
     print("\n== summary ==")
     print(f"{'kernel':14s} {'case':36s} {'triton us':>10s} {'rate':>16s} {'vs':>13s} {'torch us':>10s} {'speedup':>8s} {'rel err':>8s}")
@@ -367,8 +329,7 @@ def print_table() -> None:
         print(f"{r.kernel:14s} {r.case:36s} {r.triton_us:10.1f} {r.rate:>16s} {r.torch_name:>13s} {tu} {sp} {r.err:8.1e}")
 
 
-SECTIONS = {"elementwise": bench_elementwise, "decode": bench_decode, "prefill": bench_prefill, "gemv": bench_gemv,
-            "rows": bench_rows}
+SECTIONS = {"elementwise": bench_elementwise, "decode": bench_decode, "prefill": bench_prefill, "gemv": bench_gemv}
 
 
 def main() -> None:

@@ -669,21 +669,6 @@ def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, c
     assert_close(out.float(), ref, f"gemv M={m} N={n} K={k} {config}", dtype)
 
 
-def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, config=None) -> None:
-    """The few-row GEMV (verify steps, small batches) against F.linear in fp32; x's rows
-    strided (a view of a wider buffer), as a step's hidden states can be."""
-    from agent_infer.kernels.triton.gemv import linear_rows
-
-    x = randn(m, k + 16, dtype=dtype, device=device, seed=16)[:, 8 : 8 + k]
-    w = randn(n, k, dtype=dtype, device=device, seed=17, scale=k**-0.5)
-    b = randn(n, dtype=dtype, device=device, seed=18) if bias else None
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    with poisoned_empty():
-        out = linear_rows(x, w, b, config=config)
-    assert out.dtype == dtype and out.shape == (m, n)
-    assert_close(out.float(), ref, f"gemv rows M={m} N={n} K={k} {config}", dtype)
-
-
 def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> None:
     """The one-pass sampler picks the same tokens as the PyTorch formula: same hash, same
     scores (up to rounding), greedy rows take the argmax."""

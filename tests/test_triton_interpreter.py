@@ -252,15 +252,6 @@ else:
 
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize(
-        "m,n,k,bias,config",
-        [(2, 100, 256, True, None), (5, 33, 192, False, RowConfig(4, 64)), (8, 48, 512, True, None),
-         (3, 7, 64, False, RowConfig(2, 64)), (1, 20, 128, True, None)],
-    )
-    def test_gemv_rows(dtype, m, n, k, bias, config):
-        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config)
-
-    @pytest.mark.parametrize("dtype", ALL)
-    @pytest.mark.parametrize(
         "n,k,bias,silu_mul,config",
         [(100, 256, True, False, RowConfig(8, 64)), (48, 512, False, True, RowConfig(4, 128)),
          (7, 64, True, True, None), (33, 192, False, False, RowConfig(2, 64)),

@@ -108,17 +108,6 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _rows_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to 8 rows (a verify step at batch 1, small decode batches) go through the few-row
-    GEMV, which reads each weight tile once for all of them; more through F.linear."""
-    from agent_infer.kernels.triton.gemv import MAX_ROWS
-
-    return (
-        _use_triton(x) and x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
-        and weight.is_contiguous() and x.dtype == weight.dtype and x.shape[1] % 16 == 0
-    )
-
-
 def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
               block: tuple[int, int] | None) -> torch.Tensor:
     """x [M, K] @ the fp8 weight's values^T: activations quantized per token (and group of
@@ -140,10 +129,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
     if scale is not None:
         return _fp8_gemm(x, weight, bias, scale, block)
-    if _rows_ok(x, weight):
-        from agent_infer.kernels.triton import gemv
-
-        return gemv.linear_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
