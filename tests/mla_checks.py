@@ -177,6 +177,49 @@ def check_mla_prefill(
     assert torch.equal(given[tokens:], before[tokens:]), "prefill wrote a row past the batch"
 
 
+def check_mla_prefill_windows(
+    device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int], width: int, heads: int, nope: int,
+    rope_dim: int, vdim: int, config=None,
+) -> None:
+    """Prefill over a context cut into windows of `width` positions per sequence (as the
+    engine cuts long contexts to bound memory): each window's output and log-sum-exp
+    against the reference, rows that see none of a window's keys included (0, -inf), and
+    the windows merged against the unwindowed reference."""
+    from agent_infer.kernels.triton.mla_prefill import mla_prefill_attention_window
+
+    key_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    tokens, keys = sum(query_lens), sum(key_lens)
+    cu_q = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(device)
+    cu_k = torch.tensor([0] + key_lens).cumsum(0).to(torch.int32).to(device)
+    q = randn(tokens, heads, nope + rope_dim, dtype=dtype, device=device, seed=21)
+    kv = randn(keys, heads, nope + vdim, dtype=dtype, device=device, seed=22)
+    k_pe = randn(keys, rope_dim, dtype=dtype, device=device, seed=23)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    scale = 1.5 * (nope + rope_dim) ** -0.5
+    full = reference.mla_prefill_attention(q_nope, q_pe, kv[..., :nope], k_pe, kv[..., nope:], cu_q, cu_k,
+                                           max(query_lens), scale)
+    ctx_lens = torch.tensor(key_lens, dtype=torch.int32, device=device)
+    first_key = [int(x) for x in cu_k[:-1].tolist()]
+    merged = None
+    for j in range(-(-max(key_lens) // width)):
+        starts = [min(j * width, n) for n in key_lens]
+        ends = [min((j + 1) * width, n) for n in key_lens]
+        idx = torch.cat([torch.arange(f + a, f + b) for f, a, b in zip(first_key, starts, ends)]).to(device)
+        cu_w = torch.tensor([0] + [b - a for a, b in zip(starts, ends)]).cumsum(0).to(torch.int32).to(device)
+        start_t = torch.tensor(starts, dtype=torch.int32, device=device)
+        args = (q_nope, q_pe, kv[idx, :, :nope], k_pe[idx], kv[idx, :, nope:], cu_q, cu_w, start_t, ctx_lens)
+        ref_out, ref_lse = reference.mla_prefill_attention_window(*args, scale)
+        label = f"MLA prefill window {j} x {width} (q {query_lens}, prefix {prefix_lens}, H {heads})"
+        with poisoned_empty():
+            out, lse = mla_prefill_attention_window(*args, max(query_lens), scale, config=config)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), f"{label}: rows that see no key differ"
+        seen = torch.isfinite(ref_lse)
+        assert_close(torch.where(seen, lse, 0.0), torch.where(seen, ref_lse, 0.0), f"{label} lse")
+        assert_close(out, ref_out, label)
+        merged = (out, lse) if merged is None else reference.merge_attention_partials(*merged, out, lse)
+    assert_close(merged[0], full, f"MLA prefill in windows of {width}, merged")
+
+
 def check_mla_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, rank: int, rope_dim: int, block_size: int,
     is_neox: bool = False, pool_layout: bool = False, absorb: bool = False,

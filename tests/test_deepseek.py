@@ -100,6 +100,34 @@ def test_batching_prefix_hits_chunked_prefill_and_mixed_steps_keep_the_tokens(ds
     assert any(b.is_prefill and b.num_decode for b in batches), "no mixed step: decode rows never met a prompt chunk"
 
 
+@pytest.mark.parametrize("name", ["v2_lite", "v3"])
+def test_long_chunked_prefill_in_context_windows_equals_transformers(ds_dirs, name):
+    """Prompts of 150-300 tokens in chunks of 40: each chunk attends to the cached latent of
+    the earlier ones a window of context at a time (windows of 48 rows in all here, of
+    16 384 by default), the windows merged; greedy tokens equal transformers'."""
+    path = ds_dirs[name]
+    prompts = _prompts(9, (300, 151, 97))
+    eng = _engine(path, max_num_batched_tokens=40)
+    backend = eng.runner.backend
+    backend.context_tile_tokens = 48
+    windows = []
+    build = backend.prefill_context
+
+    def recording(cache, meta):
+        ctx = build(cache, meta)
+        windows.append([int(w.cu_k[-1]) for w in ctx.windows])
+        return ctx
+
+    backend.prefill_context = recording
+    outs = eng.generate(prompts, GREEDY)
+    assert eng.stats.prefill_steps >= 300 // 40
+    assert max(len(w) for w in windows) >= 6, "the long context was not cut into windows"
+    assert max(max(w) for w in windows) <= 48, "a window held more rows than the tile"
+    hf = load_hf_model(path)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert o.token_ids == hf_greedy(hf, p, NEW).tokens, f"{name} prompt {i} ({len(p)} tokens)"
+
+
 # ---- tensor and expert parallelism ---------------------------------------------------------
 
 

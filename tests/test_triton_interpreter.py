@@ -427,6 +427,40 @@ else:
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
 
+    def test_deepseek_prefill_in_context_windows_on_triton_matches_torch_path(tmp_path, monkeypatch):
+        """Chunked prefill whose context is cut into windows (a 32-row tile) on the Triton
+        prefill kernel, merged, gives the torch path's greedy tokens."""
+        from agent_infer.attention.mla import LatentTorchBackend, LatentTritonBackend
+        from agent_infer.config import EngineConfig
+        from agent_infer.engine import model_runner
+        from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.kernels import ops
+        from agent_infer.sampling_params import SamplingParams
+        from tests.deepseek_models import write_deepseek_model
+
+        path = write_deepseek_model("v3", str(tmp_path / "v3"))
+        prompts = [[(7 * i + 3) % 300 + 3 for i in range(70)], [(5 * i + 1) % 300 + 3 for i in range(45)]]
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        monkeypatch.setattr(LatentTorchBackend, "context_tile_tokens", 32)
+
+        def run() -> list[list[int]]:
+            eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16,
+                                         max_num_batched_tokens=24))
+            return [o.token_ids for o in eng.generate(prompts, params)]
+
+        windowed: list[int] = []
+
+        class CountingBackend(LatentTritonBackend):
+            def prefill(self, q_nope, q_pe, k_nope, k_pe, v, ctx, window, scale):
+                windowed.append(window.key_start is not None)
+                return super().prefill(q_nope, q_pe, k_nope, k_pe, v, ctx, window, scale)
+
+        expected = run()
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
+        assert run() == expected
+        assert any(windowed), "no prefill ran in windows"
+
     @pytest.mark.parametrize("family", ["qwen3", "v3"])
     def test_verify_steps_on_triton_kernels_match_plain_decoding(tmp_path, monkeypatch, family):
         """Speculative verify steps on the Triton decode kernels (dense and MLA): with two
@@ -489,6 +523,7 @@ else:
         ([33, 64, 65, 7], 20, 40, 8, 32, (3,), None),  # two head blocks, the second 4 of 16
         ([90, 31], 3, 48, 16, 16, (4,), MlaDecodeConfig(32, 16, 4, 2)),  # 32 heads a block
         ([70], 16, 512, 64, 16, (3,), None),  # V2-Lite's widths
+        ([1, 16, 81], 3, 48, 16, 16, (1, 4, 7), None),  # one token, one block, many blocks + 1
     ]
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -532,6 +567,18 @@ else:
     )
     def test_mla_prefill(dtype, case):
         mc.check_mla_prefill(DEV, dtype, *case)
+
+    MLA_WINDOW_CASES = [
+        # query lens, cached prefix lens, window width, heads, Dn, R, Dv, config
+        ([5, 17, 33], [0, 16, 23], 16, 3, 24, 8, 20, None),  # windows inside the queries too
+        ([1, 40], [47, 0], 17, 2, 32, 16, 16, MlaPrefillConfig(32, 16, 4, 1)),  # odd width, several key tiles
+        ([9], [100], 64, 2, 128, 64, 128, None),  # the real widths, two windows
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("case", MLA_WINDOW_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-w{c[2]}-h{c[3]}")
+    def test_mla_prefill_windows(dtype, case):
+        mc.check_mla_prefill_windows(DEV, dtype, *case)
 
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize("is_neox", [False, True])

@@ -269,6 +269,14 @@ def mla_decode(
     return _into(out, reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank))
 
 
+def merge_attention_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two sets of keys from each set's output and log-sum-exp (see the
+    reference; a few elementwise ops, on any device)."""
+    return reference.merge_attention_partials(out_a, lse_a, out_b, lse_b)
+
+
 def mla_prefill_attention(
     q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_query_len: int, scale: float,

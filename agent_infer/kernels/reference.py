@@ -303,6 +303,65 @@ def mla_prefill_attention(
     return out
 
 
+def mla_prefill_attention_window(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    key_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal MLA prefill over a window of each sequence's keys: key rows
+    cu_k[s]:cu_k[s+1] sit at positions key_start[s], key_start[s] + 1, ... of a context
+    of context_lens[s] tokens whose last nq are the queries (query i at position
+    context_lens[s] - nq + i sees the window's keys up to that position). Returns the
+    partial output [T, H, Dv] and its log-sum-exp [T, H] (fp32, natural log) for merging
+    windows (`merge_attention_partials`); a query that sees none of the window's keys
+    gets output 0 and log-sum-exp -inf. Computed in fp32."""
+    heads = q_nope.shape[1]
+    out = torch.zeros(q_nope.shape[0], heads, v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.full((q_nope.shape[0], heads), float("-inf"), dtype=torch.float32, device=q_nope.device)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    starts, ctx_lens = key_start.tolist(), context_lens.tolist()
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0 or nk == 0:
+            continue
+        q = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1).float().transpose(0, 1)  # [H, nq, Dn + R]
+        k_rope = k_pe[k0:k1, None, :].expand(-1, heads, -1)
+        k = torch.cat((k_nope[k0:k1], k_rope), dim=-1).float().transpose(0, 1)  # [H, nk, Dn + R]
+        scores = q @ k.transpose(1, 2) * scale
+        q_pos = ctx_lens[s] - nq + torch.arange(nq, device=q.device)
+        k_pos = starts[s] + torch.arange(nk, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [H, nq]; -inf where nothing is visible
+        probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+        out[q0:q1] = (probs @ v[k0:k1].float().transpose(0, 1)).transpose(0, 1).to(out.dtype)
+        lse[q0:q1] = row_lse.transpose(0, 1)
+    return out, lse
+
+
+def merge_attention_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over keys A and B from the attention over each: outputs [T, H, D] and
+    log-sum-exps [T, H] (natural log, -inf where a part saw no key) -> the merged pair,
+    the output in out_a's dtype, weights in fp32."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse))[..., None]
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse))[..., None]
+    out = (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
+    return out, lse
+
+
 # ---- fused MoE (routed experts) ---------------------------------------------------------
 
 

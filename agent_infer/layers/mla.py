@@ -9,7 +9,9 @@ head. kv_b_proj's weight holds, per head, W_UK [nope dim, latent] and W_UV [v di
   the output, an average of latents, goes through W_UV to each head's values.
 - Prefill materialises K and V from the latent of every context token (the cached prefix,
   read back through its blocks, and this step's tokens) and runs causal attention with
-  the query's nope and RoPE parts. A mixed step's decode rows take the decode path.
+  the query's nope and RoPE parts; a long context a window at a time (the backend's
+  `context_tile_tokens`), the windows merged, so a step's memory does not grow with the
+  context. A mixed step's decode rows take the decode path.
 
 The layer declares its cache layout (`LatentLayout`, not split by tensor parallelism:
 every rank attends over all of it); the engine binds each layer's view and the backend.
@@ -76,9 +78,16 @@ class LatentAttention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, kv_b_weight: torch.Tensor, meta) -> torch.Tensor:
         """[T', H, v] for the prefill sequences' rows: K/V up-projected from the latent of
-        their whole context (prefix and new tokens), read back from the cache."""
+        their whole context (prefix and new tokens), read back from the cache a window at
+        a time; the windows' partial results are merged by their log-sum-exps."""
         h, dn, dv, lat = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
-        rows, cu_q, cu_k, max_q = self.backend.prefill_context(self.cache, meta)
-        kv = ops.linear(rows[:, :lat], kv_b_weight).view(-1, h, dn + dv)
-        return self.backend.prefill(q[..., :dn], q[..., dn:], kv[..., :dn], rows[:, lat:], kv[..., dn:],
-                                    cu_q, cu_k, max_q, self.scale)
+        ctx = self.backend.prefill_context(self.cache, meta)
+        out = lse = None
+        for window in ctx.windows:
+            rows = self.backend.context_rows(self.cache, window)
+            kv = ops.linear(rows[:, :lat], kv_b_weight).view(-1, h, dn + dv)
+            part, part_lse = self.backend.prefill(q[..., :dn], q[..., dn:], kv[..., :dn], rows[:, lat:], kv[..., dn:],
+                                                  ctx, window, self.scale)
+            del rows, kv  # the next window's take their place
+            out, lse = (part, part_lse) if out is None else ops.merge_attention_partials(out, lse, part, part_lse)
+        return out
