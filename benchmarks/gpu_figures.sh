@@ -94,6 +94,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
                      prefill profiles), then a PDL-off batch-1 profile (each kernel's own
                      time; its trace lists a layer's kernels in order)
+  longctx [PART...]  the DeepSeek-V2-Lite shape at long contexts; parts: b1 (batch-1 decode tok/s,
+                     TTFT and peak memory at 512, 8k, 32k and 128k tokens), batched (8 x 16k and
+                     32 x 8k)
   moe                the Qwen3-30B-A3B shape: batch 1 with transformers in the same process,
                      then nano-vllm's workload (two rounds, empty Triton cache)
   backend            the Llama-3-8B shape natively and through --model-impl transformers:
@@ -518,6 +521,24 @@ cmd_deepseek() {
   table "$FIG"/ds_lat.json "$FIG"/ds_thr.json
 }
 
+cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by context, batched contexts
+  local n part parts=${*:-b1 batched}
+  for part in $parts; do
+    case $part in
+      b1)      for n in 512 8192 32768 131072; do
+                 bench "ds_ctx_$n" 300 latency --random-weights deepseek-v2-lite --input-len $n --output-len 64 \
+                   --num-warmup 1 --num-iters 2 --max-model-len $((n + 128))
+               done ;;
+      batched) bench ds_ctx_8x16k 300 latency --random-weights deepseek-v2-lite --batch-size 8 --input-len 16384 \
+                 --output-len 64 --num-warmup 1 --num-iters 2 --max-model-len 16512
+               bench ds_ctx_32x8k 300 latency --random-weights deepseek-v2-lite --batch-size 32 --input-len 8192 \
+                 --output-len 64 --num-warmup 1 --num-iters 2 --max-model-len 8320 ;;
+      *)       echo "unknown longctx part: $part"; return 2 ;;
+    esac
+  done
+  table "$FIG"/ds_ctx_*.json
+}
+
 cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16): batch 1 with transformers, the workload
   TRITON_CACHE_DIR=$(mktemp -d) bench moe_lat 400 latency --random-weights qwen3-30b-a3b --num-iters 3 --compare-hf
   TRITON_CACHE_DIR=$(mktemp -d) bench moe_thr 300 throughput --random-weights qwen3-30b-a3b --rounds 2
@@ -759,8 +780,8 @@ main() {
   shift || true
   case $sub in
     help|-h|--help) usage; return 0 ;;
-    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|moe|backend|spec|structured|\
-    default-model|tests) ;;
+    setup|latency|throughput|memory|fp8|server|tp2|tp4|profile|ab|kernels|deepseek|longctx|moe|backend|spec|\
+    structured|default-model|tests) ;;
     *) usage; return 2 ;;
   esac
   [ -f agent_infer/cli.py ] || { echo "run this from the repository root"; return 2; }

@@ -440,6 +440,12 @@ def test_latency_command_on_tiny(bench_cache, tmp_path, capsys):
     roof = rep["roofline"]
     assert roof["bytes_per_token"] == decode_weight_params(ModelConfig.from_hf(rep["model"]["path"])) * 4  # fp32 on CPU
     assert roof["achieved_fraction"] == pytest.approx(r["decode_tok_s_total"] / roof["decode_tok_s_total"])
+    # The cache beside the weights: 2 sequences at a mean context of 24 + 6 / 2 tokens, the
+    # tiny preset's K and V (2 layers x 2 KV heads x 32 dims x 2 x fp32) for each.
+    assert roof["cache_bytes_per_step"] == 2 * 27 * (2 * 2 * 32 * 2 * 4)
+    step_with_cache = (roof["bytes_per_token"] + roof["cache_bytes_per_step"]) / (roof["bandwidth_tbs"] * 1e12)
+    assert roof["decode_tok_s_per_seq_with_cache"] == pytest.approx(1 / step_with_cache)
+    assert roof["achieved_fraction_with_cache"] > roof["achieved_fraction"]
     hf = rep["hf"]
     assert hf["ttft_ms"] > 0 and hf["decode_tok_s_per_seq"] > 0 and "transformers" in hf["description"]
     # the profile: a chrome trace of 3 decode steps at batch 2

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 import numpy as np
@@ -216,7 +216,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
         runs, monitor = time_latency(engine, fresh, params, args.num_warmup, args.num_iters, args.monitor_interval_ms)
         results = summarise_latency(runs, B, n_out, n_in)
-        roofline = latency_roofline(setup, args.bandwidth_tbs, results, B)
+        # The cache a decode step reads: every sequence's context, at its mean length over the run.
+        tp = setup.config.tensor_parallel_size
+        cache_bytes = round(B * (n_in + n_out / 2) * engine.runner.cache_bytes_per_token() * tp)
+        roofline = latency_roofline(setup, args.bandwidth_tbs, results, B, cache_bytes)
         payload = report_payload("latency", args, setup, engine, init_s, results, hf, roofline, monitor)
         save_json(args, payload)  # before profiling: a crash there must not lose the figures
         payload["profile"] = maybe_profile(args, engine, fresh(), params, "latency")
@@ -247,10 +250,17 @@ def time_latency(engine, fresh, params: SamplingParams, warmup: int, iters: int,
     return runs, mon.summary()
 
 
-def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: int) -> dict:
+def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: int, cache_bytes: int) -> dict:
+    """The weights' roofline, and beside it the weights' and the KV cache's together
+    (`cache_bytes`: what a step reads of the cache, all ranks together), the one that
+    matters at long contexts."""
     roof = decode_roofline(setup.model_config, dtype_bytes(setup.dtype), bandwidth_tbs, setup.config.tensor_parallel_size,
                            batch, setup.config.resolve_quantization(setup.model_config.quantization))
+    with_cache = replace(roof, bytes_per_token=roof.bytes_per_token + cache_bytes)
     return {
+        "cache_bytes_per_step": cache_bytes,
+        "decode_tok_s_per_seq_with_cache": with_cache.tokens_per_second(1),
+        "achieved_fraction_with_cache": results["decode_tok_s_total"] / with_cache.tokens_per_second(batch),
         "bytes_per_token": roof.bytes_per_token,
         "bandwidth_tbs": roof.bandwidth_tbs,
         "tp": roof.tp,
@@ -270,6 +280,8 @@ def latency_rows(results: dict, hf: dict | None, roof: dict, monitor: dict, B: i
         (f"TTFT ms ({n_in}-token prompt{'s' if B > 1 else ''}, batch {B})", results["ttft_ms"], hfv("ttft_ms"), "time", None),
         ("decode tok/s per sequence", results["decode_tok_s_per_seq"], hfv("decode_tok_s_per_seq"), "rate",
          f"{roof['decode_tok_s_per_seq']:,.1f} ({frac:.1f} %)"),
+        (f"  roofline with the cache's {roof['cache_bytes_per_step'] / 1e9:.3f} GB a step", None, None, "rate",
+         f"{roof['decode_tok_s_per_seq_with_cache']:,.1f} ({roof['achieved_fraction_with_cache'] * 100:.1f} %)"),
     ]
     if B > 1:
         rows.append(("decode tok/s total", results["decode_tok_s_total"], hfv("decode_tok_s_total"), "rate",
