@@ -214,7 +214,7 @@ def check_mla_prefill_windows(
             out, lse = mla_prefill_attention_window(*args, max(query_lens), scale, config=config)
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), f"{label}: rows that see no key differ"
         seen = torch.isfinite(ref_lse)
-        assert_close(torch.where(seen, lse, 0.0), torch.where(seen, ref_lse, 0.0), f"{label} lse")
+        assert_close(torch.where(seen, lse, 0.0), torch.where(seen, ref_lse, 0.0), f"{label} lse", dtype)
         assert_close(out, ref_out, label)
         merged = (out, lse) if merged is None else reference.merge_attention_partials(*merged, out, lse)
     assert_close(merged[0], full, f"MLA prefill in windows of {width}, merged")

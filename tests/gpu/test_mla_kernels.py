@@ -1,9 +1,10 @@
 """The DeepSeek MLA Triton kernels on CUDA at DeepSeek-V2-Lite sizes (kv_lora_rank 512,
 qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 16 heads at TP 1, 8 at TP 2,
-and V2/V3's 128), in bf16, fp16 and fp32, against the references (tests/mla_checks.py);
-the in-launch merge's memory ordering over hundreds of back-to-back launches; and the
-rope + cache write + decode captured in one CUDA graph, replayed with new lengths, block
-tables and inputs.
+and V2/V3's 128), in bf16, fp16 and fp32, against the references (tests/mla_checks.py),
+prefill over a long context in windows too (merged by log-sum-exp); the in-launch
+merge's memory ordering over hundreds of back-to-back launches; and the rope + cache
+write + decode captured in one CUDA graph, replayed with new lengths, block tables and
+inputs.
 
 Run on the GPU machine: python -m pytest -q tests/gpu/test_mla_kernels.py
 """
@@ -70,6 +71,20 @@ MLA_PREFILL_CASES = [
 @pytest.mark.parametrize("case", MLA_PREFILL_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-h{c[2]}")
 def test_mla_prefill(dtype, case):
     mc.check_mla_prefill(DEV, dtype, *case, NOPE, ROPE, VDIM)
+
+
+MLA_WINDOW_CASES = [
+    # query lens, cached prefix lens, window width (positions per sequence), heads
+    ([1024], [5000], 2048, 16),  # a long prompt's late chunk: three windows
+    ([1024, 300, 7, 1], [256, 0, 1000, 4000], 1000, 16),  # ragged, windows inside the queries
+    ([130, 5], [17, 900], 333, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MLA_WINDOW_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-w{c[2]}-h{c[3]}")
+def test_mla_prefill_windows(dtype, case):
+    mc.check_mla_prefill_windows(DEV, dtype, *case, NOPE, ROPE, VDIM)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
