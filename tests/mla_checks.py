@@ -208,7 +208,7 @@ def check_mla_prefill_windows(
         cu_w = torch.tensor([0] + [b - a for a, b in zip(starts, ends)]).cumsum(0).to(torch.int32).to(device)
         start_t = torch.tensor(starts, dtype=torch.int32, device=device)
         args = (q_nope, q_pe, kv[idx, :, :nope], k_pe[idx], kv[idx, :, nope:], cu_q, cu_w, start_t, ctx_lens)
-        ref_out, ref_lse = reference.mla_prefill_attention_window(*args, scale)
+        ref_out, ref_lse = reference.mla_prefill_attention_window(*args, max(query_lens), scale)
         label = f"MLA prefill window {j} x {width} (q {query_lens}, prefix {prefix_lens}, H {heads})"
         with poisoned_empty():
             out, lse = mla_prefill_attention_window(*args, max(query_lens), scale, config=config)

@@ -99,11 +99,15 @@ class LatentTorchBackend(AttentionBackend):
 
     def prefill(self, q_nope, q_pe, k_nope, k_pe, v, ctx: PrefillContext, window: ContextWindow,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        whole, windowed = self._prefill_kernels()
         if window.key_start is None:
-            return reference.mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k, ctx.max_q,
-                                                   scale), None
-        return reference.mla_prefill_attention_window(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k,
-                                                      window.key_start, ctx.context_lens, scale)
+            return whole(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k, ctx.max_q, scale), None
+        return windowed(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k, window.key_start, ctx.context_lens,
+                        ctx.max_q, scale)
+
+    def _prefill_kernels(self):
+        """(attention over every context key, attention over a window of them)."""
+        return reference.mla_prefill_attention, reference.mla_prefill_attention_window
 
 
 class LatentTritonBackend(LatentTorchBackend):
@@ -132,12 +136,7 @@ class LatentTritonBackend(LatentTorchBackend):
         return mla_decode(q_lat, cache.kv, meta.block_tables, meta.context_lens, scale, cache.kv_lora_rank,
                           counters=meta.decode_counters)
 
-    def prefill(self, q_nope, q_pe, k_nope, k_pe, v, ctx: PrefillContext, window: ContextWindow,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill_kernels(self):
         from agent_infer.kernels.triton import mla_prefill
 
-        if window.key_start is None:
-            return mla_prefill.mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k, ctx.max_q,
-                                                     scale), None
-        return mla_prefill.mla_prefill_attention_window(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_q, window.cu_k,
-                                                        window.key_start, ctx.context_lens, ctx.max_q, scale)
+        return mla_prefill.mla_prefill_attention, mla_prefill.mla_prefill_attention_window

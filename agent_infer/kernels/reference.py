@@ -282,24 +282,11 @@ def mla_prefill_attention(
     [T, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R] (one rope key for all heads), v [Tk, H, Dv]
     -> out [T, H, Dv]. Sequence s owns query rows cu_q[s]:cu_q[s+1] (nq of them) and key
     rows cu_k[s]:cu_k[s+1] (nk >= nq: its cached prefix, then its new tokens); query i sits
-    at position nk - nq + i and sees keys 0 .. nk - nq + i. Computed in fp32.
-    `max_query_len` is the kernel's grid bound, unused here."""
-    del max_query_len
-    heads = q_nope.shape[1]
-    out = torch.zeros(q_nope.shape[0], heads, v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for s in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        nq, nk = q1 - q0, k1 - k0
-        if nq == 0:
-            continue
-        q = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1).float().transpose(0, 1)  # [H, nq, Dn + R]
-        k_rope = k_pe[k0:k1, None, :].expand(-1, heads, -1)
-        k = torch.cat((k_nope[k0:k1], k_rope), dim=-1).float().transpose(0, 1)  # [H, nk, Dn + R]
-        scores = q @ k.transpose(1, 2) * scale
-        visible = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[q0:q1] = (probs @ v[k0:k1].float().transpose(0, 1)).transpose(0, 1).to(out.dtype)
+    at position nk - nq + i and sees keys 0 .. nk - nq + i. Computed in fp32: the one
+    window that holds every key."""
+    key_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    out, _ = mla_prefill_attention_window(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k,
+                                          torch.zeros_like(key_lens), key_lens, max_query_len, scale)
     return out
 
 
@@ -313,6 +300,7 @@ def mla_prefill_attention_window(
     cu_seqlens_k: torch.Tensor,
     key_start: torch.Tensor,
     context_lens: torch.Tensor,
+    max_query_len: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal MLA prefill over a window of each sequence's keys: key rows
@@ -321,7 +309,9 @@ def mla_prefill_attention_window(
     context_lens[s] - nq + i sees the window's keys up to that position). Returns the
     partial output [T, H, Dv] and its log-sum-exp [T, H] (fp32, natural log) for merging
     windows (`merge_attention_partials`); a query that sees none of the window's keys
-    gets output 0 and log-sum-exp -inf. Computed in fp32."""
+    gets output 0 and log-sum-exp -inf. Computed in fp32. `max_query_len` is the kernel's
+    grid bound, unused here."""
+    del max_query_len
     heads = q_nope.shape[1]
     out = torch.zeros(q_nope.shape[0], heads, v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.full((q_nope.shape[0], heads), float("-inf"), dtype=torch.float32, device=q_nope.device)
