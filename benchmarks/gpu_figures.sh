@@ -96,7 +96,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      time; its trace lists a layer's kernels in order)
   longctx [PART...]  the DeepSeek-V2-Lite shape at long contexts; parts: b1 (batch-1 decode tok/s,
                      TTFT and peak memory at 512, 8k, 32k and 128k tokens), batched (8 x 16k and
-                     32 x 8k)
+                     32 x 8k), kernel (the MLA decode kernel's latent read rate by batch and
+                     context, with split-count and tile sweeps)
   moe                the Qwen3-30B-A3B shape: batch 1 with transformers in the same process,
                      then nano-vllm's workload (two rounds, empty Triton cache)
   backend            the Llama-3-8B shape natively and through --model-impl transformers:
@@ -522,7 +523,7 @@ cmd_deepseek() {
 }
 
 cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by context, batched contexts
-  local n part parts=${*:-b1 batched}
+  local n part parts=${*:-b1 batched kernel}
   for part in $parts; do
     case $part in
       b1)      for n in 512 8192 32768 131072; do
@@ -533,6 +534,9 @@ cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by c
                  --output-len 64 --num-warmup 1 --num-iters 2 --max-model-len 16512
                bench ds_ctx_32x8k 300 latency --random-weights deepseek-v2-lite --batch-size 32 --input-len 8192 \
                  --output-len 64 --num-warmup 1 --num-iters 2 --max-model-len 8320 ;;
+      kernel)  timeout 500 python3 benchmarks/mla_kernels.py --only decode --batches 1 8 32 \
+                 --contexts 512 8192 32768 131072 --sweep > "$FIG/ds_ctx_kernel.log" 2>&1
+               echo "mla_kernels: rc $?"; tail -n 14 "$FIG/ds_ctx_kernel.log" | cut -c1-160 ;;
       *)       echo "unknown longctx part: $part"; return 2 ;;
     esac
   done
