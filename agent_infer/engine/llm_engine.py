@@ -334,8 +334,8 @@ class LLMEngine:
             drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens, room)
             if drafts and seq.request_id in self.constraints:
                 drafts = self.constraints.check_drafts(seq, drafts)
-            if not drafts:
-                self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens)
+            if not drafts:  # as a verify row that accepts nothing: the step adds one token
+                self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
             seq.draft_token_ids = drafts
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
