@@ -111,22 +111,25 @@ def test_mla_combine_compiles_for_sm90():
 
 
 PREFILL_NAMES = ["qn_ptr", "qp_ptr", "kn_ptr", "kp_ptr", "v_ptr", "out_ptr", "cuq_ptr", "cuk_ptr",
+                 "kstart_ptr", "ctx_ptr", "lse_ptr",
                  "sqn_t", "sqn_h", "sqp_t", "sqp_h", "skn_t", "skn_h", "skp_t", "sv_t", "sv_h", "so_t", "so_h",
-                 "qk_scale"]
+                 "slse_t", "qk_scale"]
 
 
+@pytest.mark.parametrize("window", [False, True], ids=["whole", "window"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_mla_prefill_residency_on_sm90(dtype):
-    """The default prefill tiles at Dn 128 / R 64 / Dv 128: no spills, two programs per SM
-    in 16 bits, on Hopper's wgmma."""
+def test_mla_prefill_residency_on_sm90(dtype, window):
+    """The default prefill tiles at Dn 128 / R 64 / Dv 128, over the whole context and over
+    a window of it: no spills, two programs per SM in 16 bits, on Hopper's wgmma."""
     import torch
 
     from agent_infer.kernels.triton.mla_prefill import _mla_prefill_kernel, default_config
 
-    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16)
-    types = [f"*{dtype}"] * 6 + ["*i32"] * 2 + ["i32"] * 11 + ["fp32"]
+    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16, window)
+    types = [f"*{dtype}"] * 6 + ["*i32"] * 4 + ["*fp32"] + ["i32"] * 12 + ["fp32"]
     constexprs = {"NOPE": 128, "ROPE": 64, "VDIM": 128, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_DN": 128, "BLOCK_R": 64, "BLOCK_DV": 128, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+                  "BLOCK_DN": 128, "BLOCK_R": 64, "BLOCK_DV": 128, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                  "WINDOW": window}
     aligned = [n for n in PREFILL_NAMES if n.endswith("_ptr") or n.startswith("s")]
     kernel = _compile(_mla_prefill_kernel, PREFILL_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
     resident = _resident(kernel, cfg.num_warps)

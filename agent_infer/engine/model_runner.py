@@ -168,8 +168,11 @@ class ModelRunner:
     def eager_decode_batches(self) -> tuple[list[int], list[int]]:
         """Decode-row counts for the start-up warm-up to run eagerly, so that no eager step
         compiles a decode-kernel variant later: (plain decode steps, which run eagerly
-        without graphs; the decode rows of mixed steps, which always do)."""
-        n = self.config.max_decode_rows
+        without graphs; the decode rows of mixed steps, which always do). Up to
+        max_num_seqs rows, what plain steps can hold: a verify step's extra rows (k per
+        drafting sequence) take graphs up to their size, and past it may compile a
+        variant on first use."""
+        n = self.config.max_num_seqs
         plain = [] if self.graphs is not None else self.backend.eager_decode_batches(n, mixed=False)
         mixed = self.backend.eager_decode_batches(n - 1, mixed=True) if self.config.mixed_batches else []
         return plain, mixed

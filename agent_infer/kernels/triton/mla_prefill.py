@@ -156,13 +156,13 @@ class MlaPrefillConfig:
     num_stages: int
 
 
-def default_config(dtype: torch.dtype) -> MlaPrefillConfig:
+def default_config(dtype: torch.dtype, window: bool = False) -> MlaPrefillConfig:
     """A 64-key tile of Dn + R + Dv = 320 bf16 values per key is 40 KB a stage. fp32 runs
     its dots on FMA units (ieee): 64 x 32 tiles spilled 7 KB a thread on sm_90, 32 x 32
-    over 8 warps fits (tests/test_mla_compile.py). benchmarks/mla_kernels.py sweeps the
-    16-bit alternatives."""
+    over 8 warps fits, and in window mode (its masks and log-sum-exp) 16 x 32 does
+    (tests/test_mla_compile.py). benchmarks/mla_kernels.py sweeps the 16-bit alternatives."""
     if dtype == torch.float32:
-        return MlaPrefillConfig(32, 32, 8, 1)
+        return MlaPrefillConfig(16 if window else 32, 32, 8, 1)
     return MlaPrefillConfig(64, 64, 4, 2)
 
 
@@ -241,7 +241,7 @@ def _launch(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, key_start
     num_seqs = cu_seqlens_q.shape[0] - 1
     if tokens == 0 or num_seqs <= 0 or max_query_len <= 0:
         return out, lse
-    cfg = config or default_config(q_nope.dtype)
+    cfg = config or default_config(q_nope.dtype, window)
     block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max_query_len)))
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _mla_prefill_kernel[grid](
