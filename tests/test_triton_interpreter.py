@@ -439,8 +439,8 @@ else:
         from tests.deepseek_models import write_deepseek_model
 
         path = write_deepseek_model("v3", str(tmp_path / "v3"))
-        prompts = [[(7 * i + 3) % 300 + 3 for i in range(70)], [(5 * i + 1) % 300 + 3 for i in range(45)]]
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        prompts = [[(7 * i + 3) % 300 + 3 for i in range(50)], [(5 * i + 1) % 300 + 3 for i in range(29)]]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         monkeypatch.setattr(LatentTorchBackend, "context_tile_tokens", 32)
 
         def run() -> list[list[int]]:
@@ -481,8 +481,8 @@ else:
             path, backend = write_deepseek_model("v3", str(tmp_path / family)), LatentTritonBackend
         else:
             path, backend = write_tiny_model("qwen3", str(tmp_path / family)), DenseTritonBackend
-        prompts = [[(7 * i + 3) % 300 + 3 for i in range(19)], [5, 6, 7, 8]]
-        params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [5, 6, 7, 8]]
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         spec = {"method": "ngram", "num_speculative_tokens": 3}
 
         def engine(**kw) -> LLMEngine:
