@@ -272,8 +272,8 @@ def mla_decode(
 def merge_attention_partials(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over two sets of keys from each set's output and log-sum-exp (see the
-    reference; a few elementwise ops, on any device)."""
+    """Attention over two sets of keys from each set's output and log-sum-exp, in fp32 (see
+    the reference; a few elementwise ops, on any device)."""
     return reference.merge_attention_partials(out_a, lse_a, out_b, lse_b)
 
 

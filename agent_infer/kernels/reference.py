@@ -341,15 +341,14 @@ def merge_attention_partials(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over keys A and B from the attention over each: outputs [T, H, D] and
-    log-sum-exps [T, H] (natural log, -inf where a part saw no key) -> the merged pair,
-    the output in out_a's dtype, weights in fp32."""
+    log-sum-exps [T, H] (natural log, -inf where a part saw no key) -> the merged pair in
+    fp32, so that merging many parts rounds to the model's dtype once, at the end."""
     lse = torch.logaddexp(lse_a, lse_b)
     finite = torch.isfinite(lse)
     safe = torch.where(finite, lse, torch.zeros_like(lse))
     w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse))[..., None]
     w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse))[..., None]
-    out = (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
-    return out, lse
+    return out_a.float() * w_a + out_b.float() * w_b, lse
 
 
 # ---- fused MoE (routed experts) ---------------------------------------------------------

@@ -90,4 +90,4 @@ class LatentAttention(nn.Module):
                                                   ctx, window, self.scale)
             del rows, kv  # the next window's take their place
             out, lse = (part, part_lse) if out is None else ops.merge_attention_partials(out, lse, part, part_lse)
-        return out
+        return out.to(q.dtype)  # merged windows are fp32

@@ -34,10 +34,12 @@ def _attend(
     kn_ptr, kp_ptr, v_ptr, skn_t, skp_t, sv_t, lo, hi, dn, r, dv, qk_scale,
     NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EMPTY_ROWS: tl.constexpr = False,
 ):
     """Key rows lo..hi (kn_ptr / kp_ptr / v_ptr point at the sequence's first key of this
-    head) folded into the running softmax state; CAUSAL masks keys after each query."""
+    head) folded into the running softmax state; CAUSAL masks keys after each query.
+    EMPTY_ROWS: a row may have seen no key yet (a window past its position), so its
+    running maximum may still be -inf (kept out of the exponents: no inf - inf)."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
@@ -63,7 +65,7 @@ def _attend(
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = m_new
-        if CAUSAL:  # a row may have seen no key yet (a window past its position): no inf - inf
+        if EMPTY_ROWS:
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
@@ -124,7 +126,7 @@ def _mla_prefill_kernel(
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q_nope, q_pe, q_pos, kn_base, kp_base, v_base, skn_t, skp_t, sv_t,
                 0, tl.maximum(tl.minimum(last_pos + 1, num_keys), 0), dn, r, dv, qk_scale,
-                NOPE, ROPE, VDIM, BLOCK_N, BLOCK_DN, BLOCK_R, BLOCK_DV, True, PRECISION,
+                NOPE, ROPE, VDIM, BLOCK_N, BLOCK_DN, BLOCK_R, BLOCK_DV, True, PRECISION, True,
             )
             seen = l_i > 0.0
             out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
