@@ -100,13 +100,18 @@ def test_mla_decode_residency_on_sm90(dtype, variant):
         assert "ld.global.cg" in ptx  # the merging program reads the others' partials past L1
 
 
-def test_mla_combine_compiles_for_sm90():
-    from agent_infer.kernels.triton.mla_decode import _mla_combine_kernel
+@pytest.mark.parametrize("splits", [8, 66, 256])
+def test_mla_combine_compiles_for_sm90(splits):
+    """The merge kernel's tile as the launch plan picks it, up to MAX_SPLITS splits."""
+    import torch
 
-    names = ["part_o_ptr", "part_lse_ptr", "out_ptr", "sob", "soh", "num_heads", "num_splits"]
-    types = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 4
-    constexprs = {"KV_LORA": 512, "MERGE_S": 64, "MERGE_C": 128, "PDL": True}
-    kernel = _compile(_mla_combine_kernel, names, types, constexprs, names[:5], 4, 1)
+    from agent_infer.kernels.triton.mla_decode import _mla_combine_kernel, mla_launch_plan
+
+    plan = mla_launch_plan(1, 16, 512, False, torch.device("cpu"), num_splits=splits)
+    names = ["part_o_ptr", "part_lse_ptr", "out_ptr", "ctx_ptr", "sob", "soh", "num_heads", "num_splits"]
+    types = ["*fp32", "*fp32", "*bf16", "*i32"] + ["i32"] * 4
+    constexprs = {"KV_LORA": 512, "BLOCK_N": 32, "MERGE_S": plan.combine_s, "MERGE_C": plan.combine_c, "PDL": True}
+    kernel = _compile(_mla_combine_kernel, names, types, constexprs, names[:6], 4, 1)
     assert _resident(kernel, 4) >= 4
 
 

@@ -539,19 +539,22 @@ else:
         mc.check_mla_decode(DEV, torch.float32, [40, 9], 3, 48, 16, 16, (2,), padding_rows=0, pool_layout=True)
 
     def test_mla_decode_splits_from_shapes():
-        """The split count fills two programs per SM (132 SMs off a GPU) from batch and
-        heads alone, and the in-launch merge is taken only up to MERGE_MAX_SPLITS."""
+        """The split count fills the two programs per SM (132 SMs off a GPU) in one wave,
+        from batch and heads alone: never a program past them when split, and one more
+        split would overflow them (or MAX_SPLITS is reached)."""
         from agent_infer.kernels.triton.mla_decode import MAX_SPLITS, mla_decode_num_splits
 
         dev = torch.device("cpu")
+        slots = 2 * 132
         assert mla_decode_num_splits(1, 16, dev) == MAX_SPLITS
+        assert mla_decode_num_splits(32, 16, dev) == 8  # 9 would put 24 programs in a second wave
         for heads in (4, 8, 16, 128):
             blocks = -(-heads // 16)
             for batch in range(1, 300):
                 splits = mla_decode_num_splits(batch, heads, dev)
-                programs = batch * blocks * splits
-                assert programs >= min(2 * 132, batch * blocks * MAX_SPLITS), (heads, batch, splits)
-                assert splits == 1 or batch * blocks * (splits - 1) < 2 * 132, (heads, batch, splits)
+                units = batch * blocks
+                assert splits == 1 or units * splits <= slots, (heads, batch, splits)
+                assert splits == MAX_SPLITS or units * (splits + 1) > slots, (heads, batch, splits)
 
     MLA_PREFILL_CASES = [
         # query lens, cached prefix lens, heads, Dn, R, Dv, config

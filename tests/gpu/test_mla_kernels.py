@@ -113,8 +113,8 @@ def test_mla_rope_store_absorb(dtype, heads, tokens):
 )
 def test_mla_decode_cuda_graph(dtype, block_size, batch, splits, merged):
     """Rope + cache write + decode captured once, replayed with new lengths, tables and
-    inputs. Batch 4 takes 64 splits (merged by the second kernel, counters or not) or 4
-    forced and merged in the launch; batch 70 four splits, merged in the launch; batch
+    inputs. Batch 4 takes 66 splits (merged by the second kernel, counters or not) or 4
+    forced and merged in the launch; batch 70 three splits, merged in the launch; batch
     300 one split (direct)."""
     mc.check_mla_decode_step(DEV, dtype, block_size, batch, splits, merged)
 

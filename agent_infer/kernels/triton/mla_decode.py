@@ -14,8 +14,9 @@ kernel from context_lens and rounded to key tiles; shares past the end are empty
 split count comes from the shapes only (batch, heads, SM count), never from the lengths,
 so one captured graph replays for any lengths and block tables.
 
-With one split the kernel writes the output directly. Otherwise each program writes a
-partial (normalised [BLOCK_H, L] output + log2-sum-exp) to fp32 scratch, merged either
+With one split the kernel writes the output directly. Otherwise each program whose share
+holds keys writes a partial (normalised [BLOCK_H, L] output + log2-sum-exp) to fp32
+scratch, merged either
 
 - in the same launch (counters given and few splits): the last program of a (sequence,
   head block), found with an atomic counter, merges the splits that hold keys. Unlike
@@ -40,7 +41,9 @@ from agent_infer.kernels.triton.paged import kv_block_ids
 from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
+# A single sequence takes up to 256 splits: at batch 1 the latent read is spread over
+# every SM's two slots, each program a few key tiles (128k tokens: 512 keys each).
+MAX_SPLITS = 256
 # The in-launch merge reads splits x BLOCK_H x L fp32 through one program; past this many
 # splits the second, parallel kernel merges instead (see the module docstring).
 MERGE_MAX_SPLITS = 4
@@ -50,6 +53,9 @@ MERGE_MAX_SPLITS = 4
 # nothing else, loads all splits of up to 128 columns at once (64 per thread).
 _MERGE_COLS, _MERGE_TILE = 64, 4096
 _COMBINE_COLS, _COMBINE_TILE = 128, 8192
+# Splits per load of the merge kernel at most: Triton 3.6 fails to compile a tile of 256
+# (its thread-locality pass); more splits take several loads.
+_COMBINE_MAX_S = 128
 # tl.dot needs at least 16 rows: fewer heads per rank (V2-Lite at TP 2/4) are padded.
 MIN_BLOCK_H = 16
 
@@ -117,6 +123,14 @@ def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
     return lat, pe
 
 
+@triton.jit
+def _split_shares(ctx, num_splits, BLOCK_N: tl.constexpr):
+    """(keys per split, rounded up to whole key tiles; splits that hold keys). Split 0
+    counts as used for an empty context too: it writes that context's zeros."""
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    return chunk, tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)
+
+
 # The block-table width varies between eager steps and the graphs' static buffers;
 # specialising on it would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["s_table"])
@@ -138,7 +152,7 @@ def _mla_decode_kernel(
     # kernel), so they are read before the PDL wait; q and the newest cache row are what
     # the predecessor (the rope + cache write) produces.
     ctx = tl.load(ctx_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    chunk, used = _split_shares(ctx, num_splits, BLOCK_N)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, ctx)
     table_row_ptr = table_ptr + seq * s_table
@@ -148,9 +162,12 @@ def _mla_decode_kernel(
     h_mask = heads < num_heads
     cl = tl.arange(0, BLOCK_L)
     cr = tl.arange(0, BLOCK_R)
+    # A split past the context's keys reads nothing and writes nothing (the merges stop
+    # at `used`): at short contexts most of a batch-1 grid's 256 splits are such.
+    q_mask = h_mask & ((heads * 0 + split) < used)  # a vector: interpreters refuse a scalar bool in a mask
     q_rows = q_ptr + seq * sqb + heads.to(tl.int64)[:, None] * sqh
-    q_lat = tl.load(q_rows + cl[None, :], mask=h_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
-    q_pe = tl.load(q_rows + KV_LORA + cr[None, :], mask=h_mask[:, None] & (cr < ROPE_DIM)[None, :], other=0.0)
+    q_lat = tl.load(q_rows + cl[None, :], mask=q_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
+    q_pe = tl.load(q_rows + KV_LORA + cr[None, :], mask=q_mask[:, None] & (cr < ROPE_DIM)[None, :], other=0.0)
 
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -181,9 +198,7 @@ def _mla_decode_kernel(
     if DIRECT:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif MERGE:
-        # Splits holding keys; split 0 stands for an empty context (o = 0). Programs past
-        # them skip the counter, so it counts to `used`.
-        used = tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)
+        # Programs past `used` skip the counter, so it counts to `used`.
         if split < used:
             if used == 1:
                 tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -206,22 +221,24 @@ def _mla_decode_kernel(
                     # Every other program of this (sequence, head block) has counted, so a
                     # plain store re-arms the counter for the next launch.
                     tl.store(counter, 0)
-    else:
+    elif split < used:
         tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
 
 
 @triton.jit
 def _mla_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, sob, soh, num_heads, num_splits,
-    KV_LORA: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, PDL: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, ctx_ptr, sob, soh, num_heads, num_splits,
+    KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (sequence, head, column chunk): all splits' partials of that chunk."""
-    pdl_begin(PDL)
+    """One program per (sequence, head, column chunk): the partials of that chunk from the
+    splits that hold keys (BLOCK_N: the decode kernel's, which rounds the shares)."""
     seq = tl.program_id(0).to(tl.int64)
+    _, used = _split_shares(tl.load(ctx_ptr + seq), num_splits, BLOCK_N)
+    pdl_begin(PDL)
     heads = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)
     _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, heads < num_heads, sob, soh, num_heads, num_splits,
-                  num_splits, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
+                  used, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
 
 
 @dataclass(frozen=True)
@@ -250,10 +267,12 @@ RESIDENT_PER_SM = 2
 
 
 def mla_decode_num_splits(batch: int, num_heads: int, device: torch.device, block_h: int = MIN_BLOCK_H) -> int:
-    """Splits per (sequence, head block), from static shapes only: enough programs to fill
-    every SM's resident slots, rounded up, at most MAX_SPLITS."""
+    """Splits per (sequence, head block), from static shapes only: as many as every SM's
+    resident slots hold in one wave, at most MAX_SPLITS. Rounded down: a grid a few
+    programs past the slots runs those few as a second wave as long as the first (32
+    sequences x 9 splits on 264 slots took 1.4x the time of 8 splits)."""
     units = max(1, batch * num_head_blocks(num_heads, block_h))
-    return max(1, min(MAX_SPLITS, triton.cdiv(RESIDENT_PER_SM * num_sms(device), units)))
+    return max(1, min(MAX_SPLITS, RESIDENT_PER_SM * num_sms(device) // units))
 
 
 @dataclass(frozen=True)
@@ -292,8 +311,8 @@ def mla_launch_plan(
     merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
     combine_s = combine_c = 0
     if not direct and not merge:
-        # All splits of one column chunk in one load: no round trip per split.
-        combine_s = triton.next_power_of_2(splits)
+        # All splits of one column chunk in one load (up to _COMBINE_MAX_S): no round trip per split.
+        combine_s = min(triton.next_power_of_2(splits), _COMBINE_MAX_S)
         combine_c = max(16, min(_COMBINE_COLS, block_l, _COMBINE_TILE // combine_s))
     return MlaLaunchPlan(splits, direct, merge, merge_s if merge else 1, combine_s, combine_c)
 
@@ -404,7 +423,8 @@ def mla_decode(
     )
     if plan.combine_s:
         _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            KV_LORA=kv_lora_rank, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, num_warps=4, **opts,
+            part_o, part_lse, out, context_lens, out.stride(0), out.stride(1), num_heads, splits,
+            KV_LORA=kv_lora_rank, BLOCK_N=cfg.block_n, MERGE_S=plan.combine_s, MERGE_C=plan.combine_c, num_warps=4,
+            **opts,
         )
     return out
