@@ -88,39 +88,53 @@ class Weight:
 def sweep() -> list[RowConfig]:
     out = []
     fp8 = Weight.layout is not None
-    if fp8:  # half the bytes per element: longer rows per load
-        grid = itertools.product((4, 8), (2048, 4096, 8192), (4, 8), (2,), (2,))
+    if fp8:
+        grid = itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (2,), (1, 2))
     else:
         grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4), (1,))
     for bn, bk, warps, stages, prefetch in grid:
-        if bn * bk <= (32768 if fp8 else 16384):
+        if bn * bk <= 16384:
             out.append(RowConfig(bn, bk, warps, stages, prefetch))
     return out
 
 
-def bench_shape(name: str, n: int, k: int, do_sweep: bool) -> RowConfig:
+def bench_shape(name: str, n: int, k: int, do_sweep: bool, silu: bool = False) -> RowConfig:
+    """36 GEMVs of [n, k] (with `silu`: gate/up pairs and the fused SiLU-and-mul)."""
     ws = [Weight(n, k) for _ in range(LAYERS)]
     x = torch.randn(1, k, dtype=DT, device=DEV)
     gbytes = ws[0].nbytes / 1e9
     ref = F.linear(x.float(), ws[0].ref.float())
-    t_cublas = graph_time_us(lambda: [F.linear(x, w.ref) for w in ws]) / LAYERS
-    default = row_config(n, k, torch.device(DEV))
+    if silu:
+        ref = F.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
+
+    def cublas():
+        for w in ws:
+            y = F.linear(x, w.ref)
+            if silu:
+                silu_and_mul(y)
+
+    t_cublas = graph_time_us(cublas) / LAYERS
+    out_n = n // 2 if silu else n
+    default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
     configs = [default] + ([c for c in sweep() if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []
     for cfg in configs:
-        err = ((ws[0](x, config=cfg).float() - ref).norm() / ref.norm()).item()
-        t = graph_time_us(lambda cfg=cfg: [w(x, config=cfg) for w in ws]) / LAYERS
+        err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
+        t = graph_time_us(lambda cfg=cfg: [w(x, config=cfg, silu_mul=silu) for w in ws]) / LAYERS
         timed.append((t, cfg, err))
     t_def = timed[0][0]
-    t_best, best, err = min(timed, key=lambda e: e[0])
-    t_pdl = graph_time_us(lambda: [w(x, config=best, pdl=True) for w in ws]) / LAYERS
+    timed.sort(key=lambda e: e[0])
+    t_best, best, err = timed[0]
+    t_pdl = graph_time_us(lambda: [w(x, config=best, pdl=True, silu_mul=silu) for w in ws]) / LAYERS
+    tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.prefetch}"  # noqa: E731
     print(
         f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e3:5.2f} TB/s | "
         f"triton default {t_def:6.1f} | best {t_best:6.1f} us {gbytes / t_best * 1e3:5.2f} TB/s "
-        f"(n{best.block_n} k{best.block_k} w{best.num_warps} s{best.num_stages}, err {err:.1e}) | "
-        f"+PDL {t_pdl:6.1f} us {gbytes / t_pdl * 1e3:5.2f} TB/s",
+        f"({tag(best)}, err {err:.1e}) | +PDL {t_pdl:6.1f} us {gbytes / t_pdl * 1e3:5.2f} TB/s",
         flush=True,
     )
+    if len(timed) > 1:
+        print("    next: " + " | ".join(f"{tag(c)} {t:.1f}" for t, c, _ in timed[1:6]), flush=True)
     ws.clear()
     torch.cuda.empty_cache()
     return best
@@ -174,7 +188,8 @@ def main() -> None:
         Weight.layout = args.fp8
         for name, (n, k) in shapes(tp).items():
             best[name] = bench_shape(f"{name}/tp{tp}", n, k, not args.no_sweep)
-        best["gate_up_silu"] = best["gate_up"]
+        n, k = shapes(tp)["gate_up"]
+        best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, not args.no_sweep, silu=True)
         Weight.layout = None
         best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, HIDDEN, False)
         Weight.layout = args.fp8

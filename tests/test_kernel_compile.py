@@ -86,8 +86,8 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
     nothing spills."""
     from agent_infer.kernels.triton.gemv import _gemv_row_kernel, row_config
 
-    cfg = row_config(24576, 4096, torch.device("cuda"))
     for silu, add_norm in ((False, False), (True, False), (False, True)):
+        cfg = row_config(12288 if silu else 4096, 4096, torch.device("cuda"), fp8=True, silu_mul=silu)
         constexprs = {"HAS_BIAS": False, "SILU_MUL": silu, "ADD_NORM": add_norm, "PDL": True,
                       "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_H": 4096 if add_norm else 1,
                       "PREFETCH": cfg.prefetch, "SCALE": scale, "S_ROWS": block[0], "S_COLS": block[1]}

@@ -293,15 +293,25 @@ def _gemv_row_kernel(
 ROW_PREFETCH_TILES = 2
 
 
-def row_config(n: int, k: int, device: torch.device) -> RowConfig:
-    """4 rows x 2048 columns per load: the fastest in a sweep over the Qwen3-8B shapes at
-    TP = 1 and 2 on an H200 (benchmarks/gemv_chain.py; docs/PERFORMANCE.md). Few rows
-    per program give N / 4 programs, several per SM, each streaming long contiguous
-    rows; the column tile shrinks to a power of two that divides K. fp8 weights take the
-    same shape (2048 columns are 512 words of four e4m3 values)."""
+def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul: bool = False) -> RowConfig:
+    """`n` output rows (gate/up pairs with `silu_mul`) over K = `k`. bf16: 4 rows x 2048
+    columns per load, two tiles before the PDL wait: the fastest in a sweep over the
+    Qwen3-8B shapes at TP = 1 and 2 on an H200 (benchmarks/gemv_chain.py;
+    docs/PERFORMANCE.md). Few rows per program give N / 4 programs, several per SM, each
+    streaming long contiguous rows; the column tile shrinks to a power of two that
+    divides K.
+
+    fp8 (2048 columns are 512 words of four e4m3 values) prefetches one tile: a second
+    one costs one or two resident programs per SM in registers (sm_90: 72 -> 87 per
+    thread at 4 rows, 118 -> 144 at 8), and was 10-15 % slower in the same sweep.
+    Outputs of at most 4,096 rows take 8 rows per program (half the programs, each
+    streaming twice the rows); the wider ones, and the gate/up pairs whose programs
+    already load two tiles, keep 4."""
     block_k = 2048
     while k % block_k:
         block_k //= 2
+    if fp8:
+        return RowConfig(8 if n <= 4096 and not silu_mul else 4, block_k, prefetch=1)
     return RowConfig(4, block_k, prefetch=ROW_PREFETCH_TILES)
 
 
@@ -336,7 +346,7 @@ def _launch_row(
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     fp8 = weight.dtype == torch.float8_e4m3fn
-    cfg = config or row_config(n, k, x.device)
+    cfg = config or row_config(n, k, x.device, fp8, silu_mul)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     assert fp8 == (scale is not None), "an fp8 weight needs its scales, and only an fp8 weight has them"
     mode, s_rows, s_cols = (0, 1, 1) if scale is None else ((1, 1, 1) if block is None else (2, *block))
