@@ -302,11 +302,10 @@ def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul
     divides K.
 
     fp8 (2048 columns are 512 words of four e4m3 values) prefetches one tile: a second
-    one costs one or two resident programs per SM in registers (sm_90: 72 -> 87 per
-    thread at 4 rows, 118 -> 144 at 8), and was 10-15 % slower in the same sweep.
-    Outputs of at most 4,096 rows take 8 rows per program (half the programs, each
-    streaming twice the rows); the wider ones, and the gate/up pairs whose programs
-    already load two tiles, keep 4."""
+    one holds enough registers to cost one or two resident programs per SM, and was the
+    slower in the same sweep. Outputs of at most 4,096 rows take 8 rows per program
+    (half the programs, each streaming twice the rows); the wider ones, and the gate/up
+    pairs whose programs already load two tiles, keep 4."""
     block_k = 2048
     while k % block_k:
         block_k //= 2

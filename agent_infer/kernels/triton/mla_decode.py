@@ -42,7 +42,7 @@ from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms
 
 _LOG2E = 1.4426950408889634
 # A single sequence takes up to 256 splits: at batch 1 the latent read is spread over
-# every SM's two slots, each program a few key tiles (128k tokens: 512 keys each).
+# every SM's two slots, each program a few key tiles.
 MAX_SPLITS = 256
 # The in-launch merge reads splits x BLOCK_H x L fp32 through one program; past this many
 # splits the second, parallel kernel merges instead (see the module docstring).
@@ -270,7 +270,7 @@ def mla_decode_num_splits(batch: int, num_heads: int, device: torch.device, bloc
     """Splits per (sequence, head block), from static shapes only: as many as every SM's
     resident slots hold in one wave, at most MAX_SPLITS. Rounded down: a grid a few
     programs past the slots runs those few as a second wave as long as the first (32
-    sequences x 9 splits on 264 slots took 1.4x the time of 8 splits)."""
+    sequences took 9 splits on 264 slots when rounded up: docs/PERFORMANCE.md)."""
     units = max(1, batch * num_head_blocks(num_heads, block_h))
     return max(1, min(MAX_SPLITS, RESIDENT_PER_SM * num_sms(device) // units))
 
