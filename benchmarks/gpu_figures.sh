@@ -97,7 +97,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   longctx [PART...]  the DeepSeek-V2-Lite shape at long contexts; parts: b1 (batch-1 decode tok/s,
                      TTFT and peak memory at 512, 8k, 32k and 128k tokens), batched (8 x 16k and
                      32 x 8k), kernel (the MLA decode kernel's latent read rate by batch and
-                     context, with split-count and tile sweeps)
+                     context, with split-count and tile sweeps), profile (a PDL-off batch-1
+                     profile at 32k: the decode kernel against its split merge)
   moe                the Qwen3-30B-A3B shape: batch 1 with transformers in the same process,
                      then nano-vllm's workload (two rounds, empty Triton cache)
   backend            the Llama-3-8B shape natively and through --model-impl transformers:
@@ -537,6 +538,9 @@ cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by c
       kernel)  timeout 500 python3 benchmarks/mla_kernels.py --only decode --batches 1 8 32 \
                  --contexts 512 8192 32768 131072 --sweep > "$FIG/ds_ctx_kernel.log" 2>&1
                echo "mla_kernels: rc $?"; tail -n 14 "$FIG/ds_ctx_kernel.log" | cut -c1-160 ;;
+      profile) # PDL off, so each kernel's time is its own: the MLA decode against its merge at 32k
+               AGENT_INFER_PDL=0 bench ds_ctx_prof_32k 300 latency --random-weights deepseek-v2-lite --input-len 32768 \
+                 --output-len 16 --num-warmup 1 --num-iters 1 --max-model-len 32896 --profile "$FIG/ds_ctx_prof_32k" ;;
       *)       echo "unknown longctx part: $part"; return 2 ;;
     esac
   done
