@@ -267,7 +267,7 @@ else:
     @pytest.mark.parametrize(
         "n,k,bias,silu_mul,config",
         [(40, 192, True, False, RowConfig(4, 64, prefetch=2)), (48, 256, False, True, RowConfig(4, 64)),
-         (48, 256, True, True, RowConfig(8, 64, prefetch=2))],
+         (48, 256, True, True, RowConfig(8, 64, prefetch=2)), (40, 192, False, False, None)],
     )
     def test_gemv_m1_fp8(dtype, fp8, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config, fp8=fp8)
