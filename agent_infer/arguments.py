@@ -32,8 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     g.add_argument("--kv-cache-gib", type=float, default=None, help="explicit KV cache budget in GiB")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="auto: the model's dtype; fp8: float8 e4m3 K/V, scale 1, saturating at +-448 "
-                        "(half the bytes per cached token)")
+                   help="auto: the model's dtype; fp8: float8 e4m3 K/V, scaled per layer by the checkpoint's "
+                        "k_scale/v_scale where it has them (else 1), saturating at +-448 (half the bytes per "
+                        "cached token)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: quantize a bf16/fp32 checkpoint's projections as they load (e4m3 weights, one scale "
                         "per output row, activations per token at run time); fp8 checkpoints need no flag")

@@ -25,9 +25,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# --kv-cache-dtype: "auto" keeps the model's dtype. "fp8" stores K and V as float8 e4m3
-# with a scale of 1 (no calibration), saturating at +-448: half the bytes per cached token,
-# so twice the tokens fit and decode attention reads half as much.
+# --kv-cache-dtype: "auto" keeps the model's dtype. "fp8" stores K and V as float8 e4m3,
+# divided by each layer's scales where the checkpoint has them (compressed-tensors'
+# kv_cache_scheme), else by 1, saturating at +-448: half the bytes per cached token, so
+# twice the tokens fit and decode attention reads half as much.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "fp8": torch.float8_e4m3fn,

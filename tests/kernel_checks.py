@@ -216,12 +216,15 @@ def check_silu_and_mul(device, dtype: torch.dtype, shape: tuple[int, ...]) -> No
 def check_norm_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
     is_neox: bool, qk_norm: bool, block_size: int = 16, group: int | None = None,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
+    k_cache_tol: float | None = None,
 ) -> None:
     """The fused per-head q/k RMSNorm + RoPE + K/V cache write against the three
     reference ops: q, k (strided views of a merged QKV buffer, rewritten in place) and
     both whole caches, with padding rows (slot -1) that must leave the caches alone.
-    `group`: heads per program (default: the kernel's choice for the shape)."""
+    `group`: heads per program (default: the kernel's choice for the shape); `kv_scales`:
+    an fp8 cache's scales, which the stores divide by; `k_cache_tol` overrides the K
+    cache's relative tolerance (its dtype's)."""
     from agent_infer.kernels.triton.rope_store import norm_rope_store
 
     max_pos = 4 * tokens + 50
@@ -230,6 +233,8 @@ def check_norm_rope_store(
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+    if cache_dtype == FP8:  # V stored exactly (times its scale), so its cache compares bit for bit
+        v.copy_(fp8_values(v) * kv_scales[1])
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
     freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
@@ -247,17 +252,21 @@ def check_norm_rope_store(
     ref_q, ref_k = (reference.rms_norm(q, q_w, 1e-6), reference.rms_norm(k, k_w, 1e-6)) if qk_norm else (q, k)
     ref_q = reference.apply_rotary(positions, ref_q, cache, is_neox)
     ref_k = reference.apply_rotary(positions, ref_k, cache, is_neox)
-    reference.store_kv(ref_k, v, ref_kc, ref_vc, slots)
+    reference.store_kv(ref_k, v, ref_kc, ref_vc, slots, *kv_scales)
     v_before = v.clone()
     with poisoned_empty():
         out_q, out_k = norm_rope_store(positions, q, k, v, q_w, k_w, 1e-6, cache, is_neox, k_cache, v_cache, slots,
-                                       heads=group)
+                                       heads=group, k_scale=kv_scales[0], v_scale=kv_scales[1])
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "must work in place"
     assert_close(q, ref_q, "norm_rope_store q")
     assert_close(k, ref_k, "norm_rope_store k")
     assert torch.equal(v, v_before), "v must be left as it was"
     assert same(v_cache, ref_vc), "V cache differs from the reference (a copy or one cast, so exact)"
-    assert_close(k_cache.float(), ref_kc.float(), "norm_rope_store K cache", k_cache.dtype)
+    if k_cache_tol is None:
+        assert_close(k_cache.float(), ref_kc.float(), "norm_rope_store K cache", k_cache.dtype)
+    else:
+        err = rel_err(k_cache.float(), ref_kc.float())
+        assert err <= k_cache_tol, f"norm_rope_store K cache: relative error {err:.3g} > {k_cache_tol:g}"
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
     untouched[slots[slots >= 0]] = False
     flat, ref_flat = k_cache.view(-1, kv_heads, head_dim), ref_kc.view(-1, kv_heads, head_dim)
@@ -363,8 +372,10 @@ class PagedBatch:
         self, device, dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int],
         heads: int, kv_heads: int, head_dim: int, block_size: int, is_prefill: bool,
         padding_rows: int = 0, seed: int = 0, cache_dtype: torch.dtype | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.kv_scales = kv_scales
         self.scale = head_dim**-0.5
         context_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
         num_seq_blocks = [-(-c // block_size) for c in context_lens]
@@ -393,6 +404,10 @@ class PagedBatch:
         self.q = qkv[:, :q_size].view(tokens, heads, head_dim)
         self.k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
         self.v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+        if kv_scales != (1.0, 1.0):  # K and V that the cache holds divided by the scales; logits as before
+            self.k.mul_(kv_scales[0])
+            self.v.mul_(kv_scales[1])
+            self.q.div_(kv_scales[0])
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(query_lens).cumsum(0)
         self.meta = AttentionMetadata(
@@ -409,11 +424,13 @@ class PagedBatch:
 
 def check_store_kv(
     device, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int, block_size: int,
-    cache_dtype: torch.dtype | None = None, exact_values: bool = False,
+    cache_dtype: torch.dtype | None = None, exact_values: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scattered slots with padding rows (-1) in between; the whole cache is compared, bit
     for bit. `exact_values`: K and V hold values an fp8 cache stores exactly (for the
-    interpreter); otherwise an fp8 store must round as torch does, and saturate."""
+    interpreter); otherwise an fp8 store must round as torch does, and saturate.
+    `kv_scales` (an fp8 cache): K and V are those values times the scales, and the cache
+    must hold them divided back, exactly."""
     from agent_infer.kernels.triton.kv_store import store_kv
 
     num_blocks = -(-2 * tokens // block_size) + 2
@@ -425,14 +442,22 @@ def check_store_kv(
         kv = fp8_values(kv) if exact_values else kv * 200  # past +-448 too: saturates
     k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
     v = kv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    stored_k, stored_v = k.clone(), v.clone()
+    k.mul_(kv_scales[0])
+    v.mul_(kv_scales[1])
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=11)
     v_cache = kv_cache_randn(*shape, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=12)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k, v, ref_k, ref_v, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
+    reference.store_kv(k, v, ref_k, ref_v, slots, *kv_scales)
+    store_kv(k, v, k_cache, v_cache, slots, *kv_scales)
     assert same(k_cache, ref_k), "store_kv: K cache differs from the reference"
     assert same(v_cache, ref_v), "store_kv: V cache differs from the reference"
+    if exact_values:  # what the cache holds, times the scales, is K and V
+        keep = slots >= 0
+        for cache, x in ((k_cache, stored_k), (v_cache, stored_v)):
+            held = cache.view(-1, kv_heads, head_dim)[slots[keep]].to(dtype)
+            assert torch.equal(held, x[keep]), "store_kv: the cache does not hold the values divided by their scale"
     assert torch.isfinite(k_cache.float()).all() and torch.isfinite(v_cache.float()).all()
 
 
@@ -446,13 +471,16 @@ def _run_backends(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedB
 
     layer = SimpleNamespace(cache_layout=DenseKVLayout(batch.k_cache.shape[2], batch.k_cache.shape[3]),
                             num_heads=batch.q.shape[1])
+    ks, vs = batch.kv_scales
     ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
-    reference.store_kv(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
-    ref = DenseTorchBackend(layer, 1, batch.q.device).attend(batch.q, DenseKVCache(ref_k, ref_v), batch.meta, batch.scale)
+    reference.store_kv(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping, ks, vs)
+    ref = DenseTorchBackend(layer, 1, batch.q.device).attend(
+        batch.q, DenseKVCache(ref_k, ref_v, ks, vs), batch.meta, batch.scale
+    )
     with poisoned_empty():
-        store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+        store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping, ks, vs)
         out = DenseTritonBackend(layer, 1, batch.q.device).attend(
-            batch.q, DenseKVCache(batch.k_cache, batch.v_cache), batch.meta, batch.scale
+            batch.q, DenseKVCache(batch.k_cache, batch.v_cache, ks, vs), batch.meta, batch.scale
         )
     assert same(batch.k_cache, ref_k) and same(batch.v_cache, ref_v), "KV store differs"
     return out, ref, batch
@@ -519,6 +547,41 @@ def check_decode(
         )
         assert torch.equal(given[k:], before[k:]), "decode wrote past its rows"
         assert_close(given[:k], ref[:k], f"decode attention into a given output (contexts {context_lens[:k]})")
+
+
+def check_attention_kv_scales(device, dtype: torch.dtype, prefill: bool, kv_scales: tuple[float, float]) -> None:
+    """An fp8 cache with per-layer scales, K and V far past +-448: both backends attend as
+    over a cache in the model's dtype holding K and V themselves (the scales are powers of
+    two and the values fp8's, so the scaled cache is exact); stored and read with scale 1
+    instead, the same K and V saturate and the output is wrong (what the test tells
+    apart)."""
+    from agent_infer.attention.dense_torch import DenseTorchBackend
+    from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
+
+    if prefill:
+        batch = PagedBatch(device, dtype, [5, 17, 33], [0, 16, 23], 8, 2, 64, 16, True, cache_dtype=FP8,
+                           kv_scales=kv_scales)
+    else:
+        batch = PagedBatch(device, dtype, [1, 1, 1], [0, 16, 99], 8, 2, 64, 16, False, cache_dtype=FP8,
+                           kv_scales=kv_scales)
+    ks, vs = kv_scales
+    assert batch.k.abs().max() > 448 and batch.v.abs().max() > 448, "the test needs values that saturate unscaled"
+    layer = SimpleNamespace(cache_layout=DenseKVLayout(batch.kv_heads, batch.head_dim), num_heads=batch.heads)
+    slots = batch.meta.slot_mapping
+    k_full, v_full = batch.k_cache.to(dtype) * ks, batch.v_cache.to(dtype) * vs  # the prefix's K and V
+    reference.store_kv(batch.k, batch.v, k_full, v_full, slots)
+    full = DenseTorchBackend(layer, 1, batch.q.device).attend(batch.q, DenseKVCache(k_full, v_full), batch.meta,
+                                                             batch.scale)
+    k_sat, v_sat = batch.k_cache.clone(), batch.v_cache.clone()
+    out, ref, _ = _run_backends(batch)
+    what = f"{'prefill' if prefill else 'decode'} attention over an fp8 cache with scales {kv_scales}"
+    assert_close(out, ref, what + ": Triton against the reference")
+    assert_close(ref.float(), full.float(), what + ": against the full-precision cache", dtype)
+    assert_close(out.float(), full.float(), what + ": Triton against the full-precision cache", dtype)
+    reference.store_kv(batch.k, batch.v, k_sat, v_sat, slots)
+    unscaled = DenseTorchBackend(layer, 1, batch.q.device).attend(batch.q, DenseKVCache(k_sat, v_sat), batch.meta,
+                                                                 batch.scale)
+    assert rel_err(unscaled.float(), full.float()) > 0.1, "scale 1 should have saturated these K and V"
 
 
 def check_decode_order(device, dtype: torch.dtype, context_lens: list[int], num_splits: int) -> None:

@@ -138,14 +138,14 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
 
     names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr",
              "counter_ptr", "order_ptr", "sqb", "sqh", "sob", "soh", "kc_b", "kc_s", "kc_h", "vc_b", "vc_s", "vc_h", "s_table",
-             "num_heads", "num_kv_heads", "group", "head_dim", "num_splits", "qk_scale"]
-    types = ["*bf16"] * 2 + [f"*{cache}"] * 2 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] * 2 + ["i32"] * 16 + ["fp32"]
+             "num_heads", "num_kv_heads", "group", "head_dim", "num_splits", "qk_scale", "v_scale"]
+    types = ["*bf16"] * 2 + [f"*{cache}"] * 2 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] * 2 + ["i32"] * 16 + ["fp32"] * 2
     preload, merge = variant == "preload", variant == "merge"
     # As the engine launches it for Qwen3-8B (GQA 4): the order only past one wave, which
     # the preload never is; merging 2-64 splits, 16 at a time.
     constexprs = {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "DIRECT": not merge, "MERGE": merge,
                   "GROUP_P": 4 if merge else 1, "MERGE_S": 16 if merge else 1, "PRECISION": "tf32", "PDL": True,
-                  "PRELOAD": preload, "ORDERED": not preload}
+                  "PRELOAD": preload, "ORDERED": not preload, "V_SCALED": cache != "bf16"}
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constexprs}
     # What a launch specialises on: 16-byte aligned pointers and strides, head_dim 128.
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n[:3] in ("sqb", "sqh", "sob", "soh")

@@ -1,6 +1,7 @@
-"""--kv-cache-dtype fp8: K and V cached as float8 e4m3 (scale 1, saturating), read back as
-the model's dtype. On CPU this runs the PyTorch reference path; the Triton kernels' fp8
-paths are checked in tests/test_triton_interpreter.py and tests/gpu/."""
+"""--kv-cache-dtype fp8: K and V cached as float8 e4m3 (divided by the checkpoint's
+per-layer scales, else by 1; saturating), read back as the model's dtype. On CPU this
+runs the PyTorch reference path; the Triton kernels' fp8 paths are checked in
+tests/test_triton_interpreter.py and tests/gpu/."""
 
 from __future__ import annotations
 
@@ -71,3 +72,108 @@ def test_fp8_cache_generates_close_to_the_full_precision_cache(default_model_dir
         matched.append(n)
     # Not a coin toss either: most of the greedy run agrees before any difference.
     assert sum(matched) >= NEW_TOKENS * len(PROMPTS) // 2, f"tokens matched before a difference: {matched}"
+
+
+# ---- per-layer scales (compressed-tensors' kv_cache_scheme) -------------------------------
+
+SCALE = 4096.0  # a power of two: scaling the weights by it and dividing it back out is exact
+
+
+def _scaled_checkpoint(src: str, dst: str, with_scales: bool) -> None:
+    """`src` with every layer's K and V made SCALE times larger (k_proj and v_proj times
+    SCALE, q_proj and o_proj divided by it: the same model, K and V far past +-448), and,
+    `with_scales`, the per-layer `self_attn.k_scale` / `v_scale` = SCALE a kv_cache_scheme
+    stores."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    layers = set()
+    for name in list(tensors):
+        for proj, factor in (("k_proj", SCALE), ("v_proj", SCALE), ("q_proj", 1 / SCALE), ("o_proj", 1 / SCALE)):
+            if name.endswith(f"self_attn.{proj}.weight"):
+                tensors[name] = tensors[name] * factor
+                layers.add(name.split(".self_attn.")[0])
+    if with_scales:
+        for layer in layers:
+            tensors[f"{layer}.self_attn.k_scale"] = torch.tensor(SCALE)
+            tensors[f"{layer}.self_attn.v_scale"] = torch.tensor([SCALE])  # one-element form too
+    save_file(tensors, path)
+
+
+def _tokens(path: str, kv_cache_dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                    num_kv_blocks=64, block_size=16, warmup=False))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_checkpoint_kv_scales_are_applied_by_the_fp8_cache(tmp_path):
+    """A checkpoint whose K and V run 4096 times larger than its fp8 cache can hold, with
+    scales that say so: the fp8 cache stores K / k_scale and V / v_scale and reads them
+    back scaled, so the tokens are those of the unscaled model on the same fp8 cache
+    (exactly: the scale is a power of two); without the scales the same checkpoint
+    saturates its cache and decodes otherwise; a cache in the model's dtype ignores them."""
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "scaled"), with_scales=True)
+    _scaled_checkpoint(src, str(tmp_path / "unscaled"), with_scales=False)
+    prompts = [[(5 * i + 7) % 200 + 3 for i in range(n)] for n in (9, 23, 40)]
+    plain = _tokens(src, "fp8", prompts)
+    assert _tokens(str(tmp_path / "scaled"), "fp8", prompts) == plain
+    assert _tokens(str(tmp_path / "unscaled"), "fp8", prompts) != plain
+    assert _tokens(str(tmp_path / "scaled"), "auto", prompts) == _tokens(src, "auto", prompts)
+
+
+def test_kv_scales_bind_to_an_fp8_cache_only(tmp_path):
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "scaled"), with_scales=True)
+    for kind, want in (("fp8", SCALE), ("auto", 1.0)):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path / "scaled"), device="cpu", dtype="float32",
+                                        kv_cache_dtype=kind, num_kv_blocks=16, warmup=False))
+        caches = [layer.cache for layer in engine.runner.model.attention_layers]
+        assert caches and all(c.k_scale == c.v_scale == want for c in caches), (kind, caches[0])
+
+
+@pytest.mark.parametrize("scheme,ok", [
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}, True),
+    ({"num_bits": 8, "type": "float", "strategy": "head", "symmetric": True, "dynamic": False}, False),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": True}, False),
+    ({"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False}, False),
+])
+def test_kv_cache_scheme_is_read_or_refused_by_name(scheme, ok):
+    from agent_infer.quantization.fp8 import Fp8Config
+    from tests.test_fp8_checkpoints import COMPRESSED_TENSORS_FP8
+
+    quant = dict(COMPRESSED_TENSORS_FP8, kv_cache_scheme=scheme)
+    if ok:
+        assert Fp8Config.from_hf(quant).layout == "channel"
+    else:
+        with pytest.raises(ConfigError, match="kv_cache_scheme"):
+            Fp8Config.from_hf(quant)
+
+
+def test_a_bad_kv_scale_is_named(tmp_path):
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "bad"), with_scales=True)
+    path = os.path.join(tmp_path / "bad", "model.safetensors")
+    tensors = load_file(path)
+    name = next(n for n in tensors if n.endswith("self_attn.v_scale"))
+    tensors[name] = torch.tensor(-1.0)
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=f"{name}.*positive"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "bad"), device="cpu", dtype="float32", kv_cache_dtype="fp8",
+                               num_kv_blocks=16, warmup=False))

@@ -134,14 +134,23 @@ else:
         kc.check_norm_rope_store(DEV, dtype, 7, 4, 2, head_dim, rot_dim, is_neox, qk_norm, group=2)
         kc.check_norm_rope_store(DEV, dtype, 64, 8, 4, head_dim, rot_dim, is_neox, qk_norm)
 
+    @pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.5, 4.0)], ids=str)
+    def test_norm_rope_store_fp8_cache_scales(kv_scales):
+        """V (fp8 values times its scale) lands exactly; K within 15 %: the interpreter's
+        fp32 -> fp8 conversion departs from torch's by up to ~9 % (in norm) on random
+        values, where a K scale not applied would be 50 % off."""
+        kc.check_norm_rope_store(DEV, torch.float32, 7, 4, 2, 64, 64, True, True, cache_dtype=kc.FP8,
+                                 kv_scales=kv_scales, k_cache_tol=0.15)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("block_size", [16, 32])
     def test_store_kv(dtype, block_size):
         kc.check_store_kv(DEV, dtype, 13, 2, 64, block_size)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_store_kv_fp8_cache(dtype):
-        kc.check_store_kv(DEV, dtype, 13, 2, 64, 16, cache_dtype=kc.FP8, exact_values=True)
+    @pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (512.0, 0.25)], ids=str)
+    def test_store_kv_fp8_cache(dtype, kv_scales):
+        kc.check_store_kv(DEV, dtype, 13, 2, 64, 16, cache_dtype=kc.FP8, exact_values=True, kv_scales=kv_scales)
 
     PREFILL_CASES = [
         # query lens, cached prefix lens, heads, kv heads, head_dim, block size
@@ -175,6 +184,11 @@ else:
         step's K/V are fp8 values, so the interpreter's cache writes are exact)."""
         kc.check_prefill(DEV, dtype, *PREFILL_CASES[0], cache_dtype=kc.FP8)
         kc.check_decode(DEV, dtype, *DECODE_CASES[0], cache_dtype=kc.FP8)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
+    def test_attention_fp8_cache_scales(dtype, prefill):
+        kc.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
     @pytest.mark.parametrize("kv_heads", [8, 4, 1])
     def test_decode_preload_only_in_one_wave(kv_heads):

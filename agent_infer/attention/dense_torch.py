@@ -18,6 +18,8 @@ class DenseTorchBackend(AttentionBackend):
         """q [T, H, D] -> [T, H, D] over the cache, which already holds this step's K/V."""
         if meta.is_prefill:
             return reference.prefill_attention(
-                q, cache.k, cache.v, meta.block_tables, meta.query_lens_host, meta.context_lens_host, scale
+                q, cache.k, cache.v, meta.block_tables, meta.query_lens_host, meta.context_lens_host, scale,
+                cache.k_scale, cache.v_scale,
             )
-        return reference.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale)
+        return reference.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale,
+                                          cache.k_scale, cache.v_scale)

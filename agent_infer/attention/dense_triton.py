@@ -43,21 +43,19 @@ class DenseTritonBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, cache: DenseKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; caches [blocks, block_size, Hkv, D]."""
         if meta.is_prefill and meta.num_decode:
-            return _mixed(q, cache.k, cache.v, meta, scale)
+            return _mixed(q, cache, meta, scale)
         if meta.is_prefill:
             return prefill_attention(
                 q, cache.k, cache.v, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                meta.max_query_len, scale,
+                meta.max_query_len, scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
             )
         return decode_attention(
             q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale, counters=meta.decode_counters,
-            order=meta.decode_order,
+            order=meta.decode_order, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
 
 
-def _mixed(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def _mixed(q: torch.Tensor, cache: DenseKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """A mixed step: the decode rows (first, one token each) through the decode kernel,
     which reads each KV head once for its whole query group; the prompt chunks after them
     through the prefill kernel."""
@@ -66,12 +64,12 @@ def _mixed(
     # an odd row is a misaligned pointer, which Triton would compile a new variant for.
     out = torch.empty_like(q)
     decode_attention(
-        q[:d], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-        counters=meta.decode_counters, out=out[:d],
+        q[:d], cache.k, cache.v, meta.block_tables, meta.context_lens, scale,
+        counters=meta.decode_counters, out=out[:d], k_scale=cache.k_scale, v_scale=cache.v_scale,
     )
     if q.shape[0] > d:
         prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-            meta.max_query_len, scale, out=out, first_seq=d,
+            q, cache.k, cache.v, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            meta.max_query_len, scale, out=out, first_seq=d, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
     return out

@@ -60,33 +60,37 @@ def norm_rope_store(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     cos_sin_cache: torch.Tensor, is_neox: bool,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q [T, H, D] and k [T, Hkv, D] (skipped when the weights are
-    None), RoPE on both, then k and v into the paged caches at slot_mapping (-1 = skip).
-    Returns (q, k); the Triton version is one kernel working in place."""
+    None), RoPE on both, then k and v into the paged caches at slot_mapping (-1 = skip;
+    an fp8 cache takes k / k_scale, v / v_scale). Returns (q, k); the Triton version is
+    one kernel working in place."""
     if _use_triton(q):
         from agent_infer.kernels.triton import rope_store
 
         return rope_store.norm_rope_store(
-            positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping
+            positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping,
+            k_scale=k_scale, v_scale=v_scale,
         )
     if q_weight is not None:
         q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
     q = reference.apply_rotary(positions, q, cos_sin_cache, is_neox)
     k = reference.apply_rotary(positions, k, cos_sin_cache, is_neox)
-    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] into the paged caches at slot_mapping (-1 = skip)."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [T, Hkv, D] into the paged caches at slot_mapping (-1 = skip; an fp8 cache
+    takes k / k_scale, v / v_scale)."""
     if _use_triton(k):
         from agent_infer.kernels.triton import kv_store
 
-        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def fp8_kernels(device: torch.device) -> bool:

@@ -64,14 +64,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write k, v [tokens, kv_heads, head_dim] into the paged caches [blocks, block_size,
-    kv_heads, head_dim] at flat slots; a slot of -1 (padding) is skipped."""
+    kv_heads, head_dim] at flat slots; a slot of -1 (padding) is skipped. An fp8 cache
+    stores k / k_scale and v / v_scale (its entries times the scales are K and V)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[keep], k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[keep], v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(scaled_for_cache(k[keep], k_scale), k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(scaled_for_cache(v[keep], v_scale), v_cache.dtype)
+
+
+def scaled_for_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as the stores compute it: fp32 times the fp32 inverse (x itself at 1)."""
+    if scale == 1.0:
+        return x
+    return x.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -98,11 +107,14 @@ def prefill_attention(
     query_lens: list[int],
     context_lens: list[int],
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch whose keys live in the paged cache.
 
     Sequence i has query_lens[i] new tokens, the last ones of its context_lens[i] tokens
     (the rest are cached prefix), so query j sits at position context - query_len + j.
+    The cache's entries times k_scale / v_scale are K and V (see `store_kv`).
     """
     out = torch.empty_like(q)
     start = 0
@@ -112,7 +124,9 @@ def prefill_attention(
         vi = _gather_context(v_cache, block_tables[i], ctx).transpose(0, 1).to(q.dtype)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale * k_scale, enable_gqa=True)
+        if v_scale != 1.0:
+            o = o.float() * v_scale
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -125,19 +139,22 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One query token per sequence, q [B, H, D], attending to its context_lens[b] cached tokens."""
+    """One query token per sequence, q [B, H, D], attending to its context_lens[b] cached
+    tokens (the cache's entries times k_scale / v_scale are K and V)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k = k_cache[block_tables].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
     v = v_cache[block_tables].flatten(1, 2)
     group = num_heads // num_kv_heads
     qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k.float()) * scale
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k.float()) * (scale * k_scale)
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v.float()) * v_scale
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 

@@ -22,10 +22,14 @@ import torch
 
 @dataclass(frozen=True)
 class DenseKVCache:
-    """One layer's K and V caches, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """One layer's K and V caches, each [num_blocks, block_size, kv_heads, head_dim]. An
+    fp8 cache holds K / k_scale and V / v_scale (the layer's scales, 1 unless the
+    checkpoint gives them); a cache in the model's dtype holds K and V, its scales 1."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ nothing to attend to.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from agent_infer.kernels import ops
 from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
+from agent_infer.loader.weights import Weight, materialize
 
 
 class PagedAttention(nn.Module):
@@ -31,8 +34,15 @@ class PagedAttention(nn.Module):
         self.cache_layout = DenseKVLayout(num_kv_heads, head_dim)
         self.cache: DenseKVCache | None = None
         self.backend = None
+        # An fp8 cache's per-layer scales (`self_attn.k_scale` / `v_scale` of a checkpoint
+        # whose config has a kv_cache_scheme); 1 when the checkpoint has none. Buffers, not
+        # parameters: fp32 whatever the model's dtype, and no weight a step reads.
+        self.register_buffer("k_scale", _kv_scale(), persistent=False)
+        self.register_buffer("v_scale", _kv_scale(), persistent=False)
 
     def bind(self, cache: DenseKVCache | None, backend) -> None:
+        if cache is not None and cache.k.dtype == torch.float8_e4m3fn:
+            cache = dataclasses.replace(cache, k_scale=float(self.k_scale), v_scale=float(self.v_scale))
         self.cache, self.backend = cache, backend
 
     def forward(
@@ -46,6 +56,25 @@ class PagedAttention(nn.Module):
         eps = q_norm.eps if q_norm is not None else 0.0
         q, k = ops.norm_rope_store(
             positions, q, k, v, q_w, k_w, eps, rotary.cos_sin_cache, rotary.is_neox, self.cache.k, self.cache.v,
-            meta.slot_mapping,
+            meta.slot_mapping, self.cache.k_scale, self.cache.v_scale,
         )
         return self.backend.attend(q, self.cache, meta, self.scale)
+
+
+def _kv_scale() -> torch.Tensor:
+    """A KV-cache scale: fp32 1 until a checkpoint's scale loads into it (optional)."""
+    t = torch.ones((), dtype=torch.float32)
+    t.weight_loader = _load_kv_scale
+    t.expected_pieces = set()
+    return t
+
+
+def _load_kv_scale(param: torch.Tensor, loaded: Weight, shard_id=None, expert_id=None) -> None:
+    """One positive value (stored as a scalar or a one-element tensor)."""
+    value = materialize(loaded)
+    if value.numel() != 1:
+        raise ValueError(f"a KV-cache scale is one value per layer, got shape {tuple(value.shape)}")
+    value = value.reshape(()).float()
+    if not torch.isfinite(value) or value <= 0:
+        raise ValueError(f"a KV-cache scale must be positive and finite, got {value.item()}")
+    param.data.copy_(value)

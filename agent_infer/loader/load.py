@@ -77,6 +77,8 @@ def default_weight_loader(param: nn.Parameter, loaded: Weight, shard_id=None, ex
 
 def load_model(model: nn.Module, weights: Iterable[tuple[str, Weight]], weight_map: WeightMap) -> None:
     params = dict(model.named_parameters())
+    # Buffers a checkpoint may fill (an attention layer's KV-cache scales) carry a loader.
+    params |= {n: b for n, b in model.named_buffers() if hasattr(b, "weight_loader")}
     seen: dict[str, set] = defaultdict(set)
     for name, w in weights:
         where = weight_map.resolve(name)

@@ -132,6 +132,8 @@ _RULES = (
     WeightRule(r"(?P<pre>.+)\.self_attn\.(?P<shard>q|k|v)_proj\.(?P<kind>weight|bias)", "{pre}.self_attn.qkv_proj.{kind}"),
     WeightRule(r"(?P<pre>.+)\.mlp\.(?P<shard>gate|up)_proj\.(?P<kind>weight|bias)", "{pre}.mlp.gate_up_proj.{kind}",
                shards={"gate": 0, "up": 1}),
+    # An fp8 KV cache's scales (compressed-tensors' kv_cache_scheme) belong to the paged attention.
+    WeightRule(r"(?P<pre>.+)\.self_attn\.(?P<which>k|v)_scale", "{pre}.self_attn.attn.{which}_scale"),
 )
 # The language model of the VL checkpoints under our names; their vision tower loads nowhere.
 _RENAMES = (

@@ -100,7 +100,7 @@ class PagedCacheAttention(nn.Module):
         if self.cache is None:
             raise RuntimeError("attention has no KV cache bound; run the model through the engine")
         meta = get_attention_metadata()
-        ops.store_kv(k, v, self.cache.k, self.cache.v, meta.slot_mapping)
+        ops.store_kv(k, v, self.cache.k, self.cache.v, meta.slot_mapping, self.cache.k_scale, self.cache.v_scale)
         return self.backend.attend(q, self.cache, meta, scale)
 
 

@@ -96,6 +96,13 @@ def _channel_config(quant: dict[str, Any]) -> Fp8Config:
                           f"({wanted}) are")
     if acts and not (acts.get("dynamic") and acts.get("strategy") == "token" and acts.get("num_bits") == 8):
         raise ConfigError("compressed-tensors input activations must be dynamic 8-bit per token")
+    kv = quant.get("kv_cache_scheme")
+    if kv:  # per-layer `self_attn.k_scale` / `v_scale`, applied by an fp8 KV cache
+        wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+        found = {k: kv.get(k) for k in wanted} | {"dynamic": bool(kv.get("dynamic"))}
+        if found != wanted:
+            raise ConfigError(f"compressed-tensors kv_cache_scheme {found} is not supported; static fp8 scales "
+                              f"per tensor ({wanted}) are")
     return Fp8Config("channel", None, tuple(quant.get("ignore") or ()))
 
 

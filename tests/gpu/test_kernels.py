@@ -103,15 +103,23 @@ FP8_MODEL_DTYPES = [torch.bfloat16, torch.float16]
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-def test_norm_rope_store_fp8_cache(dtype, is_neox):
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.37, 2.9)], ids=str)
+def test_norm_rope_store_fp8_cache(dtype, is_neox, kv_scales):
     for tokens in (1, 300):
         kc.check_norm_rope_store(DEV, dtype, tokens, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM, is_neox, True,
-                                 cache_dtype=kc.FP8)
+                                 cache_dtype=kc.FP8, kv_scales=kv_scales)
 
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES + [torch.float32])
-def test_store_kv_fp8_cache(dtype):
-    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, 16, cache_dtype=kc.FP8)
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.37, 2.9)], ids=str)
+def test_store_kv_fp8_cache(dtype, kv_scales):
+    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, 16, cache_dtype=kc.FP8, kv_scales=kv_scales)
+
+
+@pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
+def test_attention_fp8_cache_scales(dtype, prefill):
+    kc.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import check_kv_cache_dtype, dot_precision, launch_opts, num_sms, pdl_begin
+from agent_infer.kernels.triton.utils import (
+    cache_scaled, check_kv_cache_dtype, dot_precision, launch_opts, num_sms, pdl_begin,
+)
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -117,10 +119,11 @@ def _decode_split_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr, order_ptr,
     sqb, sqh, sob, soh,
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
-    num_heads, num_kv_heads, group, head_dim, num_splits, qk_scale,
+    num_heads, num_kv_heads, group, head_dim, num_splits, qk_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, ORDERED: tl.constexpr,
+    V_SCALED: tl.constexpr,
 ):
     # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
     # side and together read whole cache rows (a row holds every KV head of a token);
@@ -177,6 +180,8 @@ def _decode_split_kernel(
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if V_SCALED:  # an fp8 cache holds v / v_scale; the merges are linear in o
+        o = o * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_ptrs = out_ptr + seq * sob + heads[:, None] * soh + d[None, :]
     row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, D], part_lse [B, H, S]
@@ -372,6 +377,8 @@ def decode_attention(
     preload: bool | None = None,
     order: torch.Tensor | None = None,
     ordered: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
 
@@ -384,7 +391,8 @@ def decode_attention(
     `out`, when given, receives the result (strided rows allowed). `preload` overrides
     `preload_first_tile`. `order` (int32, at least B, a permutation of 0..B-1: e.g. the
     rows by context length, longest first) is the order the grid takes the sequences in
-    where `ordered_rows` says it pays; `ordered` overrides that choice.
+    where `ordered_rows` says it pays; `ordered` overrides that choice. An fp8 cache's
+    entries times `k_scale` / `v_scale` are K and V (k_scale joins the softmax scale).
 
     Under PDL the kernel reads the context lengths before waiting for the kernel launched
     just before it, and with the preload also the block tables and the first tile's keys
@@ -396,6 +404,7 @@ def decode_attention(
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
     check_kv_cache_dtype(k_cache, v_cache, q.dtype)
+    v_scaled = cache_scaled(k_cache, k_scale, v_scale)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     if counters is not None:
@@ -428,10 +437,10 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_heads, num_kv_heads, group, head_dim, splits, scale * _LOG2E,
+        num_heads, num_kv_heads, group, head_dim, splits, scale * k_scale * _LOG2E, v_scale,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
-        PRECISION=dot_precision(q.dtype), PRELOAD=plan.preload, ORDERED=ordered,
+        PRECISION=dot_precision(q.dtype), PRELOAD=plan.preload, ORDERED=ordered, V_SCALED=v_scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct and not merge:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import check_kv_cache_dtype, dot_precision
+from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, dot_precision
 
 _LOG2E = 1.4426950408889634
 
@@ -71,9 +71,9 @@ def _prefill_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qsl_ptr, ctx_ptr,
     sqt, sqh, sot, soh,
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table, first_seq,
-    group, head_dim, qk_scale,
+    group, head_dim, qk_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, V_SCALED: tl.constexpr,
 ):
     # Reversed so the longest (last) query tiles of the causal triangle start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -115,6 +115,8 @@ def _prefill_kernel(
             BLOCK_SIZE, BLOCK_N, True, EVEN_D, PRECISION,
         )
         out = acc / l_i[:, None]
+        if V_SCALED:  # an fp8 cache holds v / v_scale
+            out = out * v_scale
         tl.store(
             out_ptr + q_rows[:, None] * sot + head * soh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -156,6 +158,8 @@ def prefill_attention(
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,
     first_seq: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, H, D] (rows of all sequences, flattened) -> out [T, H, D].
 
@@ -164,12 +168,14 @@ def prefill_attention(
     of sequence i sits at position context_len - query_len + j and sees keys at positions
     <= its own. Only sequences from `first_seq` on are computed (a mixed step's decode
     rows come first and go to the decode kernel), into `out` when given; rows of other
-    sequences, or not covered by query_start_loc, are left unwritten.
+    sequences, or not covered by query_start_loc, are left unwritten. An fp8 cache's
+    entries times `k_scale` / `v_scale` are K and V (k_scale joins the softmax scale).
     """
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     check_kv_cache_dtype(k_cache, v_cache, q.dtype)
+    v_scaled = cache_scaled(k_cache, k_scale, v_scale)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     block_d = check_head_dim(head_dim)
@@ -188,9 +194,9 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), first_seq,
-        num_heads // num_kv_heads, head_dim, scale * _LOG2E,
+        num_heads // num_kv_heads, head_dim, scale * k_scale * _LOG2E, v_scale,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype),
+        EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype), V_SCALED=v_scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

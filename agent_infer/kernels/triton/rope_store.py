@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import check_kv_cache_dtype, launch_opts, pdl_begin, to_cache_dtype
+from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, launch_opts, pdl_begin, to_cache_dtype
 
 # Token counts from which a program takes a group of heads. One head per one-warp program
 # keeps the batch-1 chain as it was tuned; at hundreds of tokens and more (large decode
@@ -57,9 +57,9 @@ def _rope_store_kernel(
     k_cache_ptr, v_cache_ptr, slot_ptr,
     sqt, sqh, skt, skh, svt, svh, scs,
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h,
-    n_q_heads, half, tail, eps, inv_dim,
+    n_q_heads, half, tail, eps, inv_dim, inv_k, inv_v,
     QK_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H  # BLOCK_H divides both head counts
@@ -124,16 +124,26 @@ def _rope_store_kernel(
             block = slot // BLOCK_SIZE
             offset = slot % BLOCK_SIZE
             kc = (k_cache_ptr + block * kc_b + offset * kc_s + kv_heads * kc_h)[:, None]
-            tl.store(kc + idx1, to_cache_dtype(y1, k_cache_ptr.dtype.element_ty), mask=r_mask)
-            tl.store(kc + idx2, to_cache_dtype(y2, k_cache_ptr.dtype.element_ty), mask=r_mask)
-            tl.store(kc + tail_idx, to_cache_dtype(yt, k_cache_ptr.dtype.element_ty), mask=tail_mask)
+            kt = k_cache_ptr.dtype.element_ty
+            tl.store(kc + idx1, to_cache_dtype(_scaled(y1, inv_k, SCALED), kt), mask=r_mask)
+            tl.store(kc + idx2, to_cache_dtype(_scaled(y2, inv_k, SCALED), kt), mask=r_mask)
+            tl.store(kc + tail_idx, to_cache_dtype(_scaled(yt, inv_k, SCALED), kt), mask=tail_mask)
             vr = (v_ptr + t * svt + kv_heads * svh)[:, None]
             vc = (v_cache_ptr + block * vc_b + offset * vc_s + kv_heads * vc_h)[:, None]
+            vt = v_cache_ptr.dtype.element_ty
             d = tl.arange(0, 2 * BLOCK_R)[None, :]
             d_mask = d < 2 * half
-            tl.store(vc + d, to_cache_dtype(tl.load(vr + d, mask=d_mask), v_cache_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(vc + tail_idx, to_cache_dtype(tl.load(vr + tail_idx, mask=tail_mask), v_cache_ptr.dtype.element_ty),
+            tl.store(vc + d, to_cache_dtype(_scaled(tl.load(vr + d, mask=d_mask), inv_v, SCALED), vt), mask=d_mask)
+            tl.store(vc + tail_idx, to_cache_dtype(_scaled(tl.load(vr + tail_idx, mask=tail_mask), inv_v, SCALED), vt),
                      mask=tail_mask)
+
+
+@triton.jit
+def _scaled(x, inv, SCALED: tl.constexpr):
+    """x / scale for an fp8 cache (fp32 times the inverse, as reference.scaled_for_cache)."""
+    if SCALED:
+        return x.to(tl.float32) * inv
+    return x
 
 
 def norm_rope_store(
@@ -141,10 +151,12 @@ def norm_rope_store(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     cos_sin_cache: torch.Tensor, is_neox: bool,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k/v [T, Hkv, D] (last dim contiguous): q, k <- rope(rms_norm(.)) in
     place (no norm when the weights are None), then k and v into the caches
-    [blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip). Returns (q, k).
+    [blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip); an fp8 cache stores
+    k / k_scale and v / v_scale (reference.store_kv). Returns (q, k).
     `heads` (heads per program) overrides `heads_per_program`.
 
     Under PDL the kernel reads positions, slots, cos/sin and the norm weights before
@@ -172,8 +184,8 @@ def norm_rope_store(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        n_q, half, tail, eps, 1.0 / dim,
-        QK_NORM=qk_norm, IS_NEOX=is_neox, BLOCK_SIZE=k_cache.shape[1],
+        n_q, half, tail, eps, 1.0 / dim, 1.0 / k_scale, 1.0 / v_scale,
+        QK_NORM=qk_norm, IS_NEOX=is_neox, BLOCK_SIZE=k_cache.shape[1], SCALED=cache_scaled(k_cache, k_scale, v_scale),
         BLOCK_H=group, BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(max(tail, 1)),
         num_warps=max(1, min(4, group * block_r // 128)), **launch_opts(q.device),
     )

@@ -120,6 +120,16 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
     return x.to(CACHE_TYPE)
 
 
+def cache_scaled(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether a store divides by the KV scales: an fp8 cache only (another dtype holds the
+    values as they are, its scales 1)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        assert k_scale == v_scale == 1.0, f"KV scales {k_scale}, {v_scale} for a {k_cache.dtype} cache"
+        return False
+    assert k_scale > 0 and v_scale > 0, f"KV scales must be positive, got {k_scale}, {v_scale}"
+    return True
+
+
 def check_kv_cache_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, compute: torch.dtype) -> None:
     """Both caches hold the model's dtype, or both float8 e4m3 (read back as the model's)."""
     assert k_cache.dtype == v_cache.dtype, f"K cache {k_cache.dtype}, V cache {v_cache.dtype}"
