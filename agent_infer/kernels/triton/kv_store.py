@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, to_cache_dtype
+from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, scaled_for_cache, to_cache_dtype
 
 
 @triton.jit
@@ -29,13 +29,10 @@ def _store_kv_kernel(
         mask = (h < n_heads)[:, None] & (d < head_dim)[None, :]
         k = tl.load(k_ptr + t * skt + h[:, None] * skh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t * svt + h[:, None] * svh + d[None, :], mask=mask)
-        if SCALED:
-            k = k.to(tl.float32) * inv_k
-            v = v.to(tl.float32) * inv_v
         k_dst = k_cache_ptr + block * kc_b + offset * kc_s + h[:, None] * kc_h + d[None, :]
         v_dst = v_cache_ptr + block * vc_b + offset * vc_s + h[:, None] * vc_h + d[None, :]
-        tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, to_cache_dtype(scaled_for_cache(k, inv_k, SCALED), k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_cache_dtype(scaled_for_cache(v, inv_v, SCALED), v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(

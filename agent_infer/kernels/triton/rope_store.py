@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, launch_opts, pdl_begin, to_cache_dtype
+from agent_infer.kernels.triton.utils import (
+    cache_scaled, check_kv_cache_dtype, launch_opts, pdl_begin, scaled_for_cache, to_cache_dtype,
+)
 
 # Token counts from which a program takes a group of heads. One head per one-warp program
 # keeps the batch-1 chain as it was tuned; at hundreds of tokens and more (large decode
@@ -125,25 +127,19 @@ def _rope_store_kernel(
             offset = slot % BLOCK_SIZE
             kc = (k_cache_ptr + block * kc_b + offset * kc_s + kv_heads * kc_h)[:, None]
             kt = k_cache_ptr.dtype.element_ty
-            tl.store(kc + idx1, to_cache_dtype(_scaled(y1, inv_k, SCALED), kt), mask=r_mask)
-            tl.store(kc + idx2, to_cache_dtype(_scaled(y2, inv_k, SCALED), kt), mask=r_mask)
-            tl.store(kc + tail_idx, to_cache_dtype(_scaled(yt, inv_k, SCALED), kt), mask=tail_mask)
+            tl.store(kc + idx1, to_cache_dtype(scaled_for_cache(y1, inv_k, SCALED), kt), mask=r_mask)
+            tl.store(kc + idx2, to_cache_dtype(scaled_for_cache(y2, inv_k, SCALED), kt), mask=r_mask)
+            tl.store(kc + tail_idx, to_cache_dtype(scaled_for_cache(yt, inv_k, SCALED), kt), mask=tail_mask)
             vr = (v_ptr + t * svt + kv_heads * svh)[:, None]
             vc = (v_cache_ptr + block * vc_b + offset * vc_s + kv_heads * vc_h)[:, None]
             vt = v_cache_ptr.dtype.element_ty
             d = tl.arange(0, 2 * BLOCK_R)[None, :]
             d_mask = d < 2 * half
-            tl.store(vc + d, to_cache_dtype(_scaled(tl.load(vr + d, mask=d_mask), inv_v, SCALED), vt), mask=d_mask)
-            tl.store(vc + tail_idx, to_cache_dtype(_scaled(tl.load(vr + tail_idx, mask=tail_mask), inv_v, SCALED), vt),
-                     mask=tail_mask)
+            v_main = scaled_for_cache(tl.load(vr + d, mask=d_mask), inv_v, SCALED)
+            v_tail = scaled_for_cache(tl.load(vr + tail_idx, mask=tail_mask), inv_v, SCALED)
+            tl.store(vc + d, to_cache_dtype(v_main, vt), mask=d_mask)
+            tl.store(vc + tail_idx, to_cache_dtype(v_tail, vt), mask=tail_mask)
 
-
-@triton.jit
-def _scaled(x, inv, SCALED: tl.constexpr):
-    """x / scale for an fp8 cache (fp32 times the inverse, as reference.scaled_for_cache)."""
-    if SCALED:
-        return x.to(tl.float32) * inv
-    return x
 
 
 def norm_rope_store(

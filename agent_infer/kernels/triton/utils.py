@@ -120,6 +120,15 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
     return x.to(CACHE_TYPE)
 
 
+@triton.jit
+def scaled_for_cache(x, inv, SCALED: tl.constexpr):
+    """x / scale on its way into an fp8 cache (fp32 times the inverse, as
+    reference.scaled_for_cache); x itself when the cache is not scaled."""
+    if SCALED:
+        return x.to(tl.float32) * inv
+    return x
+
+
 def cache_scaled(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
     """Whether a store divides by the KV scales: an fp8 cache only (another dtype holds the
     values as they are, its scales 1)."""
