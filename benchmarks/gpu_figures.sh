@@ -112,7 +112,7 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
-                     fp8 (the fp8 GEMV chain and the W8A8 GEMMs)
+                     fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, families (Qwen3-MoE,
                      Mixtral, the transformers backend), spec (verify steps in graphs), tp (2 GPUs)
@@ -650,7 +650,8 @@ cmd_kernels() {
       floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
       fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
-              kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph ;;
+              kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph
+              kernel_part fp8_decode 120 python3 benchmarks/throughput_kernels.py --only decode --kv-cache-dtype fp8 ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;
     esac
   done

@@ -10,7 +10,7 @@ cuBLAS with cuBLASLt at every captured decode batch and at prefill sizes;
 PyTorch's TunableOp time every GEMM algorithm it offers per decode shape and compares
 the fastest with cuBLAS's own pick.
 
-    python benchmarks/throughput_kernels.py [--quick] [--block-size N] [--tunable-rows 32,64,...]
+    python benchmarks/throughput_kernels.py [--quick] [--block-size N] [--kv-cache-dtype fp8] [--tunable-rows 32,64,...]
         [--only read,decode,splits,prefill,rope,sampling,linears,chain,blas,prefill_rows,tunable]
 
 Decode kernels run in CUDA graphs (as the engine runs them); the others take the median
@@ -95,9 +95,10 @@ def read_bandwidth() -> None:
     print(f"  best read: {nbytes / best / 1e6:.2f} TB/s")
 
 
-def decode(quick: bool, block: int = BLOCK) -> None:
+def decode(quick: bool, block: int = BLOCK, fp8: bool = False) -> None:
+    cache = "an fp8 cache (against bf16's default)" if fp8 else "a bf16 cache"
     print(f"\n== decode attention, batch {DECODE_BATCH}, contexts uniform in [{CTX_LO}, {CTX_HI}], cache blocks of "
-          f"{block} tokens, CUDA graph ==")
+          f"{block} tokens, {cache}, CUDA graph ==")
     gen = torch.Generator().manual_seed(0)
     max_blocks = triton.cdiv(CTX_HI, block)
     blocks = DECODE_BATCH * max_blocks + 8
@@ -109,11 +110,19 @@ def decode(quick: bool, block: int = BLOCK) -> None:
     q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
     counters = decode_counters(DECODE_BATCH, KV_HEADS, DEV)
     scale = HEAD_DIM**-0.5
-    want = decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
-    # The closest rivals of the default in a full sweep (n 32/64/128 x warps 2/4/8 x stages 2/3/4 x
+    if fp8:
+        t_bf16 = bench_graph(lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, counters=counters))
+        print(f"  bf16 cache, default: {t_bf16:7.1f} us")
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        # The reference: the same fp8 values in a bf16 cache.
+        want = decode_attention(q, k_cache.to(DTYPE), v_cache.to(DTYPE), tables, lens, scale)
+    else:
+        want = decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    # The closest rivals of the default in a full sweep (n 32/64/128 x warps 2/4/8 x stages 1/2/3/4 x
     # splits 1/2) on an H200: enough to see whether a new GPU or Triton moves the choice.
-    configs = [None, DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3), DecodeConfig(64, 2, 3)]
+    configs = [None, DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
+               DecodeConfig(64, 2, 3), DecodeConfig(64, 4, 1), DecodeConfig(64, 8, 2)]
     if quick:
         configs = configs[:2]
     rows = []
@@ -386,8 +395,9 @@ def main() -> None:
     parser.add_argument("--tunable-rows", default="32,64,96,128,160,192,224,256", help="decode batches of `tunable`")
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV-cache block size of the decode section")
     parser.add_argument("--prefill-rows", default="4096:16385:512", help="start:stop:step of the prefill_rows sizes")
+    parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16", help="the decode section's cache")
     args = parser.parse_args()
-    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size),
+    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size, args.kv_cache_dtype == "fp8"),
                 "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
                 "rope": rope, "sampling": sampling, "linears": linears, "blas": blas,
                 "prefill_rows": lambda: prefill_rows(range(*map(int, args.prefill_rows.split(":")))),

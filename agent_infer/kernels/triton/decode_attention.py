@@ -30,7 +30,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
 from agent_infer.kernels.triton.utils import (
-    cache_scaled, check_kv_cache_dtype, dot_precision, launch_opts, num_sms, pdl_begin,
+    cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, launch_opts, num_sms, pdl_begin,
 )
 
 _LOG2E = 1.4426950408889634
@@ -97,10 +97,12 @@ def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, v
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr):
+def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr, PTX_CVT: tl.constexpr):
     """One key tile (K, V; keys where `kmask`) folded into the running softmax state
     (acc, m_i, l_i) of the group's queries."""
-    k = k.to(q.dtype)  # an fp8 cache is read back as the model's dtype (no-op otherwise)
+    if PTX_CVT:
+        v = e4m3_to_f16_ptx(v)
+    k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(kmask[None, :], s, float("-inf"))
@@ -123,7 +125,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, ORDERED: tl.constexpr,
-    V_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr, F16_DOTS: tl.constexpr, PTX_CVT: tl.constexpr,
 ):
     # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
     # side and together read whole cache rows (a row holds every KV head of a token);
@@ -159,6 +161,11 @@ def _decode_split_kernel(
     g_mask = g < group
     heads = kv_head * group + g
     q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if F16_DOTS:
+        # An fp8 cache's entries become fp16 in one instruction per pair (bf16 goes through
+        # fp32), so the dots run in fp16: a bf16 query converts exactly within fp16's
+        # range, which the clamp keeps it in, and p in [0, 1] gains precision.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -169,14 +176,14 @@ def _decode_split_kernel(
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
         if lo < hi:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT)
         first = lo + BLOCK_N
     for start in range(first, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
         k, v = _load_tile(k_base, v_base, block, kpos, kmask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT)
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -356,10 +363,13 @@ class DecodeConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """benchmarks/gpu_kernels.py sweeps alternatives."""
+def default_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """benchmarks/gpu_kernels.py sweeps alternatives, benchmarks/throughput_kernels.py
+    --kv-cache-dtype fp8 those of an fp8 cache."""
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(32, 4, 2)
+    if cache_dtype == torch.float8_e4m3fn:
+        return DecodeConfig(64, 4, 2)
     return DecodeConfig(64, 4, 3)
 
 
@@ -424,7 +434,8 @@ def decode_attention(
     plan = launch_plan(batch, num_kv_heads, group, block_d, counters is not None, order is not None, q.device,
                        num_splits, preload, ordered)
     splits, direct, merge, ordered = plan.splits, plan.direct, plan.merge, plan.ordered
-    cfg = config or default_config(head_dim, q.dtype)
+    cfg = config or default_config(head_dim, q.dtype, k_cache.dtype)
+    f16_dots = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
     if direct:
         part_o = part_lse = out  # unused
     else:
@@ -441,6 +452,7 @@ def decode_attention(
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
         PRECISION=dot_precision(q.dtype), PRELOAD=plan.preload, ORDERED=ordered, V_SCALED=v_scaled,
+        F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct and not merge:

@@ -121,6 +121,18 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_f16_ptx(x):
+    """float8 e4m3 -> fp16 (exact), two values per instruction, written as inline PTX that
+    is not marked pure so that the compiler keeps it where it stands. As a cast, Triton
+    moves the conversion of a dot operand past its shared-memory staging; for the B
+    operand of P @ V (keys on the reduced axis, so transposed from V's rows) 8-bit values
+    are then read back one byte per load. Converted first, V stages as fp16. CUDA only:
+    the interpreter runs no PTX (use `.to(tl.float16)` there)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
 def scaled_for_cache(x, inv, SCALED: tl.constexpr):
     """x / scale on its way into an fp8 cache (fp32 times the inverse, as
     reference.scaled_for_cache); x itself when the cache is not scaled."""
