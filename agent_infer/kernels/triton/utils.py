@@ -136,8 +136,8 @@ def e4m3_to_f16_ptx(x):
 def scaled_for_cache(x, inv, SCALED: tl.constexpr):
     """x / scale on its way into an fp8 cache (fp32 times the inverse, as
     reference.scaled_for_cache); x itself when the cache is not scaled."""
-    if SCALED:
-        return x.to(tl.float32) * inv
+    if SCALED:  # one return: Triton 3.6 refuses returns of two types even under a constexpr
+        x = x.to(tl.float32) * inv
     return x
 
 
