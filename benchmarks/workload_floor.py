@@ -3,7 +3,7 @@ time the run could not beat if every kernel ran at the hardware's rate and nothi
 took time. The workload is regenerated from its seed, as the benchmark draws it
 (nano-vllm's draw by default, `--workload uniform` for the other).
 
-    python benchmarks/workload_floor.py [--preset qwen3-8b|deepseek-v2-lite|...] [--workload nano-vllm]
+    python benchmarks/workload_floor.py [--preset qwen3-8b|deepseek-v2-lite|qwen3-30b-a3b|...] [--workload nano-vllm]
         [--read-tbs 4.5] [--tflops 790 705] [--target 12000]
 
 Prefill: the projections' FLOPs (every prompt token through every layer) and causal
@@ -21,7 +21,9 @@ latent to per-head K and V and routes it to its top-k experts; decode absorbs W_
 the query and W_UV into the output, reads each cached token's latent row once per layer,
 and reads only the routed experts the step's tokens touch (uniform routing, as
 `agent_infer.bench.roofline.decode_weight_params` counts them), those as one group at
-max(their bytes, their FLOPs). Details in `deepseek_times`.
+max(their bytes, their FLOPs). Details in `deepseek_times`. The sparse-MoE preset
+(qwen3-30b-a3b) has a dense model's attention and KV reads with the experts counted the
+same way (`sparse_moe_times`).
 Each --tflops value gives one line: on an H200, 790 TFLOP/s is what a short GEMM
 benchmark reaches at boost clock, ~705 what the workload's GEMMs sustain at the 700 W
 power limit (the sustained rate: benchmarks/gemm_sustained.py; docs/PERFORMANCE.md).
@@ -35,6 +37,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -45,23 +48,41 @@ from agent_infer.bench.offline import WORKLOADS  # noqa: E402
 from agent_infer.bench.random_weights import HubPreset, RandomPreset, get_preset, hf_config  # noqa: E402
 from agent_infer.bench.roofline import decode_weight_params  # noqa: E402
 from agent_infer.config import ModelConfig  # noqa: E402
+from agent_infer.models.sparse_moe import SparseMoeFamilyConfig  # noqa: E402
 
 DENSE_TARGET, DEEPSEEK_TARGET = 12_000.0, 15_000.0  # output tok/s
 
 
-def floor(preset: str, workload: str, num_seqs: int, min_len: int, max_len: int, seed: int, read_tbs: float,
-          tflops: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class Rates:
+    """What the floor assumes of the GPU and the formats: bytes a second read, FLOPs a
+    second of the projections (`gemm`: the fp8 rate for fp8 weights) and of attention and
+    the bf16 remainder (`bf16`), bytes per weight of the projections and experts, and per
+    KV-cache value."""
+
+    read: float
+    gemm: float
+    bf16: float
+    weight_bytes: int = 2
+    kv_bytes: int = 2
+
+
+def floor(preset: str, workload: str, num_seqs: int, min_len: int, max_len: int, seed: int,
+          rates: Rates) -> dict[str, float]:
     p = get_preset(preset)
     # The lengths exactly as `bench throughput` draws them.
     prompts, outs = WORKLOADS[workload](num_seqs, min_len, max_len, p.vocab_size, seed)
     in_lens = np.asarray([len(x) for x in prompts])
     out_lens = np.asarray(outs)
-    read, rate = read_tbs * 1e12, tflops * 1e12
-    if isinstance(p, HubPreset):
-        prefill, decode, kv_time = deepseek_times(preset, in_lens, out_lens, read, rate)
-        per_token_bytes = deepseek_elementwise_bytes(deepseek_config(preset))
+    read = rates.read
+    if is_sparse_moe(preset):
+        prefill, decode, kv_time = sparse_moe_times(preset, in_lens, out_lens, rates)
+        per_token_bytes = sparse_moe_elementwise_bytes(hub_config(preset))
+    elif isinstance(p, HubPreset):
+        prefill, decode, kv_time = deepseek_times(preset, in_lens, out_lens, rates)
+        per_token_bytes = deepseek_elementwise_bytes(hub_config(preset))
     else:
-        prefill, decode, kv_time = dense_times(p, in_lens, out_lens, read, rate)
+        prefill, decode, kv_time = dense_times(p, in_lens, out_lens, rates)
         per_token_bytes = elementwise_bytes(p)
     total = prefill + decode + kv_time
     tokens = int(in_lens.sum()) + int(out_lens.sum())  # every token passes each layer once
@@ -80,13 +101,21 @@ def decode_steps(in_lens: np.ndarray, out_lens: np.ndarray) -> Iterator[tuple[in
         yield int(live.sum()), float(np.sum(in_lens[live] + step))
 
 
-def gemm_s(n: int, k: int, batch: int, read: float, rate: float, weight_bytes: int = 2) -> float:
+def gemm_s(n: int, k: int, batch: int, read: float, rate: float, weight_bytes: float = 2) -> float:
     """One [n, k] weight applied to `batch` rows: it cannot beat reading the weight, nor its FLOPs."""
     return max(weight_bytes * n * k / read, 2 * batch * n * k / rate)
 
 
-def dense_times(p: RandomPreset, in_lens: np.ndarray, out_lens: np.ndarray, read: float,
-                rate: float) -> tuple[float, float, float]:
+def gemm_list_s(gemms: list[tuple[int, int, int, float]], batch: int, rates: Rates) -> float:
+    """`gemm_s` over (N, K, count, bytes per weight) entries; those stored in the
+    projections' format (`rates.weight_bytes`) at the projections' rate, others (the
+    bf16 LM head, an fp32 router) at the bf16 rate."""
+    return sum(count * gemm_s(n, k, batch, rates.read, rates.gemm if size == rates.weight_bytes else rates.bf16, size)
+               for n, k, count, size in gemms)
+
+
+def dense_times(p: RandomPreset, in_lens: np.ndarray, out_lens: np.ndarray,
+                rates: Rates) -> tuple[float, float, float]:
     """(prefill, decode GEMMs, KV reads) seconds of a dense decoder: fused QKV, o_proj,
     fused gate/up and down per layer; the LM head in decode only (a prompt's last row
     through it is left out of prefill, under 0.1 % of its FLOPs)."""
@@ -94,13 +123,13 @@ def dense_times(p: RandomPreset, in_lens: np.ndarray, out_lens: np.ndarray, read
     projections = [(q + 2 * kv, h), (h, q), (2 * p.intermediate_size, h), (h, p.intermediate_size)]  # (N, K)
     per_token = 2 * p.num_layers * sum(n * k for n, k in projections)  # FLOPs of one token's projections
     attn = 4 * p.num_layers * p.num_heads * p.head_dim * causal_pairs(in_lens)
-    prefill = (per_token * int(in_lens.sum()) + attn) / rate
-    kv_bytes = 2 * p.num_layers * kv * 2  # K and V, bf16, per cached token
-    gemms = [(n, k, p.num_layers) for n, k in projections] + [(p.vocab_size, h, 1)]
+    prefill = per_token * int(in_lens.sum()) / rates.gemm + attn / rates.bf16
+    kv_bytes = 2 * p.num_layers * kv * rates.kv_bytes  # K and V per cached token
+    gemms = [(n, k, p.num_layers, rates.weight_bytes) for n, k in projections] + [(p.vocab_size, h, 1, 2)]
     decode = kv_time = 0.0
     for b, context in decode_steps(in_lens, out_lens):
-        decode += sum(count * gemm_s(n, k, b, read, rate) for n, k, count in gemms)
-        kv_time += context * kv_bytes / read
+        decode += gemm_list_s(gemms, b, rates)
+        kv_time += context * kv_bytes / rates.read
     return prefill, decode, kv_time
 
 
@@ -110,8 +139,14 @@ def causal_pairs(in_lens: np.ndarray) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def deepseek_config(preset: str) -> ModelConfig:
+def hub_config(preset: str) -> ModelConfig:
+    """The engine's config of a preset written from a hub config.json (DeepSeek, Qwen3-MoE)."""
     return ModelConfig.from_dict(hf_config(get_preset(preset)))
+
+
+def is_sparse_moe(preset: str) -> bool:
+    """A Qwen3-MoE or Mixtral preset: GQA attention and a mixture of routed experts."""
+    return isinstance(get_preset(preset), HubPreset) and isinstance(hub_config(preset).family, SparseMoeFamilyConfig)
 
 
 def deepseek_gemms(cfg: ModelConfig) -> list[tuple[int, int, int, int]]:
@@ -149,11 +184,45 @@ def decode_weight_bytes(preset: str, batch: int) -> float:
     """bf16 bytes of the weights a decode step of `batch` sequences reads, as
     `decode_weight_params` counts them (at batch 0: all but the routed experts). Cached:
     building the model to count costs ~20 ms, and the batch takes a few hundred values."""
-    return 2 * decode_weight_params(deepseek_config(preset), batch)
+    return 2 * decode_weight_params(hub_config(preset), batch)
 
 
-def deepseek_times(preset: str, in_lens: np.ndarray, out_lens: np.ndarray, read: float,
-                   rate: float) -> tuple[float, float, float]:
+def sparse_moe_times(preset: str, in_lens: np.ndarray, out_lens: np.ndarray,
+                     rates: Rates) -> tuple[float, float, float]:
+    """(prefill, decode GEMMs, KV reads) seconds of a Qwen3-MoE or Mixtral model: per layer
+    fused QKV and o_proj as `dense_times` counts them, then in a sparse layer the router
+    (fp32 weights) and the top-k routed experts, counted as `deepseek_times` counts them
+    (prefill: every token's top-k at the GEMM rate; decode: the experts the step's tokens
+    touch as one group at max(their bytes, the live tokens' FLOPs)), in a dense layer its
+    MLP. KV reads as a dense model's."""
+    cfg = hub_config(preset)
+    f, h, layers = cfg.family, cfg.hidden_size, cfg.num_layers
+    q, kv = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+    sparse = sum(f.sparse_layers)
+    w = rates.weight_bytes
+    gemms = [(q + 2 * kv, h, layers, w), (h, q, layers, w), (f.router.num_experts, h, sparse, 4),
+             (2 * f.intermediate_size, h, layers - sparse, w), (h, f.intermediate_size, layers - sparse, w)]
+    routed = 2 * sparse * f.router.top_k * 3 * h * f.moe_intermediate_size  # FLOPs of one token's experts
+    per_token = 2 * sum(n * k * count for n, k, count, _ in gemms) + routed
+    prefill = per_token * int(in_lens.sum()) / rates.gemm + 4 * layers * q * causal_pairs(in_lens) / rates.bf16
+    gemms.append((cfg.vocab_size, h, 1, 2))
+    kv_bytes = 2 * layers * kv * rates.kv_bytes  # K and V per cached token
+    decode = kv_time = 0.0
+    for b, context in decode_steps(in_lens, out_lens):
+        decode += gemm_list_s(gemms, b, rates) + routed_s(preset, b, routed, rates)
+        kv_time += context * kv_bytes / rates.read
+    return prefill, decode, kv_time
+
+
+def routed_s(preset: str, batch: int, token_flops: float, rates: Rates) -> float:
+    """The routed experts of a decode step of `batch` tokens as one group: the experts
+    they touch read once (in the projections' format) against the tokens' FLOPs."""
+    touched = decode_weight_bytes(preset, batch) - decode_weight_bytes(preset, 0)  # bf16 bytes
+    return max(touched * rates.weight_bytes / 2 / rates.read, batch * token_flops / rates.gemm)
+
+
+def deepseek_times(preset: str, in_lens: np.ndarray, out_lens: np.ndarray,
+                   rates: Rates) -> tuple[float, float, float]:
     """(prefill, decode GEMMs, KV reads) seconds of a DeepSeek model as the engine runs it.
 
     Prefill: every prompt token through `deepseek_gemms` and its top-k routed experts, at
@@ -167,22 +236,20 @@ def deepseek_times(preset: str, in_lens: np.ndarray, out_lens: np.ndarray, read:
     2 x heads x (kv_lora + rope + kv_lora) FLOPs per key and layer (QK over the absorbed
     query, PV over the latent). Norm weights (a few hundred kB) and V3's router bias are
     left out."""
-    cfg = deepseek_config(preset)
+    cfg = hub_config(preset)
     f, layers = cfg.family, cfg.num_layers
-    gemms = deepseek_gemms(cfg)
+    gemms = [(n, k, count, rates.weight_bytes if size == 2 else size) for n, k, count, size in deepseek_gemms(cfg)]
     per_token = 2 * sum(n * k * count for n, k, count, _ in gemms) + routed_flops(cfg)
     attn = 2 * layers * f.num_heads * (f.qk_nope_head_dim + f.qk_rope_head_dim + f.v_head_dim) * causal_pairs(in_lens)
-    prefill = (per_token * int(in_lens.sum()) + attn) / rate
+    prefill = per_token * int(in_lens.sum()) / rates.gemm + attn / rates.bf16
     gemms.append((cfg.vocab_size, cfg.hidden_size, 1, 2))
     row = f.kv_lora_rank + f.qk_rope_head_dim
-    kv_bytes = layers * row * 2  # per cached token
+    kv_bytes = layers * row * rates.kv_bytes  # per cached token
     key_flops = layers * 2 * f.num_heads * (row + f.kv_lora_rank)  # per cached token
     decode = kv_time = 0.0
     for b, context in decode_steps(in_lens, out_lens):
-        decode += sum(count * gemm_s(n, k, b, read, rate, size) for n, k, count, size in gemms)
-        touched = decode_weight_bytes(preset, b) - decode_weight_bytes(preset, 0)  # the routed experts read
-        decode += max(touched / read, b * routed_flops(cfg) / rate)
-        kv_time += max(context * kv_bytes / read, context * key_flops / rate)
+        decode += gemm_list_s(gemms, b, rates) + routed_s(preset, b, routed_flops(cfg), rates)
+        kv_time += max(context * kv_bytes / rates.read, context * key_flops / rates.bf16)
     return prefill, decode, kv_time
 
 
@@ -194,6 +261,19 @@ def elementwise_bytes(p: RandomPreset) -> int:
     h, q, kv, i = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.intermediate_size
     per_layer = 2 * 4 * h + 2 * (q + 2 * kv) + 3 * i
     return 2 * (p.num_layers * per_layer + 2 * h)
+
+
+def sparse_moe_elementwise_bytes(cfg: ModelConfig) -> int:
+    """As `elementwise_bytes`, with SiLU-and-mul over the top-k experts' intermediates in a
+    sparse layer (routing, the gather to experts and the weighted sum not counted, as in
+    `deepseek_elementwise_bytes`)."""
+    f, h = cfg.family, cfg.hidden_size
+    q, kv = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+    attention = 2 * 4 * h + 2 * (q + 2 * kv)
+    total = 2 * h
+    for sparse in f.sparse_layers:
+        total += attention + 3 * (f.moe_intermediate_size * f.router.top_k if sparse else f.intermediate_size)
+    return 2 * total
 
 
 def deepseek_elementwise_bytes(cfg: ModelConfig) -> int:
@@ -227,22 +307,38 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--read-tbs", type=float, default=4.5, help="HBM read rate (H200: 4.50 measured)")
     parser.add_argument("--tflops", type=float, nargs="+", default=[790.0, 705.0], help="bf16 GEMM rate(s)")
+    parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                        help="the projections' and experts' format (the LM head stays bf16)")
+    parser.add_argument("--fp8-tflops", type=float, default=1130.0,
+                        help="fp8 GEMM rate of the projections with --weights fp8 (H200: cuBLAS's rowwise fp8 "
+                             "GEMM at 8,192 rows, docs/PERFORMANCE.md)")
+    parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--target", type=float, default=None,
                         help=f"output tok/s to compare with the floor (default {DENSE_TARGET:,.0f} for dense "
-                             f"presets, {DEEPSEEK_TARGET:,.0f} for DeepSeek)")
+                             f"presets, {DEEPSEEK_TARGET:,.0f} for DeepSeek, none for sparse MoE)")
     args = parser.parse_args()
     target = args.target
-    if target is None:
+    if target is None and not is_sparse_moe(args.preset):  # no goal set for the sparse-MoE shape
         target = DEEPSEEK_TARGET if isinstance(get_preset(args.preset), HubPreset) else DENSE_TARGET
+
+    def share(floor_tok_s: float) -> str:
+        return "" if target is None else f" ({target:,.0f} tok/s is {100 * target / floor_tok_s:.0f} % of it)"
+
+    fp8 = args.weights == "fp8"
     for tflops in args.tflops:
-        f = floor(args.preset, args.workload, args.num_seqs, args.min_len, args.max_len, args.seed, args.read_tbs, tflops)
-        print(f"{args.preset}, reads at {args.read_tbs} TB/s, GEMMs at {tflops:.0f} TFLOP/s: prefill "
+        rates = Rates(read=args.read_tbs * 1e12, gemm=(args.fp8_tflops if fp8 else tflops) * 1e12, bf16=tflops * 1e12,
+                      weight_bytes=1 if fp8 else 2, kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
+        f = floor(args.preset, args.workload, args.num_seqs, args.min_len, args.max_len, args.seed, rates)
+        gemm_rates = f"fp8 GEMMs at {args.fp8_tflops:.0f} TFLOP/s, bf16 at {tflops:.0f}" if fp8 else \
+            f"GEMMs at {tflops:.0f} TFLOP/s"
+        print(f"{args.preset} ({args.weights} weights, {args.kv_cache_dtype} KV cache), reads at {args.read_tbs} TB/s, "
+              f"{gemm_rates}: prefill "
               f"{f['prefill_s']:.2f} s + decode GEMMs {f['decode_gemm_s']:.2f} s + KV reads {f['decode_kv_s']:.2f} s "
-              f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s "
-              f"({target:,.0f} tok/s is {100 * target / f['output_tok_s']:.0f} % of it)")
+              f"= {f['total_s']:.2f} s; {f['output_tokens']} output tokens: {f['output_tok_s']:,.0f} tok/s"
+              f"{share(f['output_tok_s'])}")
         with_ew = f["output_tok_s_with_elementwise"]
         print(f"  + the other kernels' bytes {f['elementwise_s']:.2f} s = {f['total_s'] + f['elementwise_s']:.2f} s: "
-              f"{with_ew:,.0f} tok/s ({target:,.0f} tok/s is {100 * target / with_ew:.0f} % of it)")
+              f"{with_ew:,.0f} tok/s{share(with_ew)}")
 
 
 if __name__ == "__main__":
