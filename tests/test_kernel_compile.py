@@ -17,14 +17,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
+def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                  aligned: tuple[int, ...] = ()):
+    """`aligned`: the indices of arguments a launch specialises as multiples of 16."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     except RuntimeError as e:  # e.g. no ptxas for this platform in the triton wheel
         if "ptxas" in str(e).lower():
             pytest.skip(f"no CUDA toolchain to compile with: {e}")
@@ -180,6 +184,28 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
         assert "LDS.U8" not in _sass(kernel)
     assert 65536 // (regs * 128) >= per_sm, f"{regs} registers per thread: fewer than {per_sm} programs per SM"
     assert kernel.metadata.shared * per_sm <= 227 * 1024
+
+
+def test_prefill_attention_over_an_fp8_cache_converts_to_fp16_on_sm90():
+    """The prefill kernel over an fp8 cache (a bf16 model): its dots run in fp16, so each
+    tile converts e4m3 -> fp16 (two values an instruction) and nothing further; with bf16
+    dots every value also went fp16 -> bf16 one at a time (256 F2F a tile per thread)."""
+    from agent_infer.kernels.triton.prefill_attention import _prefill_kernel
+
+    names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "qsl_ptr", "ctx_ptr", "sqt", "sqh", "sot",
+             "soh", "kc_b", "kc_s", "kc_h", "vc_b", "vc_s", "vc_h", "s_table", "first_seq", "group", "head_dim",
+             "qk_scale", "v_scale"]
+    types = ["*bf16"] * 2 + ["*fp8e4nv"] * 2 + ["*i32"] * 3 + ["i32"] * 14 + ["fp32"] * 2
+    constexprs = {"BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "EVEN_D": True, "PRECISION": "tf32",
+                  "V_SCALED": True, "F16_DOTS": True}
+    # As launched for Qwen3-8B: the default tile (64 x 64, 4 warps, 2 stages), aligned pointers and strides.
+    aligned = tuple(i for i, n in enumerate(names) if n.endswith("_ptr") or n[:3] in ("sqt", "sqh", "sot", "soh", "kc_",
+                                                                                      "vc_") or n == "head_dim")
+    kernel = _compile_sm90(_prefill_kernel, dict(zip(names, types)) | {n: "constexpr" for n in constexprs}, constexprs,
+                           num_stages=2, aligned=aligned)
+    sass = _sass(kernel)
+    assert "F2FP.F16.E4M3" in sass and "F2F.BF16.F16" not in sass
+    assert _registers_per_thread(kernel)[1] == 0
 
 
 def test_gumbel_hash_uses_32_bit_multiplies_on_sm90():

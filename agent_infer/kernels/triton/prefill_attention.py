@@ -49,7 +49,7 @@ def _attend(
         else:
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        k = k.to(q.dtype)  # an fp8 cache is read back as the model's dtype (no-op otherwise)
+        k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL:
@@ -73,7 +73,7 @@ def _prefill_kernel(
     kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table, first_seq,
     group, head_dim, qk_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, V_SCALED: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, V_SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # Reversed so the longest (last) query tiles of the causal triangle start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -94,6 +94,8 @@ def _prefill_kernel(
             q_ptr + q_rows[:, None] * sqt + head * sqh + d[None, :],
             mask=row_mask[:, None] & d_mask[None, :], other=0.0,
         )
+        if F16_DOTS:  # an fp8 cache: fp16 dots, as decode_attention explains
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         q_pos = prefix + rows
         kv_head = (head // group).to(tl.int64)
         table_row_ptr = table_ptr + seq.to(tl.int64) * s_table
@@ -197,6 +199,7 @@ def prefill_attention(
         num_heads // num_kv_heads, head_dim, scale * k_scale * _LOG2E, v_scale,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype), V_SCALED=v_scaled,
+        F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
