@@ -397,7 +397,8 @@ def main() -> None:
     parser.add_argument("--prefill-rows", default="4096:16385:512", help="start:stop:step of the prefill_rows sizes")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16", help="the decode section's cache")
     args = parser.parse_args()
-    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size, args.kv_cache_dtype == "fp8"),
+    fp8_cache = args.kv_cache_dtype == "fp8"
+    sections = {"read": read_bandwidth, "decode": lambda: decode(args.quick, args.block_size, fp8_cache),
                 "prefill": lambda: prefill(args.quick), "splits": splits, "chain": layer_chain,
                 "rope": rope, "sampling": sampling, "linears": linears, "blas": blas,
                 "prefill_rows": lambda: prefill_rows(range(*map(int, args.prefill_rows.split(":")))),

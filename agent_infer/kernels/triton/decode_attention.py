@@ -30,7 +30,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
 from agent_infer.kernels.triton.utils import (
-    cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, launch_opts, num_sms, pdl_begin,
+    cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin,
 )
 
 _LOG2E = 1.4426950408889634
@@ -162,9 +162,9 @@ def _decode_split_kernel(
     heads = kv_head * group + g
     q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if F16_DOTS:
-        # An fp8 cache's entries become fp16 in one instruction per pair (bf16 goes through
-        # fp32), so the dots run in fp16: a bf16 query converts exactly within fp16's
-        # range, which the clamp keeps it in, and p in [0, 1] gains precision.
+        # Over an fp8 cache the dots run in fp16 (utils.fp16_dots): a bf16 query converts
+        # exactly within fp16's range, which the clamp keeps it in, and p in [0, 1] gains
+        # precision.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -435,7 +435,7 @@ def decode_attention(
                        num_splits, preload, ordered)
     splits, direct, merge, ordered = plan.splits, plan.direct, plan.merge, plan.ordered
     cfg = config or default_config(head_dim, q.dtype, k_cache.dtype)
-    f16_dots = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+    f16_dots = fp16_dots(k_cache.dtype, q.dtype)
     if direct:
         part_o = part_lse = out  # unused
     else:

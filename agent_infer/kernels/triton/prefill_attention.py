@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, dot_precision
+from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots
 
 _LOG2E = 1.4426950408889634
 
@@ -94,7 +94,7 @@ def _prefill_kernel(
             q_ptr + q_rows[:, None] * sqt + head * sqh + d[None, :],
             mask=row_mask[:, None] & d_mask[None, :], other=0.0,
         )
-        if F16_DOTS:  # an fp8 cache: fp16 dots, as decode_attention explains
+        if F16_DOTS:  # an fp8 cache (utils.fp16_dots); exact within fp16's range, kept by the clamp
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         q_pos = prefix + rows
         kv_head = (head // group).to(tl.int64)
@@ -199,7 +199,7 @@ def prefill_attention(
         num_heads // num_kv_heads, head_dim, scale * k_scale * _LOG2E, v_scale,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim, PRECISION=dot_precision(q.dtype), V_SCALED=v_scaled,
-        F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16),
+        F16_DOTS=fp16_dots(k_cache.dtype, q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -151,6 +151,13 @@ def cache_scaled(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
     return True
 
 
+def fp16_dots(cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether attention over a cache of `cache_dtype` for 16-bit `dtype` activations runs
+    its dots in fp16: an fp8 cache's entries convert to fp16 in one instruction per pair,
+    to bf16 only through fp32."""
+    return cache_dtype == torch.float8_e4m3fn and dtype in (torch.bfloat16, torch.float16)
+
+
 def check_kv_cache_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, compute: torch.dtype) -> None:
     """Both caches hold the model's dtype, or both float8 e4m3 (read back as the model's)."""
     assert k_cache.dtype == v_cache.dtype, f"K cache {k_cache.dtype}, V cache {v_cache.dtype}"
