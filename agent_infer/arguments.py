@@ -33,8 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gib", type=float, default=None, help="explicit KV cache budget in GiB")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8 e4m3 K/V, scaled per layer by the checkpoint's "
-                        "k_scale/v_scale where it has them (else 1), saturating at +-448 (half the bytes per "
-                        "cached token)")
+                        "k_scale/v_scale where it has them (else 1, or computed: --calculate-kv-scales), saturating "
+                        "at +-448 (half the bytes per cached token)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8 and a checkpoint without KV scales: compute each layer's at "
+                        "start-up from one prefill of a fixed text (the largest |K| at 200, |V| at 100)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: quantize a bf16/fp32 checkpoint's projections as they load (e4m3 weights, one scale "
                         "per output row, activations per token at run time); fp8 checkpoints need no flag")
@@ -94,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=kv_cache_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         quantization=args.quantization,
         model_impl=args.model_impl,
         enable_prefix_caching=not args.no_prefix_caching,

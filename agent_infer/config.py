@@ -27,7 +27,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 # --kv-cache-dtype: "auto" keeps the model's dtype. "fp8" stores K and V as float8 e4m3,
 # divided by each layer's scales where the checkpoint has them (compressed-tensors'
-# kv_cache_scheme), else by 1, saturating at +-448: half the bytes per cached token, so
+# kv_cache_scheme), else by scales computed at start-up (calculate_kv_scales) or by 1,
+# saturating at +-448: half the bytes per cached token, so
 # twice the tokens fit and decode attention reads half as much.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -219,6 +220,9 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8 (e4m3, see KV_CACHE_DTYPES)
+    # An fp8 cache's per-layer scales computed at start-up where the checkpoint has none
+    # (vLLM's --calculate-kv-scales; kvcache/calibration.py). False: they stay 1.
+    calculate_kv_scales: bool = False
     # "fp8": a full-precision checkpoint's projections quantized as they load (e4m3, one
     # scale per output row, activations per token); None: as the checkpoint stores them.
     quantization: str | None = None
@@ -300,6 +304,8 @@ class EngineConfig:
                               "over tensor-parallel ranks); use method ngram with --tp")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            raise ConfigError("calculate_kv_scales scales an fp8 KV cache; it needs kv_cache_dtype fp8")
 
     @property
     def max_decode_rows(self) -> int:

@@ -177,3 +177,101 @@ def test_a_bad_kv_scale_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"{name}.*positive"):
         LLMEngine(EngineConfig(model=str(tmp_path / "bad"), device="cpu", dtype="float32", kv_cache_dtype="fp8",
                                num_kv_blocks=16, warmup=False))
+
+
+# ---- scales computed at start-up (--calculate-kv-scales) ------------------------------------
+
+
+def _engine(path: str, kv_cache_dtype: str = "fp8", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                  num_kv_blocks=64, block_size=16, warmup=False, **kw))
+
+
+def _scales(engine: LLMEngine) -> list[tuple[float, float]]:
+    return [(layer.cache.k_scale, layer.cache.v_scale) for layer in engine.runner.model.attention_layers]
+
+
+def test_computed_kv_scales_follow_the_checkpoints_magnitudes(tmp_path):
+    """A checkpoint whose K and V run 4096 times larger than its fp8 cache can hold, and
+    no scales: computed at start-up, they come out exactly 4096 times those computed for
+    the unscaled model (the calibration reads what each layer stored), so both decode the
+    same tokens; without them the large checkpoint saturates its cache and decodes
+    otherwise."""
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "large"), with_scales=False)
+    prompts = [[(5 * i + 7) % 200 + 3 for i in range(n)] for n in (9, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = _engine(src, calculate_kv_scales=True)
+    large = _engine(str(tmp_path / "large"), calculate_kv_scales=True)
+    small_scales, large_scales = _scales(plain), _scales(large)
+    assert all(k != 1.0 and v != 1.0 for k, v in small_scales)
+    assert large_scales == [(k * SCALE, v * SCALE) for k, v in small_scales]
+    tokens = [o.token_ids for o in large.generate(prompts, params)]
+    assert tokens == [o.token_ids for o in plain.generate(prompts, params)]
+    assert tokens != [o.token_ids for o in _engine(str(tmp_path / "large")).generate(prompts, params)]
+
+
+def test_computed_kv_scales_put_the_calibrations_largest_values_at_200_and_100(tmp_path):
+    """Each layer's scales are its largest |K| / 200 and |V| / 100 over the calibration
+    prefill, as a cache in the model's dtype stores them."""
+    from agent_infer.kvcache.calibration import MAX_CALIBRATION_TOKENS, calibration_ids
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    engine = _engine(src, calculate_kv_scales=True)
+    runner, scales = engine.runner, _scales(engine)
+    ids = calibration_ids(None, runner.model_config.vocab_size, MAX_CALIBRATION_TOKENS)
+    amax = runner.measure_kv_amax(ids)  # the same prefill again, into a fresh throwaway cache (then none bound)
+    assert amax.shape == (len(scales), 2) and bool((amax > 0).all())
+    for (k_scale, v_scale), (k_max, v_max) in zip(scales, amax.tolist()):
+        assert k_scale == pytest.approx(k_max / 200, rel=1e-6) and v_scale == pytest.approx(v_max / 100, rel=1e-6)
+
+
+def test_checkpoint_kv_scales_win_over_computed_ones(tmp_path):
+    from tests.tiny_models import write_tiny_model
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "scaled"), with_scales=True)
+    assert set(_scales(_engine(str(tmp_path / "scaled"), calculate_kv_scales=True))) == {(SCALE, SCALE)}
+
+
+def test_computed_kv_scales_on_the_default_model_keep_its_answer(default_model_dir):
+    """The calibration text through the model's own tokenizer: every layer scaled, and
+    the demo question answered as with the full-precision cache."""
+    from agent_infer.llm import LLM
+
+    llm = LLM(default_model_dir, device="cpu", dtype="float32", num_kv_blocks=256, kv_cache_dtype="fp8",
+              calculate_kv_scales=True)
+    try:
+        scales = [(layer.cache.k_scale, layer.cache.v_scale) for layer in llm.engine.runner.model.attention_layers]
+        assert all(k != 1.0 and v != 1.0 for k, v in scales)
+        answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].text
+        assert "Paris" in answer
+    finally:
+        llm.shutdown()
+
+
+def test_computed_kv_scales_need_an_fp8_cache_and_scalable_attention(tmp_path, default_model_dir):
+    from tests.tiny_models import write_tiny_model
+
+    with pytest.raises(ConfigError, match="calculate_kv_scales.*fp8"):
+        EngineConfig(model=default_model_dir, calculate_kv_scales=True)
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    with pytest.raises(ConfigError, match="calculate-kv-scales.*transformers.*no KV-cache scales"):
+        _engine(src, calculate_kv_scales=True, model_impl="transformers")
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused_for_calibration():
+    from agent_infer.kvcache.calibration import calibration_ids
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [3, 900, 7]}
+
+    assert calibration_ids(Tokenizer(), 1000, 512) == [3, 900, 7]
+    with pytest.raises(ConfigError, match="token id 900 for a model of 500 tokens"):
+        calibration_ids(Tokenizer(), 500, 512)
+    assert calibration_ids(None, 500, 40) == calibration_ids(None, 500, 40) and len(calibration_ids(None, 500, 40)) == 40

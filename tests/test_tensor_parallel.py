@@ -451,3 +451,23 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
         eng.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+
+
+def test_tp2_computes_the_kv_scales_of_tp1(tiny_model_dirs):
+    """--calculate-kv-scales under TP: each rank measures its own KV heads and the ranks
+    take the maximum, so rank 0's layers get TP = 1's scales (up to fp32 summation order),
+    and the fp8 cache then decodes alike."""
+    path = tiny_model_dirs["llama"]
+    scales = {}
+    outs = {}
+    for tp in (1, 2):
+        eng = make_engine(path, tp, kv_cache_dtype="fp8", calculate_kv_scales=True, async_scheduling=tp > 1)
+        try:
+            scales[tp] = [(layer.cache.k_scale, layer.cache.v_scale) for layer in eng.runner.model.attention_layers]
+            outs[tp] = eng.generate(PROMPTS, PARAMS)
+        finally:
+            eng.shutdown()
+    assert all(k != 1.0 for k, _ in scales[1])
+    flat = {tp: [s for pair in scales[tp] for s in pair] for tp in scales}
+    assert flat[2] == pytest.approx(flat[1], rel=1e-5)
+    assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[1]]

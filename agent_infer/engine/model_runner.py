@@ -151,10 +151,58 @@ class ModelRunner:
         """KV-cache bytes one token costs on this rank, over all layers."""
         return bytes_per_token(self.cache_layouts, self.kv_cache_dtype)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.pool = KVMemoryPool(self.cache_layouts, self.block_size, num_blocks, self.kv_cache_dtype, self.device)
+    def init_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate the pool (in `dtype`, default the configured cache dtype) and bind it."""
+        self.pool = KVMemoryPool(self.cache_layouts, self.block_size, num_blocks, dtype or self.kv_cache_dtype,
+                                 self.device)
         for layer, view in zip(self.model.attention_layers, self.pool.views):
             layer.bind(view, self.backend)
+
+    def _release_kv_cache(self) -> None:
+        self.pool = None
+        for layer in self.model.attention_layers:
+            layer.bind(None, None)
+
+    def _single_prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """One sequence's prefill of `ids` into cache slots [0, len) of the bound pool
+        (blocks 0, 1, ...); returns the final hidden states."""
+        num_tokens = ids.numel()
+        blocks = -(-num_tokens // self.block_size)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32)[None, :],
+            context_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            max_query_len=num_tokens,
+            query_lens_host=[num_tokens],
+            context_lens_host=[num_tokens],
+            block_tables_host=np.arange(blocks, dtype=np.int32)[None, :],
+        )
+        with forward_context(self.backend.prepare(meta)):
+            return self.model(ids, positions)
+
+    @torch.inference_mode()
+    def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
+        """[layers, parts] fp32: each attention layer's largest cached values after one
+        prefill of `token_ids` into a throwaway cache of the model's dtype (what
+        --calculate-kv-scales derives the fp8 cache's scales from; kvcache/calibration.py).
+        A start-up step: it leaves no cache bound."""
+        layers = self.model.attention_layers
+        if not all(hasattr(layer, "calibration_amax") for layer in layers):
+            raise ConfigError(f"--calculate-kv-scales: the attention layers of {self.model_config.architecture} "
+                              f"(model impl {self.model_config.impl}) take no KV-cache scales")
+        self.init_kv_cache(-(-len(token_ids) // self.block_size), dtype=self.dtype)
+        self._single_prefill(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+        amax = torch.stack([layer.calibration_amax(len(token_ids)) for layer in layers])
+        self._release_kv_cache()
+        return amax
+
+    def use_kv_scales(self, amax: torch.Tensor) -> None:
+        """Each attention layer's scales from its row of `measure_kv_amax` (maximum over ranks)."""
+        for layer, row in zip(self.model.attention_layers, amax):
+            layer.use_calibrated_scales(row)
 
     def capture_graphs(self) -> None:
         """Capture decode graphs (GPU, unless --enforce-eager). Needs the KV cache bound."""
@@ -183,35 +231,17 @@ class ModelRunner:
         sampler on `num_seqs` rows, measured with a throwaway cache (GPU only)."""
         if self.device.type != "cuda":
             return 0
-        blocks = -(-num_tokens // self.block_size)
-        self.init_kv_cache(blocks)
+        self.init_kv_cache(-(-num_tokens // self.block_size))
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=positions.clone(),
-            block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32)[None, :],
-            context_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
-            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
-            max_query_len=num_tokens,
-            query_lens_host=[num_tokens],
-            context_lens_host=[num_tokens],
-            block_tables_host=np.arange(blocks, dtype=np.int32)[None, :],
-        )
-        meta = self.backend.prepare(meta)
-        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
-        with forward_context(meta):
-            hidden = self.model(ids, positions)
+        hidden = self._single_prefill(torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device))
         rows = min(num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits
-        self.pool = None
-        for layer in self.model.attention_layers:
-            layer.bind(None, None)
+        self._release_kv_cache()
         torch.cuda.empty_cache()
         return max(0, peak)
 

@@ -14,7 +14,9 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.all_reduce import choose_all_reduce
 from agent_infer.distributed.state import ParallelState
 from agent_infer.engine.model_runner import ModelRunner
+from agent_infer.kvcache.calibration import calibration_ids
 from agent_infer.kvcache.pool import KVMemoryPool, kv_does_not_fit, kv_memory_available
+from agent_infer.loader.tokenizer import has_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,26 @@ def setup_runner(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB per rank (%s)",
             num_blocks, config.block_size, capacity, num_blocks * budget.bytes_per_block / 2**30, budget.source,
         )
+    if config.calculate_kv_scales:
+        _calibrate_kv_scales(runner, config, model_config, min(config.max_num_batched_tokens, max_model_len), tp)
     runner.init_kv_cache(num_blocks)
     runner.capture_graphs()
     return runner, RunnerPlan(num_blocks, max_model_len)
+
+
+def _calibrate_kv_scales(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig, limit: int,
+                         tp: ParallelState) -> None:
+    """--calculate-kv-scales (kvcache/calibration.py): every rank runs the calibration
+    prefill (its collectives need them all) and the ranks agree on each layer's maximum."""
+    folder = config.tokenizer or model_config.path
+    tokenizer = load_tokenizer(folder) if has_tokenizer(folder) else None
+    ids = calibration_ids(tokenizer, model_config.vocab_size, limit)
+    amax = runner.measure_kv_amax(ids)
+    if tp.world_size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+    runner.use_kv_scales(amax)
+    if tp.is_first:
+        log.info("KV-cache scales computed for %d layers from a %d-token calibration prefill", len(amax), len(ids))
 
 
 def _agree_min(values: list[int], device: torch.device, tp: ParallelState) -> list[int]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from agent_infer.attention.metadata import get_attention_metadata
 from agent_infer.kernels import ops
+from agent_infer.kvcache.calibration import scales_from_amax
 from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
@@ -44,6 +45,22 @@ class PagedAttention(nn.Module):
         if cache is not None and cache.k.dtype == torch.float8_e4m3fn:
             cache = dataclasses.replace(cache, k_scale=float(self.k_scale), v_scale=float(self.v_scale))
         self.cache, self.backend = cache, backend
+
+    def calibration_amax(self, tokens: int) -> torch.Tensor:
+        """The largest |K| and |V| (fp32 [2]) this layer stored in cache slots [0, tokens):
+        what a calibration prefill wrote into a cache of the model's dtype, after the
+        layer's norms and RoPE, as an fp8 cache would receive them."""
+        k, v = (x.flatten(0, 1)[:tokens] for x in (self.cache.k, self.cache.v))
+        return torch.stack([k.abs().amax(), v.abs().amax()]).float()
+
+    def use_calibrated_scales(self, amax: torch.Tensor) -> None:
+        """The scales for `calibration_amax`'s figures (maximum over the ranks) by
+        `kvcache.calibration.scales_from_amax`, unless the checkpoint gave this layer its own."""
+        if getattr(self.k_scale, "from_checkpoint", False):
+            return
+        k_scale, v_scale = scales_from_amax(float(amax[0]), float(amax[1]))
+        self.k_scale.fill_(k_scale)
+        self.v_scale.fill_(v_scale)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -78,3 +95,4 @@ def _load_kv_scale(param: torch.Tensor, loaded: Weight, shard_id=None, expert_id
     if not torch.isfinite(value) or value <= 0:
         raise ValueError(f"a KV-cache scale must be positive and finite, got {value.item()}")
     param.data.copy_(value)
+    param.from_checkpoint = True  # kept over scales computed at start-up (--calculate-kv-scales)
