@@ -128,3 +128,24 @@ def test_default_model_quantized_on_load_close_to_bf16(default_model_gpu):
     fp8 = _engine(default_model_gpu, quantization="fp8")
     assert fp8.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     print(f"default model: mean |logprob diff| fp8 against bf16 {_compare(fp8.generate(prompts, PARAMS), ref, 'smol'):.4f}")
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_computed_kv_scales_follow_the_checkpoints_magnitudes_on_the_gpu(tmp_path, eager):
+    """--calculate-kv-scales through the Triton kernels (bf16, an fp8 cache): a checkpoint
+    whose K and V run 4,096 times larger gets exactly 4,096 times the scales (bf16 GEMMs
+    scale exactly by a power of two) and decodes the same tokens as the unscaled one."""
+    from tests.test_kv_cache_dtype import SCALE, _scaled_checkpoint
+
+    src = write_tiny_model("llama", str(tmp_path / "plain"))
+    _scaled_checkpoint(src, str(tmp_path / "large"), with_scales=False)
+    prompts = [[(5 * i + 7) % 200 + 3 for i in range(n)] for n in (9, 23, 40)]
+    runs = {}
+    for name, path in (("plain", src), ("large", str(tmp_path / "large"))):
+        engine = _engine(path, eager, kv_cache_dtype="fp8", calculate_kv_scales=True)
+        scales = [(layer.cache.k_scale, layer.cache.v_scale) for layer in engine.runner.model.attention_layers]
+        runs[name] = scales, [o.token_ids for o in engine.generate(prompts, PARAMS)]
+        engine.shutdown()
+    assert all(k != 1.0 and v != 1.0 for k, v in runs["plain"][0])
+    assert runs["large"][0] == [(k * SCALE, v * SCALE) for k, v in runs["plain"][0]]
+    assert runs["large"][1] == runs["plain"][1]
