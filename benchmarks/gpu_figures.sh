@@ -77,8 +77,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      folder; on 2+ GPUs, per-rank allocation at TP = 1 and 2 (a 4 GiB KV cache)
   fp8 [PART]         weights: batch 1 and an 8k-token prefill, bf16 and --quantization fp8;
                      workload: nano-vllm's workload with fp8 weights, then with an fp8 KV
-                     cache too; kv (the default): the workload and batch 1 with a bf16 and
-                     an fp8 KV cache, alternating
+                     cache too, then V2-Lite with fp8 weights; kv (the default): the workload
+                     and batch 1 with a bf16 and an fp8 KV cache, alternating
   server             nano-vllm's workload offline at batch 64 and 256 and the same requests
                      through the server: streamed at concurrency 64 and 256, not streamed
                      at 256, then 2 and 4 front-end processes at 256; batch 1 streamed
@@ -229,9 +229,11 @@ cmd_fp8() {
         bench "prefill_w_$v" 120 latency --model "$M8" --num-iters 3 --input-len 8192 --output-len 2 "${q[@]}"
       done
       table "$FIG"/lat_w_*.json "$FIG"/prefill_w_*.json ;;
-    workload)  # nano-vllm's workload with fp8 weights, then fp8 weights and an fp8 KV cache
+    workload)  # nano-vllm's workload with fp8 weights, then fp8 weights and an fp8 KV cache; V2-Lite
+      # with fp8 weights (its latent cache stays bf16: an fp8 cache is refused for MLA)
       bench thr_w_fp8 200 throughput --model "$M8" --quantization fp8
       bench thr_w_fp8_kv 200 throughput --model "$M8" --quantization fp8 --kv-cache-dtype fp8
+      bench thr_w_fp8_ds 300 throughput --random-weights deepseek-v2-lite --quantization fp8
       table "$FIG"/thr_w_fp8*.json ;;
     kv)  # the fp8 KV cache alone against bf16, alternating
       for r in 1 2; do
