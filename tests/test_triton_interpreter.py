@@ -91,6 +91,7 @@ else:
     import torch
 
     from agent_infer.kernels.triton.gemv import GemvConfig, RowConfig
+    from tests import attention_checks as ac
     from tests import kernel_checks as kc
 
     kc.patch_interpreter_scalar_index()
@@ -145,12 +146,12 @@ else:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("block_size", [16, 32])
     def test_store_kv(dtype, block_size):
-        kc.check_store_kv(DEV, dtype, 13, 2, 64, block_size)
+        ac.check_store_kv(DEV, dtype, 13, 2, 64, block_size)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (512.0, 0.25)], ids=str)
     def test_store_kv_fp8_cache(dtype, kv_scales):
-        kc.check_store_kv(DEV, dtype, 13, 2, 64, 16, cache_dtype=kc.FP8, exact_values=True, kv_scales=kv_scales)
+        ac.check_store_kv(DEV, dtype, 13, 2, 64, 16, cache_dtype=kc.FP8, exact_values=True, kv_scales=kv_scales)
 
     PREFILL_CASES = [
         # query lens, cached prefix lens, heads, kv heads, head_dim, block size
@@ -163,7 +164,7 @@ else:
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-bs{c[5]}")
     def test_prefill_attention(dtype, case):
-        kc.check_prefill(DEV, dtype, *case)
+        ac.check_prefill(DEV, dtype, *case)
 
     DECODE_CASES = [
         # context lens, heads, kv heads, head_dim, block size, forced split count
@@ -176,19 +177,19 @@ else:
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"c{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}")
     def test_decode_attention(dtype, case):
-        kc.check_decode(DEV, dtype, *case)
+        ac.check_decode(DEV, dtype, *case)
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     def test_attention_fp8_cache(dtype):
         """An fp8 cache read back as the model's dtype, in both attention kernels (the
         step's K/V are fp8 values, so the interpreter's cache writes are exact)."""
-        kc.check_prefill(DEV, dtype, *PREFILL_CASES[0], cache_dtype=kc.FP8)
-        kc.check_decode(DEV, dtype, *DECODE_CASES[0], cache_dtype=kc.FP8)
+        ac.check_prefill(DEV, dtype, *PREFILL_CASES[0], cache_dtype=kc.FP8)
+        ac.check_decode(DEV, dtype, *DECODE_CASES[0], cache_dtype=kc.FP8)
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
     def test_attention_fp8_cache_scales(dtype, prefill):
-        kc.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
+        ac.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
     @pytest.mark.parametrize("kv_heads", [8, 4, 1])
     def test_decode_preload_only_in_one_wave(kv_heads):
@@ -209,7 +210,7 @@ else:
 
     @pytest.mark.parametrize("num_splits", [1, 3])
     def test_decode_order(num_splits):
-        kc.check_decode_order(DEV, torch.float32, [40, 3, 150, 77, 18], num_splits)
+        ac.check_decode_order(DEV, torch.float32, [40, 3, 150, 77, 18], num_splits)
 
     def test_decode_order_only_past_one_wave():
         """Rows go in the given order exactly when the grid is more than one wave: four
@@ -231,7 +232,7 @@ else:
 
     @pytest.mark.parametrize("num_splits", [1, 4])
     def test_decode_padding_rows(num_splits):
-        kc.check_decode_padding_rows(DEV, torch.float32, 16, num_splits)
+        ac.check_decode_padding_rows(DEV, torch.float32, 16, num_splits)
 
     MERGED_DECODE_CASES = [
         # context lens, heads, kv heads, head_dim, block size, forced split counts, padding rows
@@ -246,7 +247,7 @@ else:
         "case", MERGED_DECODE_CASES, ids=lambda c: f"c{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-pad{c[6]}"
     )
     def test_decode_attention_merged(dtype, case):
-        kc.check_decode_merged(DEV, dtype, *case)
+        ac.check_decode_merged(DEV, dtype, *case)
 
     GEMV_CASES = [
         # M, N, K, bias, config (None = default heuristic)

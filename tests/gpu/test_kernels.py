@@ -14,6 +14,7 @@ import torch
 
 from agent_infer.attention.metadata import AttentionMetadata
 from agent_infer.kernels import reference
+from tests import attention_checks as ac
 from tests import kernel_checks as kc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -55,7 +56,7 @@ def test_norm_rope_store(dtype, is_neox, qk_norm, head_dim, rot_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_store_kv(dtype, block_size):
-    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, block_size)
+    ac.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, block_size)
 
 
 PREFILL_CASES = [
@@ -72,7 +73,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-p{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-bs{c[5]}")
 def test_prefill_attention(dtype, case):
-    kc.check_prefill(DEV, dtype, *case)
+    ac.check_prefill(DEV, dtype, *case)
 
 
 DECODE_CASES = [
@@ -92,7 +93,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}")
 def test_decode_attention(dtype, case):
-    kc.check_decode(DEV, dtype, *case)
+    ac.check_decode(DEV, dtype, *case)
 
 
 # An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): the cache writes round and saturate as
@@ -113,30 +114,30 @@ def test_norm_rope_store_fp8_cache(dtype, is_neox, kv_scales):
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES + [torch.float32])
 @pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.37, 2.9)], ids=str)
 def test_store_kv_fp8_cache(dtype, kv_scales):
-    kc.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, 16, cache_dtype=kc.FP8, kv_scales=kv_scales)
+    ac.check_store_kv(DEV, dtype, 300, KV_HEADS, HEAD_DIM, 16, cache_dtype=kc.FP8, kv_scales=kv_scales)
 
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
 @pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
 def test_attention_fp8_cache_scales(dtype, prefill):
-    kc.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
+    ac.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
 @pytest.mark.parametrize("case", PREFILL_CASES[1:3], ids=["bs16", "bs32"])
 def test_prefill_attention_fp8_cache(dtype, case):
-    kc.check_prefill(DEV, dtype, *case, cache_dtype=kc.FP8)
+    ac.check_prefill(DEV, dtype, *case, cache_dtype=kc.FP8)
 
 
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
 @pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (1, 3, 4, 6)], ids=["long", "mixed", "b40", "gqa8"])
 def test_decode_attention_fp8_cache(dtype, case):
-    kc.check_decode(DEV, dtype, *case, cache_dtype=kc.FP8)
+    ac.check_decode(DEV, dtype, *case, cache_dtype=kc.FP8)
 
 
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_decode_padding_rows(num_splits):
-    kc.check_decode_padding_rows(DEV, torch.bfloat16, 16, num_splits)
+    ac.check_decode_padding_rows(DEV, torch.bfloat16, 16, num_splits)
 
 
 MERGED_DECODE_CASES = [
@@ -157,7 +158,7 @@ MERGED_DECODE_CASES = [
     ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}/{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-pad{c[6]}",
 )
 def test_decode_attention_merged(dtype, case):
-    kc.check_decode_merged(DEV, dtype, *case)
+    ac.check_decode_merged(DEV, dtype, *case)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -166,13 +167,13 @@ def test_decode_order(num_splits):
     random contexts, with the GPU running programs concurrently (the interpreter runs
     them one after another)."""
     lens = [int(x) for x in torch.randint(1, 3000, (100,), generator=torch.Generator().manual_seed(3))]
-    kc.check_decode_order(DEV, torch.bfloat16, lens, num_splits)
+    ac.check_decode_order(DEV, torch.bfloat16, lens, num_splits)
 
 
 @pytest.mark.parametrize("batch,max_context,splits", [(1, 8000, 64), (8, 4000, 16), (64, 2000, 4)])
 def test_decode_merged_memory_ordering(batch, max_context, splits):
     """Hundreds of back-to-back merged launches, each checked against the two-kernel path."""
-    kc.check_decode_merged_repeat(DEV, torch.bfloat16, batch, max_context, splits, iters=200)
+    ac.check_decode_merged_repeat(DEV, torch.bfloat16, batch, max_context, splits, iters=200)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
