@@ -123,6 +123,25 @@ def test_attention_fp8_cache_scales(dtype, prefill):
     ac.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
 
+def test_e4m3_to_f16_ptx_converts_every_value_as_torch_does():
+    """The inline-PTX conversion the decode kernel applies to V, on all 256 e4m3 codes
+    (NaN codes compared as NaN), against torch's cast."""
+    import triton
+    import triton.language as tl
+
+    from agent_infer.kernels.triton.utils import e4m3_to_f16_ptx
+
+    @triton.jit
+    def convert(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, e4m3_to_f16_ptx(tl.load(x_ptr + i)))
+
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=torch.float16, device=DEV)
+    convert[(1,)](codes, out, BLOCK=256)
+    torch.testing.assert_close(out, codes.to(torch.float16), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", FP8_MODEL_DTYPES)
 @pytest.mark.parametrize("case", PREFILL_CASES[1:3], ids=["bs16", "bs32"])
 def test_prefill_attention_fp8_cache(dtype, case):
