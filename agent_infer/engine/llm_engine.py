@@ -27,7 +27,7 @@ from agent_infer.engine.runner_setup import setup_runner
 from agent_infer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from agent_infer.engine.structs import FinishReason, Sequence, SequenceStatus
 from agent_infer.engine.warmup import warm_up
-from agent_infer.loader.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
+from agent_infer.loader.tokenizer import eos_token_ids, load_tokenizer, load_tokenizer_if_any, tokenizer_path
 from agent_infer.models.registry import resolve_model_class
 from agent_infer.sampling_params import SamplingParams
 from agent_infer.speculative.mtp import MtpDrafter
@@ -109,8 +109,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = config.resolve_dtype(self.device)
-        tok_path = config.tokenizer or config.model
-        self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        tok_path = tokenizer_path(config.tokenizer, config.model)
+        self.tokenizer = load_tokenizer_if_any(tok_path)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         # Structured outputs: grammars compiled (and cached) for the whole process; the
         # server validates requests with it too. Its tokenizer side is built on first use.
@@ -124,7 +124,7 @@ class LLMEngine:
             self.workers = WorkerGroup(config, launch or local_launch(tp_size), self.device, WORKER_ENTRY)
             tp = self.workers.tp
         try:
-            self.runner, plan = setup_runner(config, self.model_config, self.device, self.dtype, tp)
+            self.runner, plan = setup_runner(config, self.model_config, self.device, self.dtype, tp, self.tokenizer)
         except BaseException:
             self.shutdown()
             raise

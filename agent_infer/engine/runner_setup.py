@@ -16,7 +16,7 @@ from agent_infer.distributed.state import ParallelState
 from agent_infer.engine.model_runner import ModelRunner
 from agent_infer.kvcache.calibration import calibration_ids
 from agent_infer.kvcache.pool import KVMemoryPool, kv_does_not_fit, kv_memory_available
-from agent_infer.loader.tokenizer import has_tokenizer, load_tokenizer
+from agent_infer.loader.tokenizer import load_tokenizer_if_any, tokenizer_path
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,11 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 
 def setup_runner(
-    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: ParallelState
+    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: ParallelState,
+    tokenizer=None,
 ) -> tuple[ModelRunner, RunnerPlan]:
+    """`tokenizer`: the engine's, where this rank has loaded it (rank 0); a worker loads its
+    own only if a start-up step needs it (--calculate-kv-scales)."""
     max_model_len = resolve_max_model_len(config, model_config)
     tp = replace(choose_all_reduce(tp, device, dtype, config.all_reduce), moe_parallel=config.moe_parallel)
     runner = ModelRunner(model_config, config, device, dtype, max_model_len, tp)
@@ -75,18 +78,18 @@ def setup_runner(
             num_blocks, config.block_size, capacity, num_blocks * budget.bytes_per_block / 2**30, budget.source,
         )
     if config.calculate_kv_scales:
-        _calibrate_kv_scales(runner, config, model_config, min(config.max_num_batched_tokens, max_model_len), tp)
+        if tokenizer is None:
+            tokenizer = load_tokenizer_if_any(tokenizer_path(config.tokenizer, config.model))
+        _calibrate_kv_scales(runner, tokenizer, model_config, min(config.max_num_batched_tokens, max_model_len), tp)
     runner.init_kv_cache(num_blocks)
     runner.capture_graphs()
     return runner, RunnerPlan(num_blocks, max_model_len)
 
 
-def _calibrate_kv_scales(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig, limit: int,
+def _calibrate_kv_scales(runner: ModelRunner, tokenizer, model_config: ModelConfig, limit: int,
                          tp: ParallelState) -> None:
     """--calculate-kv-scales (kvcache/calibration.py): every rank runs the calibration
     prefill (its collectives need them all) and the ranks agree on each layer's maximum."""
-    folder = config.tokenizer or model_config.path
-    tokenizer = load_tokenizer(folder) if has_tokenizer(folder) else None
     ids = calibration_ids(tokenizer, model_config.vocab_size, limit)
     amax = runner.measure_kv_amax(ids)
     if tp.world_size > 1:

@@ -44,6 +44,16 @@ def has_tokenizer(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
+def tokenizer_path(tokenizer: str | None, model: str) -> str:
+    """Where the engine's tokenizer lives: --tokenizer, else the model's directory."""
+    return tokenizer or model
+
+
+def load_tokenizer_if_any(path: str):
+    """The tokenizer of the directory `path`, or None when it holds no tokenizer files."""
+    return load_tokenizer(path) if has_tokenizer(path) else None
+
+
 def load_tokenizer(path: str):
     """The tokenizer of the directory `path`; a damaged one is a ConfigError on one line
     naming the file (or the directory) and what is wrong with it."""

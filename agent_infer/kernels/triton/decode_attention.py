@@ -31,6 +31,7 @@ import triton.language as tl
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin,
+    to_f16_clamped,
 )
 
 _LOG2E = 1.4426950408889634
@@ -161,11 +162,8 @@ def _decode_split_kernel(
     g_mask = g < group
     heads = kv_head * group + g
     q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if F16_DOTS:
-        # Over an fp8 cache the dots run in fp16 (utils.fp16_dots): a bf16 query converts
-        # exactly within fp16's range, which the clamp keeps it in, and p in [0, 1] gains
-        # precision.
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if F16_DOTS:  # over an fp8 cache (utils.fp16_dots); p in [0, 1] gains precision too
+        q = to_f16_clamped(q)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
-from agent_infer.kernels.triton.utils import cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots
+from agent_infer.kernels.triton.utils import (
+    cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots, to_f16_clamped,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -94,8 +96,8 @@ def _prefill_kernel(
             q_ptr + q_rows[:, None] * sqt + head * sqh + d[None, :],
             mask=row_mask[:, None] & d_mask[None, :], other=0.0,
         )
-        if F16_DOTS:  # an fp8 cache (utils.fp16_dots); exact within fp16's range, kept by the clamp
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        if F16_DOTS:  # over an fp8 cache (utils.fp16_dots)
+            q = to_f16_clamped(q)
         q_pos = prefix + rows
         kv_head = (head // group).to(tl.int64)
         table_row_ptr = table_ptr + seq.to(tl.int64) * s_table

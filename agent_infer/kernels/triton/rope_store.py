@@ -141,7 +141,6 @@ def _rope_store_kernel(
             tl.store(vc + tail_idx, to_cache_dtype(v_tail, vt), mask=tail_mask)
 
 
-
 def norm_rope_store(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,

@@ -121,6 +121,13 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
 
 
 @triton.jit
+def to_f16_clamped(x):
+    """A 16-bit query as fp16 for dots over an fp8 cache (`fp16_dots`): exact for bf16
+    within fp16's range, which the clamp keeps it in."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def e4m3_to_f16_ptx(x):
     """float8 e4m3 -> fp16 (exact), two values per instruction, written as inline PTX that
     is not marked pure so that the compiler keeps it where it stands. As a cast, Triton
