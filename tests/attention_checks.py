@@ -236,6 +236,24 @@ def check_attention_kv_scales(device, dtype: torch.dtype, prefill: bool, kv_scal
     assert rel_err(unscaled.float(), full.float()) > 0.1, "scale 1 should have saturated these K and V"
 
 
+def check_attention_scale_share(device, prefill: bool) -> None:
+    """Over an fp8 cache, attention does not depend on how the checkpoint shares the
+    scores' magnitude between q and K: the same cache entries under a K scale 2^16 times
+    larger, with a query 2^16 times smaller (bf16 holds both exactly), give the same
+    output bit for bit. (Rounded to fp16 for the dots before the scales multiply it in,
+    such a query falls among fp16's subnormals and loses its digits.)"""
+    outs = []
+    for ks in (2.0, 2.0**17):
+        if prefill:
+            batch = PagedBatch(device, torch.bfloat16, [5, 17, 33], [0, 16, 23], 8, 2, 64, 16, True,
+                               cache_dtype=FP8, kv_scales=(ks, 1.0))
+        else:
+            batch = PagedBatch(device, torch.bfloat16, [1, 1, 1], [0, 16, 99], 8, 2, 64, 16, False,
+                               cache_dtype=FP8, kv_scales=(ks, 1.0))
+        outs.append(_run_backends(batch)[0])
+    assert same(outs[0], outs[1]), f"{'prefill' if prefill else 'decode'}: the output moved with the K scale"
+
+
 def check_decode_order(device, dtype: torch.dtype, context_lens: list[int], num_splits: int) -> None:
     """Sequences taken in a given order (`order`, forced on): longest first and a shuffle
     both give the reference, with merged splits and without; an order that lists a row

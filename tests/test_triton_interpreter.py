@@ -191,6 +191,10 @@ else:
     def test_attention_fp8_cache_scales(dtype, prefill):
         ac.check_attention_kv_scales(DEV, dtype, prefill, (512.0, 256.0))
 
+    @pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
+    def test_attention_fp8_cache_scale_share(prefill):
+        ac.check_attention_scale_share(DEV, prefill)
+
     @pytest.mark.parametrize("kv_heads", [8, 4, 1])
     def test_decode_preload_only_in_one_wave(kv_heads):
         """The first-tile preload, which fits two programs per SM, is taken exactly by

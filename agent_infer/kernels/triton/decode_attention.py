@@ -31,7 +31,7 @@ import triton.language as tl
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin,
-    to_f16_clamped,
+    to_f16_scaled,
 )
 
 _LOG2E = 1.4426950408889634
@@ -98,14 +98,17 @@ def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, v
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr, PTX_CVT: tl.constexpr):
+def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr, PTX_CVT: tl.constexpr,
+                 Q_SCALED: tl.constexpr):
     """One key tile (K, V; keys where `kmask`) folded into the running softmax state
-    (acc, m_i, l_i) of the group's queries."""
+    (acc, m_i, l_i) of the group's queries; Q_SCALED: q already carries qk_scale."""
     if PTX_CVT:
         v = e4m3_to_f16_ptx(v)
     k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
     v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if not Q_SCALED:
+        s = s * qk_scale
     s = tl.where(kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
@@ -163,7 +166,7 @@ def _decode_split_kernel(
     heads = kv_head * group + g
     q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if F16_DOTS:  # over an fp8 cache (utils.fp16_dots); p in [0, 1] gains precision too
-        q = to_f16_clamped(q)
+        q = to_f16_scaled(q, qk_scale)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -174,14 +177,14 @@ def _decode_split_kernel(
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
         if lo < hi:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, F16_DOTS)
         first = lo + BLOCK_N
     for start in range(first, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
         k, v = _load_tile(k_base, v_base, block, kpos, kmask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, F16_DOTS)
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
 from agent_infer.kernels.triton.utils import (
-    cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots, to_f16_clamped,
+    cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots, to_f16_scaled,
 )
 
 _LOG2E = 1.4426950408889634
@@ -30,8 +30,10 @@ def _attend(
     kc_b, kc_s, vc_b, vc_s,
     lo, hi, d, d_mask, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, Q_SCALED: tl.constexpr,
 ):
+    """The key tiles [lo, hi) folded into the running softmax state (acc, m_i, l_i) of
+    the tile's queries; Q_SCALED: q already carries qk_scale."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
@@ -53,7 +55,9 @@ def _attend(
             v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
         k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
         v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not Q_SCALED:
+            s = s * qk_scale
         if CAUSAL:
             visible = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -97,7 +101,7 @@ def _prefill_kernel(
             mask=row_mask[:, None] & d_mask[None, :], other=0.0,
         )
         if F16_DOTS:  # over an fp8 cache (utils.fp16_dots)
-            q = to_f16_clamped(q)
+            q = to_f16_scaled(q, qk_scale)
         q_pos = prefix + rows
         kv_head = (head // group).to(tl.int64)
         table_row_ptr = table_ptr + seq.to(tl.int64) * s_table
@@ -111,12 +115,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head * kc_h, kv_head * vc_h,
             kc_b, kc_s, vc_b, vc_s, 0, full_end, d, d_mask, qk_scale,
-            BLOCK_SIZE, BLOCK_N, False, EVEN_D, PRECISION,
+            BLOCK_SIZE, BLOCK_N, False, EVEN_D, PRECISION, F16_DOTS,
         )
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head * kc_h, kv_head * vc_h,
             kc_b, kc_s, vc_b, vc_s, full_end, last_pos + 1, d, d_mask, qk_scale,
-            BLOCK_SIZE, BLOCK_N, True, EVEN_D, PRECISION,
+            BLOCK_SIZE, BLOCK_N, True, EVEN_D, PRECISION, F16_DOTS,
         )
         out = acc / l_i[:, None]
         if V_SCALED:  # an fp8 cache holds v / v_scale

@@ -121,10 +121,13 @@ def to_cache_dtype(x, CACHE_TYPE: tl.constexpr):
 
 
 @triton.jit
-def to_f16_clamped(x):
-    """A 16-bit query as fp16 for dots over an fp8 cache (`fp16_dots`): exact for bf16
-    within fp16's range, which the clamp keeps it in."""
-    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+def to_f16_scaled(x, scale):
+    """A 16-bit query times the score scale (softmax scale, log2(e) and the K cache's
+    scale), as fp16 for dots over an fp8 cache (`fp16_dots`), clamped to fp16's range.
+    The scale goes in first: scores then come out at their own magnitude, whatever share
+    of it the checkpoint gives q and K (a query of 2^-12 its usual size would otherwise
+    fall among fp16's subnormals and lose its digits)."""
+    return tl.clamp(x.to(tl.float32) * scale, -65504.0, 65504.0).to(tl.float16)
 
 
 @triton.jit
