@@ -6,11 +6,15 @@ on the GPU, and compare the result with the plain loops.
     python benchmarks/tune_fused_moe.py --family v2-lite --tokens 1 8 64
     python benchmarks/tune_fused_moe.py --compare    # the table in the file vs the reference loop
                                                      # and per-expert torch.matmul (~1 min)
+    python benchmarks/tune_fused_moe.py --weights fp8 --family v2-lite-shared --tokens 1 2 4
+                                                     # e4m3 experts (one scale per row): TUNED_FP8
+    python benchmarks/tune_fused_moe.py --family qwen3-30b-a3b
 
 Families (k = 6 of 64 experts, D = 2048): V2-Lite whole (E_local 64, I 1408), the same with
 its 2 shared experts joined (66 stored experts, every token routed to the last two at
 weight 1: what one GPU runs up to layers/moe.py's FUSED_SHARED_MAX_TOKENS), under EP = 2
-(rank 0: 32 local experts, an expert map) and with TP = 2 experts (I 704).
+(rank 0: 32 local experts, an expert map) and with TP = 2 experts (I 704); and Qwen3-30B-A3B
+(k = 8 of 128 experts, I 768, D 2048; not in the default run).
 
 How it measures. Routing is uniform (k distinct experts per token), drawn anew for each
 of LAYERS layers, each with its own weights (1.1 GB per V2-Lite layer), so the touched
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_infer.kernels import reference  # noqa: E402
+from agent_infer.quantization import fp8 as F8  # noqa: E402
 from agent_infer.kernels.triton import fused_moe as moe  # noqa: E402
 from agent_infer.kernels.triton.fused_moe_configs import (  # noqa: E402
     BUCKETS, MoeConfig, Tile, format_config, format_table, get_config,
@@ -72,7 +77,9 @@ FAMILIES = {
     "v2-lite-shared": Family(66, 1408, 2048, shared=2, note="V2-Lite, EP = 1, the 2 shared experts joined"),
     "v2-lite-ep2": Family(32, 1408, 2048, note="V2-Lite, EP = 2"),
     "v2-lite-tp2": Family(64, 704, 2048, note="V2-Lite, TP = 2 experts"),
+    "qwen3-30b-a3b": Family(128, 768, 2048, experts=128, top_k=8, note="Qwen3-30B-A3B, EP = 1"),
 }
+DEFAULT_FAMILIES = ["v2-lite", "v2-lite-shared", "v2-lite-ep2", "v2-lite-tp2"]
 
 # Candidate tiles per block_m, pruned to what can win: FMA rows (block_m 1) and narrow
 # tl.dot tiles for streaming weights at decode, wide tensor-core tiles for prefill. The
@@ -85,6 +92,10 @@ CANDIDATES: dict[int, list[Tile]] = {
     64: [Tile(64, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3), Tile(128, 64, 8, 3), Tile(64, 64, 4, 4)],
     128: [Tile(64, 64, 8, 4), Tile(128, 64, 8, 3), Tile(128, 64, 8, 4), Tile(64, 128, 8, 3)],
 }
+# e4m3 experts at one slot a block read int32 words: BLOCK_N rows by BLOCK_K values, the
+# dense fp8 GEMV's kind of tile (K tails masked); their tensor-core tiles are CANDIDATES'.
+FP8_ROWS = [Tile(4, 2048, 4, 1), Tile(8, 1024, 4, 1), Tile(2, 2048, 4, 1), Tile(8, 512, 4, 2), Tile(16, 512, 4, 1),
+            Tile(4, 1024, 4, 2), Tile(16, 256, 4, 2), Tile(8, 2048, 8, 1), Tile(32, 128, 4, 3)]
 QUICK = 3
 
 
@@ -109,14 +120,24 @@ def block_m_candidates(tokens: int, fam: Family) -> list[int]:
 class Layer:
     w13: torch.Tensor
     w2: torch.Tensor
+    scales: dict  # fused_moe's w13_scale / w2_scale for e4m3 experts, else empty
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as the reference takes them: fp32, or the e4m3 values themselves."""
+        return (self.w13, self.w2) if self.scales else (self.w13.float(), self.w2.float())
 
 
-def make_layers(fam: Family, layers: int) -> list[Layer]:
+def make_layers(fam: Family, layers: int, fp8: bool) -> list[Layer]:
     out = []
     for _ in range(layers):
         w13 = (torch.randn(fam.num_local, 2 * fam.inter, fam.hidden, device=DEV) * fam.hidden**-0.5).to(DTYPE)
         w2 = (torch.randn(fam.num_local, fam.hidden, fam.inter, device=DEV) * fam.inter**-0.5).to(DTYPE)
-        out.append(Layer(w13, w2))
+        scales = {}
+        if fp8:  # one scale per row, as the loader stores per-channel e4m3 experts
+            (w13, s13), (w2, s2) = (F8.quantize_channel(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
+            w13, w2 = w13.view(fam.num_local, 2 * fam.inter, fam.hidden), w2.view(fam.num_local, fam.hidden, fam.inter)
+            scales = {"w13_scale": s13.view(fam.num_local, -1), "w2_scale": s2.view(fam.num_local, -1)}
+        out.append(Layer(w13, w2, scales))
     return out
 
 
@@ -165,8 +186,8 @@ def per_layer_us(fn, layers: int) -> float:
     return graph_time_us(lambda: [fn(layer) for layer in range(layers)]) / layers
 
 
-def rates(fam: Family, step: Step, us: float) -> str:
-    weight_bytes = step.touched * 3 * fam.inter * fam.hidden * DTYPE.itemsize
+def rates(fam: Family, step: Step, us: float, ws: list[Layer]) -> str:
+    weight_bytes = step.touched * 3 * fam.inter * fam.hidden * ws[0].w13.element_size()
     flops = step.local_slots * 6 * fam.inter * fam.hidden
     return f"{weight_bytes / us / 1e6:5.2f} TB/s {flops / us / 1e6:6.1f} TFLOP/s"
 
@@ -187,13 +208,19 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     best: tuple[float, MoeConfig] | None = None
     for bm in block_m_candidates(tokens, fam):
         aligned = [moe.slot_layout(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
-        tiles = CANDIDATES[bm][:QUICK] if quick else CANDIDATES[bm]
+        tiles = FP8_ROWS if bm == 1 and ws[0].scales else CANDIDATES[bm]
+        tiles = tiles[:QUICK] if quick else tiles
         k = fam.slots_per_token
-        ups = [(t, try_time(lambda i, t=t: moe.gate_up_silu(step.x, ws[i].w13, aligned[i], k, t), layers))
-               for t in tiles]
-        hs = [moe.gate_up_silu(step.x, ws[i].w13, aligned[i], k, tiles[0]) for i in range(layers)]
-        downs = [(t, try_time(lambda i, t=t: moe.down_weighted(hs[i], ws[i].w2, step.weights[i], aligned[i], t),
-                              layers)) for t in tiles]
+
+        def run_up(i, t):
+            return moe.gate_up_silu(step.x, ws[i].w13, aligned[i], k, t, ws[i].scales.get("w13_scale"))
+
+        def run_down(i, t):
+            return moe.down_weighted(hs[i], ws[i].w2, step.weights[i], aligned[i], t, ws[i].scales.get("w2_scale"))
+
+        ups = [(t, try_time(lambda i, t=t: run_up(i, t), layers)) for t in tiles]
+        hs = [run_up(i, tiles[0]) for i in range(layers)]
+        downs = [(t, try_time(lambda i, t=t: run_down(i, t), layers)) for t in tiles]
         ups = [(us, t) for t, us in ups if us is not None]
         downs = [(us, t) for t, us in downs if us is not None]
         if not ups or not downs:
@@ -205,13 +232,14 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     assert best is not None, f"no configuration ran for T = {tokens}"
     cfg = best[1]
     t_full = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap,
-                                                  config=cfg), layers)
+                                                  config=cfg, **ws[i].scales), layers)
     align = {one: per_layer_us(lambda i, one=one: moe.moe_align(step.ids[i], fam.num_local, cfg.block_m, emap,
                                                                  one_program=one), layers) for one in (True, False)}
-    out = moe.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap, config=cfg).float()
-    ref = reference.fused_moe(step.x.float(), ws[0].w13.float(), ws[0].w2.float(), step.weights[0], step.ids[0], emap)
+    out = moe.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap, config=cfg,
+                        **ws[0].scales).float()
+    ref = reference.fused_moe(step.x.float(), *ws[0].reference(), step.weights[0], step.ids[0], emap, **ws[0].scales)
     err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # 0 / 0: no local slot at all
-    line = (f"T={tokens:5d} touched {step.touched:5.1f} | layer {t_full:8.1f} us {rates(fam, step, t_full)} | "
+    line = (f"T={tokens:5d} touched {step.touched:5.1f} | layer {t_full:8.1f} us {rates(fam, step, t_full, ws)} | "
             f"align one-program {align[True]:5.1f} / three-kernel {align[False]:5.1f} us | err {err:.1e} | "
             f"{format_config(cfg)}")
     if err > 2e-2:
@@ -219,9 +247,10 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
     return cfg, line
 
 
-def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary: list[str]) -> dict[int, MoeConfig]:
+def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary: list[str],
+                fp8: bool) -> dict[int, MoeConfig]:
     fam = FAMILIES[name]
-    ws = make_layers(fam, layers)
+    ws = make_layers(fam, layers, fp8)
     emap = expert_map(fam)
     configs = {}
     for t in tokens:
@@ -233,18 +262,19 @@ def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary:
     return configs
 
 
-def tune(families: list[str], tokens: list[int], layers: int, quick: bool) -> None:
+def tune(families: list[str], tokens: list[int], layers: int, quick: bool, fp8: bool) -> None:
     table, notes, summary = {}, {}, []
     for name in families:
         fam = FAMILIES[name]
-        table[fam.key], notes[fam.key] = tune_family(name, tokens, layers, quick, summary), fam.note
+        table[fam.key], notes[fam.key] = tune_family(name, tokens, layers, quick, summary, fp8), fam.note
         torch.cuda.empty_cache()  # the family's weights are gone with tune_family's frame
+    name = "TUNED_FP8" if fp8 else "TUNED"
     print("\n".join(["", "summary (per layer):"] + summary))
-    print("\n# ---- paste over the TUNED block of agent_infer/kernels/triton/fused_moe_configs.py ----")
+    print(f"\n# ---- paste over the {name} block of agent_infer/kernels/triton/fused_moe_configs.py ----")
     print(f"# measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     if sorted(tokens) != list(BUCKETS):
         print(f"# PARTIAL run (T = {tokens}, buckets are {list(BUCKETS)}): merge these entries by hand")
-    print(format_table(table, notes))
+    print(format_table(table, notes, name))
 
 
 def touched_matmuls(step: Step, ws: list[Layer], emap, layer: int):
@@ -267,7 +297,7 @@ def touched_matmuls(step: Step, ws: list[Layer], emap, layer: int):
 
 def compare(families: list[str], tokens: list[int], layers: int) -> None:
     """The table in fused_moe_configs.py against the reference loop (eager: it syncs on
-    every expert's token list) and per-expert torch matmuls (in a graph)."""
+    every expert's token list) and per-expert torch matmuls (in a graph); bf16 experts."""
     for name in families:
         compare_family(name, tokens, layers)
         torch.cuda.empty_cache()
@@ -275,7 +305,7 @@ def compare(families: list[str], tokens: list[int], layers: int) -> None:
 
 def compare_family(name: str, tokens: list[int], layers: int) -> None:
     fam = FAMILIES[name]
-    ws = make_layers(fam, layers)
+    ws = make_layers(fam, layers, fp8=False)
     emap = expert_map(fam)
     print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
     for t in tokens:
@@ -294,25 +324,29 @@ def compare_family(name: str, tokens: list[int], layers: int) -> None:
         end.record()
         end.synchronize()
         t_ref = start.elapsed_time(end) * 1000 / layers
-        print(f"  T={t:5d} touched {step.touched:5.1f} | {t_fused:8.1f} us {rates(fam, step, t_fused)} | "
-              f"{t_mm:8.1f} us {rates(fam, step, t_mm)} | {t_ref:9.1f} us | fused x{t_mm / t_fused:4.2f} "
+        print(f"  T={t:5d} touched {step.touched:5.1f} | {t_fused:8.1f} us {rates(fam, step, t_fused, ws)} | "
+              f"{t_mm:8.1f} us {rates(fam, step, t_mm, ws)} | {t_ref:9.1f} us | fused x{t_mm / t_fused:4.2f} "
               f"vs matmul, x{t_ref / t_fused:5.1f} vs reference", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    ap.add_argument("--family", nargs="+", choices=list(FAMILIES), default=DEFAULT_FAMILIES)
     ap.add_argument("--tokens", nargs="+", type=int, default=list(BUCKETS))
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK} tiles per block_m only")
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: e4m3 experts with one scale per row (tunes TUNED_FP8)")
     args = ap.parse_args()
+    if args.compare and args.weights == "fp8":
+        ap.error("--compare runs bf16 experts")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     start = time.time()
     if args.compare:
         compare(args.family, args.tokens, args.layers)
     else:
-        tune(args.family, args.tokens, args.layers, args.quick)
+        tune(args.family, args.tokens, args.layers, args.quick, args.weights == "fp8")
     print(f"# {time.time() - start:.0f} s")
 
 

@@ -78,16 +78,18 @@ def test_config_table_is_printed_format_and_valid():
     from agent_infer.layers.moe import FUSED_SHARED_MAX_TOKENS
 
     source = Path(cfgs.__file__).read_text()
-    block = re.search(r"^TUNED: .*?^}$", source, flags=re.S | re.M).group(0)
     strip = lambda text: "\n".join(re.sub(r"\s+#.*$", "", line) for line in text.splitlines())  # noqa: E731
-    assert strip(block) == strip(cfgs.format_table(cfgs.TUNED))
-    namespace = {"MoeConfig": cfgs.MoeConfig, "Tile": cfgs.Tile}
-    exec(cfgs.format_table(cfgs.TUNED, {k: "note" for k in cfgs.TUNED}), namespace)
-    assert namespace["TUNED"] == cfgs.TUNED
+    for name, tuned in (("TUNED", cfgs.TUNED), ("TUNED_FP8", cfgs.TUNED_FP8)):
+        block = re.search(rf"^{name}: .*?^}}$", source, flags=re.S | re.M).group(0)
+        assert strip(block) == strip(cfgs.format_table(tuned, name=name)), name
+        namespace = {"MoeConfig": cfgs.MoeConfig, "Tile": cfgs.Tile}
+        exec(cfgs.format_table(tuned, {k: "note" for k in tuned}, name), namespace)
+        assert namespace[name] == tuned
+        assert all(_valid(c) for table in tuned.values() for c in table.values()), name
+    assert cfgs.TUNED  # TUNED_FP8 lists only the buckets its runs measured (the rest fall back)
     for family, table in cfgs.TUNED.items():
         assert tuple(sorted(table)) == cfgs.BUCKETS[:len(table)], family
         assert max(table) >= min(cfgs.BUCKETS[-1], cfgs.bucket(FUSED_SHARED_MAX_TOKENS)), family
-        assert all(_valid(c) for c in table.values()), family
 
 
 def test_config_lookup_and_heuristic():
@@ -108,6 +110,29 @@ def test_config_lookup_and_heuristic():
     assert small.block_m < large.block_m
 
 
+@pytest.mark.parametrize("inter,hidden", [(1408, 2048), (768, 2048), (2048, 7168), (704, 2048), (40, 48)])
+def test_fp8_experts_take_word_rows_at_one_token(inter, hidden):
+    """e4m3 experts: a measured TUNED_FP8 entry, else one slot a block (the int32-word
+    rows) at one token and the bf16 table's tensor-core tiles beyond; a word tile is a
+    whole multiple of K when one of at least 512 values divides it, else covers K in as
+    few masked loads as 2,048 values allow."""
+    for tokens in (1, 2, 5, 300):
+        c = cfgs.get_config(64, inter, hidden, tokens, 6, fp8=True)
+        measured = cfgs.TUNED_FP8.get((64, inter, hidden), {}).get(cfgs.bucket(tokens))
+        if measured is not None:
+            assert c is measured
+        elif tokens == 1:
+            assert c == cfgs.fp8_rows_config(inter, hidden) and c.block_m == 1
+        else:
+            assert c == cfgs.get_config(64, inter, hidden, tokens, 6)
+        assert _valid(c)
+    rows = cfgs.fp8_rows_config(inter, hidden)
+    for tile, k in ((rows.up, hidden), (rows.down, inter)):
+        whole = k % tile.block_k == 0
+        assert tile.block_k <= 2048 and (whole and tile.block_k >= min(512, k) or
+                                         not whole and -(-k // tile.block_k) == -(-k // 2048))
+
+
 def test_tuner_candidates_cover_every_bucket():
     """benchmarks/tune_fused_moe.py has launchable candidates for every family and bucket
     (its GPU run is too costly to find an empty or invalid candidate set)."""
@@ -120,6 +145,7 @@ def test_tuner_candidates_cover_every_bucket():
             assert block_ms, (fam, t)
             for bm in block_ms:
                 assert all(_valid(cfgs.MoeConfig(bm, tile, tile)) for tile in tune.CANDIDATES[bm]), (fam, bm)
+    assert all(_valid(cfgs.MoeConfig(1, tile, tile)) for tile in tune.FP8_ROWS)
 
 
 @pytest.mark.parametrize("tokens", [1, 9])

@@ -14,7 +14,10 @@ import os
 
 import pytest
 
-from agent_infer.kernels.triton.fused_moe_configs import BUCKETS, TUNED, MoeConfig, Tile, default_config
+from agent_infer.kernels.triton.fused_moe_configs import (
+    BUCKETS, TUNED, TUNED_FP8, MoeConfig, Tile, default_config, fp8_rows_config,
+)
+from benchmarks.tune_fused_moe import FP8_ROWS
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None,
@@ -102,6 +105,21 @@ def test_moe_gemm_fp8_experts_compile_with_few_spills(block_m, gemm, tile):
     _check_gemm(block_m, gemm, tile, direct=(block_m, gemm, tile) in DIRECT_TILES, fp8=True)
 
 
+# e4m3 experts at one slot a block read int32 words: the default tiles of the V2-Lite and
+# Qwen3-30B-A3B shapes and TUNED_FP8's (K tails masked where the tile does not divide K)
+# and the tuner's first candidates, in the direct layout of one token.
+_WORD_CONFIGS = [((i, d), fp8_rows_config(i, d)) for i, d in ((1408, 2048), (768, 2048))] + [
+    ((i, d), c) for (_, i, d), family in TUNED_FP8.items() for c in family.values() if c.block_m == 1]
+WORD_TILES = sorted({(g, t, k % t.block_k == 0) for (i, d), c in _WORD_CONFIGS
+                     for g, t, k in (("up", c.up, d), ("down", c.down, i))}
+                    | {(g, t, True) for g in ("up", "down") for t in FP8_ROWS[:4]}, key=str)
+
+
+@pytest.mark.parametrize("gemm,tile,even_k", WORD_TILES, ids=str)
+def test_moe_gemm_fp8_word_rows_compile_without_spills(gemm, tile, even_k):
+    _check_gemm(1, gemm, tile, direct=True, fp8=True, even_k=even_k)
+
+
 def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> list[tuple[str, str]]:
     """The GEMM kernels' pointer and integer arguments; `weight`: the experts' dtype
     (default: the activations')."""
@@ -118,20 +136,23 @@ def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> lis
                                                                            "sse")]
 
 
-def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False) -> None:
+def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False, even_k: bool = True) -> None:
     from agent_infer.kernels.triton import fused_moe as moe
 
-    common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
+    common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": even_k, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
               "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, "SCALED": fp8}
     fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
-    args = _gemm_args(gemm, weight="fp8e4nv" if fp8 else None)
+    # e4m3 experts at one slot a block arrive as int32 words (fused_moe._as_words).
+    args = _gemm_args(gemm, weight=("i32" if block_m == 1 else "fp8e4nv") if fp8 else None)
     # V2-Lite: N, K in {1408, 2048}, strides multiples of 16; top_k = 6 and T * k are not.
     aligned = {name for name, ty in args if ty.startswith("*")} | {"N", "K", "sxm", "swe", "swn", "shm", "sym"}
     kernel = _compile(fn, args, common, aligned, tile.num_warps, tile.num_stages)
-    what = f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}{' fp8' if fp8 else ''}"
-    # fp8 experts: the bf16 table's tiles, not yet retuned for them; three GEMM-1 tiles
-    # spill a few registers converting the e4m3 tiles (up to 16 B), none more.
-    _check_no_spills(kernel, what, max_stack=16 if fp8 else 0)
+    what = f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}{' fp8' if fp8 else ''}" \
+           f"{'' if even_k else ' masked K'}"
+    # fp8 experts in tensor-core tiles: the bf16 table's tiles, not yet retuned for them;
+    # three GEMM-1 tiles spill a few registers converting the e4m3 tiles (up to 16 B),
+    # none more. The word rows spill nothing.
+    _check_no_spills(kernel, what, max_stack=16 if fp8 and block_m > 1 else 0)
 
 
 @pytest.mark.parametrize("block_e,chunk,block_m", [(64, 8, 16), (64, 128, 16), (64, 128, 1), (256, 32, 128)])

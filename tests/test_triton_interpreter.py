@@ -666,11 +666,14 @@ else:
         moe.check_fused_moe(DEV, dtype, tokens, experts, top_k, 48, 40, config=MOE_CONFIGS[config], repeat=True)
 
     @pytest.mark.parametrize("tokens,local,config,dtype", [
-        (1, None, "rows", torch.float32), (1, (2, 3), "default", torch.float16), (37, None, "dot16", torch.float32),
+        (1, None, "rows", torch.float32), (1, (2, 3), "rows-even", torch.bfloat16), (9, (2, 3), "rows", torch.float16),
+        (1, (2, 3), "default", torch.float16), (37, None, "dot16", torch.float32),
         (37, (2, 3), "default", torch.float32), (37, (2, 3), "dot32", torch.float16)], ids=str)
     def test_fused_moe_fp8_experts(tokens, local, config, dtype):
-        """e4m3 experts with one scale per row, read as x's dtype in both GEMMs: the FMA
-        rows of one token and tensor-core tiles, all experts local or an expert map."""
+        """e4m3 experts with one scale per row: at one slot a block (FMA rows) read as int32
+        words and converted with integer operations (K tails masked or whole tiles, direct
+        and aligned layouts), in tensor-core tiles as x's dtype; all experts local or an
+        expert map."""
         moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 48, 40, local=local, config=MOE_CONFIGS[config], fp8=True)
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
+from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.utils import dot_precision, pdl_begin
 
 # The one-hot tiles of the align kernels hold at most this many int32 elements
@@ -373,20 +374,30 @@ def _moe_gate_up_kernel(
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    # Tail columns wrap onto real rows, so weight loads need no mask; their results are
-    # dropped at the store.
-    w_gate = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn
-    x_rows = x_ptr + (slot // top_k).to(tl.int64) * sxm
-    # The up rows are N rows on: I * D < 2**31 for every DeepSeek shape.
-    gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    if SCALED:
-        scales = s_ptr + e.to(tl.int64) * sse + n % N
-        gate = gate * tl.load(scales)[None, :]
-        up = up * tl.load(scales + N)[None, :]
     out_ty = h_ptr.dtype.element_ty
-    g = gate.to(out_ty).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-    h = act * up.to(out_ty).to(tl.float32)
+    if SCALED and BLOCK_M == 1:
+        # e4m3 experts at one slot a block: w is their bytes as int32 words, read and
+        # converted as the dense fp8 GEMV does (gemv_fp8.py); its epilogue is the SiLU-
+        # and-mul below, rounding included. BLOCK_N rows, BLOCK_K values a tile.
+        tok = tl.max(tl.where(valid, slot, 0), axis=0) // top_k
+        h = row_dot_e4m3(x_ptr + tok.to(tl.int64) * sxm, w_ptr + e.to(tl.int64) * swe, h_ptr, n, n < N, K, swn, N,
+                         False, True, False, BLOCK_K, out_ty, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1,
+                         EVEN_K)[None, :]
+    else:
+        # Tail columns wrap onto real rows, so weight loads need no mask; their results
+        # are dropped at the store.
+        w_gate = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn
+        x_rows = x_ptr + (slot // top_k).to(tl.int64) * sxm
+        # The up rows are N rows on: I * D < 2**31 for every DeepSeek shape.
+        gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  PRECISION)
+        if SCALED:
+            scales = s_ptr + e.to(tl.int64) * sse + n % N
+            gate = gate * tl.load(scales)[None, :]
+            up = up * tl.load(scales + N)[None, :]
+        g = gate.to(out_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        h = act * up.to(out_ty).to(tl.float32)
     mask = valid[:, None] & (n < N)[None, :]
     tl.store(h_ptr + pos.to(tl.int64)[:, None] * shm + n[None, :], h.to(out_ty), mask=mask)
 
@@ -407,13 +418,17 @@ def _moe_down_kernel(
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
-    acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
-                            BLOCK_K, PRECISION)
+    if SCALED and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
+        h_row = h_ptr + tl.max(pos, axis=0).to(tl.int64) * shm
+        acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False, False,
+                           BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1, EVEN_K)[None, :]
+    else:
+        w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
+        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if SCALED:
+            acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
     mask = valid[:, None] & (n < N)[None, :]
-    if SCALED:
-        acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
     y = acc * weight[:, None]
     tl.store(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -434,6 +449,22 @@ def _moe_sum_kernel(
     y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], mask=live[:, None] & n_in[None, :], other=0.0)
     total = tl.sum(y.to(tl.float32), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * som + n, total.to(out_ptr.dtype.element_ty), mask=n_in)
+
+
+def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The experts as the kernels read them: e4m3 ones at one slot a block (FMA rows) as
+    int32 words of four values each (gemv_fp8.py), everything else as it is."""
+    if w.dtype != torch.float8_e4m3fn or block_m != 1:
+        return w
+    assert w.shape[-1] % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 and w.data_ptr() % 4 == 0, \
+        f"e4m3 experts {tuple(w.shape)} cannot be read as 4-byte words"
+    return w.view(torch.int32)
+
+
+def _weight_strides(w: torch.Tensor, block_m: int) -> tuple[int, int]:
+    """(expert, row) strides of `_as_words(w, block_m)`, in its elements."""
+    words = _as_words(w, block_m)
+    return words.stride(0), words.stride(1)
 
 
 def _gemm_opts(tile: Tile) -> dict:
@@ -494,8 +525,8 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
     tiles_n = triton.cdiv(inter, tile.block_n)
     scaled = w13_scale is not None
     _moe_gate_up_kernel[(layout.num_blocks * tiles_n,)](
-        x, w13, h, *layout.kernel_args(), w13_scale if scaled else h,
-        inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w13.stride(0), w13.stride(1),
+        x, _as_words(w13, bm), h, *layout.kernel_args(), w13_scale if scaled else h,
+        inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), *_weight_strides(w13, bm),
         h.stride(0), w13_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(x.dtype), SCALED=scaled, **_gemm_opts(tile),
@@ -517,8 +548,8 @@ def down_weighted(
     tiles_n = triton.cdiv(d, tile.block_n)
     scaled = w2_scale is not None
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
-        h, w2, y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
-        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h, _as_words(w2, layout.block_m), y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
+        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), *_weight_strides(w2, layout.block_m), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
@@ -582,7 +613,7 @@ def fused_moe(
     if expert_map is not None:
         assert expert_map.dim() == 1 and not expert_map.is_floating_point()
     cfg = config or get_config(num_experts, inter, d, num_tokens, top_k,
-                               expert_map.numel() if expert_map is not None else num_experts)
+                               expert_map.numel() if expert_map is not None else num_experts, fp8)
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)

@@ -83,6 +83,20 @@ TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
 }
 
 
+# The same for e4m3 experts (`tune_fused_moe.py --weights fp8`), whose one-slot blocks
+# read the weights as int32 words (fused_moe.py): a block_m = 1 tile is then BLOCK_N rows
+# by BLOCK_K values a load. Buckets not listed fall back to `fp8_rows_config` at one
+# token and to the bf16 entries beyond.
+TUNED_FP8: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
+    (66, 1408, 2048): {  # V2-Lite, EP = 1, the 2 shared experts joined; measured: H200, torch 2.11, 2026-12-04
+        1: MoeConfig(1, Tile(8, 1024, 4, 1), Tile(8, 512, 4, 2)),
+    },
+    (64, 1408, 2048): {  # V2-Lite, EP = 1; measured: H200, torch 2.11, 2026-12-04
+        1: MoeConfig(1, Tile(8, 1024, 4, 1), Tile(16, 512, 4, 1)),
+    },
+}
+
+
 def bucket(tokens: int) -> int:
     """The bucket a step of `tokens` tokens takes its configuration from."""
     for b in BUCKETS:
@@ -107,17 +121,40 @@ def default_config(tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     return MoeConfig(128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4))
 
 
+def _words_tile(rows: int, k: int, num_warps: int = 4) -> Tile:
+    """`rows` rows by up to 2,048 values a load, the largest power of two that divides K
+    when one of at least 512 does (whole tiles, no masks), else one covering K in as few
+    masked tiles as a 2,048-value load allows."""
+    block_k = 2048
+    while k % block_k and block_k > 512:
+        block_k //= 2
+    if k % block_k:
+        block_k = min(2048, 1 << (k - 1).bit_length())
+    return Tile(rows, block_k, num_warps, 1)
+
+
+def fp8_rows_config(inter: int, hidden: int) -> MoeConfig:
+    """One token over e4m3 experts: one slot a block, the weights read as words like the
+    dense fp8 GEMV (gemv.row_config's fp8 shapes: 4 gate/up row pairs, 8 down rows)."""
+    return MoeConfig(1, _words_tile(4, hidden), _words_tile(8, inter))
+
+
 def get_config(
-    num_local_experts: int, inter: int, hidden: int, tokens: int, top_k: int, num_experts: int | None = None
+    num_local_experts: int, inter: int, hidden: int, tokens: int, top_k: int, num_experts: int | None = None,
+    fp8: bool = False,
 ) -> MoeConfig:
     """The configuration for a step of `tokens` tokens over experts of shape family
     (num_local_experts, inter, hidden); `num_experts` is the global expert count (the
-    local one when None)."""
-    family = TUNED.get((num_local_experts, inter, hidden))
-    if family is not None:
-        b = bucket(tokens)
-        if b in family:
-            return family[b]
+    local one when None); `fp8`: e4m3 experts."""
+    key, b = (num_local_experts, inter, hidden), bucket(tokens)
+    if fp8:
+        if b in TUNED_FP8.get(key, {}):
+            return TUNED_FP8[key][b]
+        if tokens == 1:
+            return fp8_rows_config(inter, hidden)
+    family = TUNED.get(key)
+    if family is not None and b in family:
+        return family[b]
     return default_config(tokens, top_k, num_experts or num_local_experts)
 
 
@@ -129,10 +166,11 @@ def format_config(c: MoeConfig) -> str:
     return f"MoeConfig({c.block_m}, {_tile(c.up)}, {_tile(c.down)})"
 
 
-def format_table(table: dict[tuple[int, int, int], dict[int, MoeConfig]], notes: dict | None = None) -> str:
-    """`table` as the `TUNED = {...}` block of this file (what the tuning script prints;
-    `notes` maps a family to the comment after its key)."""
-    lines = ["TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {"]
+def format_table(table: dict[tuple[int, int, int], dict[int, MoeConfig]], notes: dict | None = None,
+                 name: str = "TUNED") -> str:
+    """`table` as the `TUNED = {...}` block of this file (`name`: or TUNED_FP8; what the
+    tuning script prints; `notes` maps a family to the comment after its key)."""
+    lines = [f"{name}: dict[tuple[int, int, int], dict[int, MoeConfig]] = {{"]
     for family, configs in table.items():
         note = (notes or {}).get(family)
         lines.append(f"    {family}: {{" + (f"  # {note}" if note else ""))

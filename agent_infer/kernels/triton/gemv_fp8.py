@@ -70,10 +70,11 @@ def row_dot_e4m3(
     x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr,
-    s_ptr, s_row, s_up_row, s_stride, SCALE: tl.constexpr, S_COLS: tl.constexpr,
+    s_ptr, s_row, s_up_row, s_stride, SCALE: tl.constexpr, S_COLS: tl.constexpr, EVEN_K: tl.constexpr = True,
 ):
     """gemv.row_dot for an e4m3 weight read as int32 words (w_ptr, row stride swn in
-    words; BLOCK_K and K count values, K a multiple of BLOCK_K). SCALE == 1: one scale
+    words; BLOCK_K and K count values, K a multiple of 4, and of BLOCK_K unless EVEN_K is
+    off: then every tile's loads are masked at K). SCALE == 1: one scale
     per row (s_ptr[n], s_ptr[up_offset + n] for the up rows); SCALE == 2: one per block of
     S_COLS columns in scale row s_row (s_up_row for the up rows). Loads, prefetch before
     the PDL wait, the SiLU-and-mul epilogue and its rounding are row_dot's."""
@@ -81,10 +82,11 @@ def row_dot_e4m3(
     jj = tl.arange(0, W)
     in1 = (4 * jj) < K  # every column of a whole tile (used by the scales' loads)
     rows = w_ptr + n.to(tl.int64)[:, None] * swn + jj[None, :]
-    w = tl.load(rows, mask=n_mask[:, None], other=0)
+    mask1 = n_mask[:, None] if EVEN_K else n_mask[:, None] & in1[None, :]
+    w = tl.load(rows, mask=mask1, other=0)
     if SILU_MUL:
         up_rows = rows + up_offset * swn
-        wu = tl.load(up_rows, mask=n_mask[:, None], other=0)
+        wu = tl.load(up_rows, mask=mask1, other=0)
     start = BLOCK_K
     if PREFETCH > 1:
         in2 = (BLOCK_K + 4 * jj) < K
@@ -94,19 +96,21 @@ def row_dot_e4m3(
             wu2 = tl.load(up_rows + W, mask=mask2, other=0)
         start = 2 * BLOCK_K
     pdl_begin(PDL)
-    acc = _words_dot(w, x_ptr, 0, jj, in1, s_ptr, s_row, s_stride, SCALE, S_COLS, False)
+    acc = _words_dot(w, x_ptr, 0, jj, in1, s_ptr, s_row, s_stride, SCALE, S_COLS, not EVEN_K)
     if SILU_MUL:
-        acc_u = _words_dot(wu, x_ptr, 0, jj, in1, s_ptr, s_up_row, s_stride, SCALE, S_COLS, False)
+        acc_u = _words_dot(wu, x_ptr, 0, jj, in1, s_ptr, s_up_row, s_stride, SCALE, S_COLS, not EVEN_K)
     if PREFETCH > 1:
         acc += _words_dot(w2, x_ptr, BLOCK_K, jj, in2, s_ptr, s_row, s_stride, SCALE, S_COLS, True)
         if SILU_MUL:
             acc_u += _words_dot(wu2, x_ptr, BLOCK_K, jj, in2, s_ptr, s_up_row, s_stride, SCALE, S_COLS, True)
     for k0 in range(start, K, BLOCK_K):
-        words = tl.load(rows + k0 // 4, mask=n_mask[:, None], other=0)
-        acc += _words_dot(words, x_ptr, k0, jj, in1, s_ptr, s_row, s_stride, SCALE, S_COLS, False)
+        k_in = in1 if EVEN_K else (k0 + 4 * jj) < K
+        mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & k_in[None, :]
+        words = tl.load(rows + k0 // 4, mask=mask, other=0)
+        acc += _words_dot(words, x_ptr, k0, jj, k_in, s_ptr, s_row, s_stride, SCALE, S_COLS, not EVEN_K)
         if SILU_MUL:
-            words_u = tl.load(up_rows + k0 // 4, mask=n_mask[:, None], other=0)
-            acc_u += _words_dot(words_u, x_ptr, k0, jj, in1, s_ptr, s_up_row, s_stride, SCALE, S_COLS, False)
+            words_u = tl.load(up_rows + k0 // 4, mask=mask, other=0)
+            acc_u += _words_dot(words_u, x_ptr, k0, jj, k_in, s_ptr, s_up_row, s_stride, SCALE, S_COLS, not EVEN_K)
     y = tl.sum(acc, axis=1) * _TWO_POW_120
     if SCALE == 1:
         y *= tl.load(s_ptr + n, mask=n_mask, other=0.0)
