@@ -114,7 +114,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
                      fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache)
   default-model      stage a half of the default model's GGUF; with both halves, install it
-  tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, families (Qwen3-MoE,
+  tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, fp8-shapes (fp8 on
+                     load at the Qwen3-8B and V2-Lite shapes against the reference), families (Qwen3-MoE,
                      Mixtral, the transformers backend), spec (verify steps in graphs), tp (2 GPUs)
 
 Outputs: $FIGURES_DIR, default /tmp/figures. COMMIT=<sha> names the tree in the JSON.
@@ -686,6 +687,8 @@ cmd_tests() {
                  tests/gpu/test_deepseek_gpu.py > "$FIG/tests_$part.log" 2>&1 ;;
       fp8)     timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gemm.py tests/gpu/test_fp8_engine.py \
                  > "$FIG/tests_$part.log" 2>&1 ;;
+      fp8-shapes) timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_real_shapes.py \
+                 > "$FIG/tests_$part.log" 2>&1 ;;
       families) timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_new_families_gpu.py \
                  > "$FIG/tests_$part.log" 2>&1 ;;
       spec)    timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_gpu.py \
@@ -697,7 +700,7 @@ cmd_tests() {
     esac
     rc=$?
     say "tests $part: rc $rc"
-    grep -E 'matched|allocated|chosen| us |SKIP|passed|failed|Error' "$FIG/tests_$part.log" | tail -n 20 | cut -c1-200
+    grep -E 'matched|allocated|chosen|logprob| us |SKIP|passed|failed|Error' "$FIG/tests_$part.log" | tail -n 20 | cut -c1-200
   done
 }
 

@@ -73,9 +73,10 @@ def _reference_fp8_gemm(x, weight, bias, scale, block):
     return reference.fp8_linear(xf, weight, scale, block, None if bias is None else bias.float()).to(x.dtype)
 
 
-def _reference_outputs(path: str, prompts, monkeypatch):
-    """Greedy outputs of the fp8 checkpoint through the reference arithmetic: batch-1
-    projections read x unquantized (as the GEMV does), others quantize it."""
+def _reference_outputs(path: str, prompts, monkeypatch, params: SamplingParams = PARAMS, **kw):
+    """Greedy outputs of the fp8 checkpoint (or bf16 one quantized on load: `kw`) through
+    the reference arithmetic: batch-1 projections read x unquantized (as the GEMV does),
+    others quantize it; e4m3 experts multiply x as it is (the fused MoE's reference)."""
     def fp8_gemm(x, weight, bias, scale, block):
         return _reference_fp8_gemm(x, weight, bias, scale, block)
 
@@ -84,12 +85,21 @@ def _reference_outputs(path: str, prompts, monkeypatch):
             return original_linear(x, weight, bias, scale, block)
         return reference.fp8_linear(x.float(), weight, scale, block, None if bias is None else bias.float()).to(x.dtype)
 
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None):
+        y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+        return y if out is None else out.copy_(y)
+
     original_linear = ops.linear
     with monkeypatch.context() as m:
         m.setattr(ops, "_gemv_ok", lambda x, w: False)
         m.setattr(ops, "_fp8_gemm", fp8_gemm)
         m.setattr(ops, "linear", m1_linear)
-        return _engine(path, eager=True).generate(prompts, PARAMS)
+        m.setattr(ops, "fused_moe", fused_moe)
+        engine = _engine(path, eager=True, **kw)
+        try:
+            return engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
 
 
 @pytest.mark.parametrize("layout", ["block", "channel"])
