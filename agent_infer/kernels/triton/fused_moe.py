@@ -28,7 +28,9 @@ data-dependent sizes):
 
 fp32 accumulation throughout; bf16, fp16 and fp32 inputs (fp32 dots in IEEE precision).
 BLOCK_M = 1 switches both GEMMs to FMA rows (one slot per block, no padding, a
-[BLOCK_N, BLOCK_K] fp32 accumulator reduced once), the GEMV form of the batch-1 case.
+[BLOCK_N, BLOCK_K] fp32 accumulator reduced once), the GEMV form of the batch-1 case;
+e4m3 experts there are read as int32 words of four values and converted with integer
+operations, by the dense fp8 GEMV's row dot (gemv_fp8.py).
 The reference is `agent_infer.kernels.reference.fused_moe`.
 """
 
@@ -377,8 +379,8 @@ def _moe_gate_up_kernel(
     out_ty = h_ptr.dtype.element_ty
     if SCALED and BLOCK_M == 1:
         # e4m3 experts at one slot a block: w is their bytes as int32 words, read and
-        # converted as the dense fp8 GEMV does (gemv_fp8.py); its epilogue is the SiLU-
-        # and-mul below, rounding included. BLOCK_N rows, BLOCK_K values a tile.
+        # converted as the dense fp8 GEMV does (gemv_fp8.py), whose SiLU-and-mul epilogue
+        # rounds as the branch below does. BLOCK_N rows, BLOCK_K values a tile.
         tok = tl.max(tl.where(valid, slot, 0), axis=0) // top_k
         h = row_dot_e4m3(x_ptr + tok.to(tl.int64) * sxm, w_ptr + e.to(tl.int64) * swe, h_ptr, n, n < N, K, swn, N,
                          False, True, False, BLOCK_K, out_ty, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1,
@@ -424,7 +426,8 @@ def _moe_down_kernel(
                            BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1, EVEN_K)[None, :]
     else:
         w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
-        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
+                                BLOCK_K, PRECISION)
         if SCALED:
             acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
@@ -547,11 +550,12 @@ def down_weighted(
     y = torch.empty(num_slots, d, dtype=h.dtype, device=h.device)
     tiles_n = triton.cdiv(d, tile.block_n)
     scaled = w2_scale is not None
+    bm = layout.block_m
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
-        h, _as_words(w2, layout.block_m), y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
-        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), *_weight_strides(w2, layout.block_m), y.stride(0),
+        h, _as_words(w2, bm), y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
+        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), *_weight_strides(w2, bm), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
-        EVEN_K=inter % tile.block_k == 0, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
     )
     return y
@@ -590,7 +594,8 @@ def fused_moe(
     defaults to the table in fused_moe_configs.py for the shape and T; `direct`
     overrides `slot_layout`'s choice (direct for one token). e4m3 weights come with one
     fp32 scale per row: w13_scale [E_local, 2I], w2_scale [E_local, D] (x stays as it
-    is: the weights' values are converted exactly to x's dtype in the GEMMs)."""
+    is: the weights' values are converted exactly to x's dtype in the GEMMs, to fp32 in
+    the FMA rows)."""
     num_tokens, d = x.shape
     num_experts, two_i, d_w = w13.shape
     inter = two_i // 2
