@@ -231,10 +231,11 @@ cmd_fp8() {
       done
       table "$FIG"/lat_w_*.json "$FIG"/prefill_w_*.json ;;
     workload)  # nano-vllm's workload with fp8 weights, then fp8 weights and an fp8 KV cache; V2-Lite
-      # with fp8 weights (its latent cache stays bf16: an fp8 cache is refused for MLA)
+      # with fp8 weights, then with an fp8 latent cache too
       bench thr_w_fp8 200 throughput --model "$M8" --quantization fp8
       bench thr_w_fp8_kv 200 throughput --model "$M8" --quantization fp8 --kv-cache-dtype fp8
       bench thr_w_fp8_ds 300 throughput --random-weights deepseek-v2-lite --quantization fp8
+      bench thr_w_fp8_ds_kv 300 throughput --random-weights deepseek-v2-lite --quantization fp8 --kv-cache-dtype fp8
       table "$FIG"/thr_w_fp8*.json ;;
     kv)  # the fp8 KV cache alone against bf16, alternating
       for r in 1 2; do

@@ -17,7 +17,9 @@ from unittest import mock
 import torch
 
 from agent_infer.kernels import reference
-from tests.kernel_checks import _gen, assert_close, capture_graph, poisoned_empty, randn, same
+from tests.kernel_checks import (
+    _gen, assert_close, capture_graph, kv_cache_randn, poisoned_empty, randn, rel_err, same,
+)
 
 
 def rope_table(rope_dim: int, max_pos: int, device) -> torch.Tensor:
@@ -34,8 +36,10 @@ class LatentBatch:
     (table of zeros) after the real ones, as a padded graph batch has."""
 
     def __init__(self, device, dtype: torch.dtype, context_lens: list[int], heads: int, rank: int, rope_dim: int,
-                 block_size: int, padding_rows: int = 0, seed: int = 0, pool_layout: bool = False):
+                 block_size: int, padding_rows: int = 0, seed: int = 0, pool_layout: bool = False,
+                 cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0):
         self.rank, self.width = rank, rank + rope_dim
+        self.cache_scale = cache_scale
         self.real = len(context_lens)
         self.scale = 1.5 * self.width**-0.5  # peaky enough that a wrong key shows
         blocks_per_seq = [-(-c // block_size) for c in context_lens]
@@ -47,7 +51,8 @@ class LatentBatch:
         for i, n in enumerate(blocks_per_seq):
             tables[i, :n] = perm[used : used + n]
             used += n
-        self.kv_cache = randn(num_blocks, block_size, self.width, dtype=dtype, device=device, seed=seed + 1)
+        self.kv_cache = kv_cache_randn(num_blocks, block_size, self.width, dtype=dtype, cache_dtype=cache_dtype,
+                                       device=device, seed=seed + 1)
         if pool_layout:  # the KV pool's [blocks, block_size, 1, L + R]
             self.kv_cache = self.kv_cache.unsqueeze(2)
         self.block_tables = tables.to(device)
@@ -60,7 +65,7 @@ class LatentBatch:
     def reference(self) -> torch.Tensor:
         n = self.real
         return reference.mla_decode(self.q[:n], self.kv_cache, self.block_tables[:n], self.context_lens[:n],
-                                    self.scale, self.rank)
+                                    self.scale, self.rank, self.cache_scale)
 
 
 def _check_rows(out: torch.Tensor, ref: torch.Tensor, real: int, what: str) -> None:
@@ -72,21 +77,27 @@ def _check_rows(out: torch.Tensor, ref: torch.Tensor, real: int, what: str) -> N
 def check_mla_decode(
     device, dtype: torch.dtype, context_lens: list[int], heads: int, rank: int, rope_dim: int, block_size: int,
     split_counts: tuple[int, ...] = (), padding_rows: int = 1, config=None, pool_layout: bool = False,
+    cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0,
 ) -> None:
     """The default call (shape-derived splits, two-kernel merge); then for each forced
     split count the two-kernel path and the in-launch merge (the combine kernel taken
     away, so the merge must happen in the one launch), the latter twice in a row on the
     same counters (the first must leave them zero, counter slack untouched); then the
-    default call with counters into a given strided `out`. Padding rows must be zeros."""
+    default call with counters into a given strided `out`. Padding rows must be zeros.
+    `cache_dtype` fp8: the cache's entries times `cache_scale` are the rows."""
     from agent_infer.kernels.triton import mla_decode as dec
 
     b = LatentBatch(device, dtype, context_lens, heads, rank, rope_dim, block_size, padding_rows,
-                    pool_layout=pool_layout)
+                    pool_layout=pool_layout, cache_dtype=cache_dtype, cache_scale=cache_scale)
     ref = b.reference()
     args = (b.q, b.kv_cache, b.block_tables, b.context_lens, b.scale, rank)
-    label = f"MLA decode (contexts {context_lens} + {padding_rows} empty, H {heads}, L {rank}, R {rope_dim}, {config})"
+
+    def decode(*a, **kw):
+        return dec.mla_decode(*a, cache_scale=cache_scale, **kw)
+    label = (f"MLA decode (contexts {context_lens} + {padding_rows} empty, H {heads}, L {rank}, R {rope_dim}, {config}, "
+             f"cache {b.kv_cache.dtype} x {cache_scale})")
     with poisoned_empty():
-        out = dec.mla_decode(*args, config=config)
+        out = decode(*args, config=config)
     assert out.shape == (len(b.context_lens), heads, rank) and out.dtype == dtype
     _check_rows(out, ref, b.real, label)
 
@@ -98,13 +109,13 @@ def check_mla_decode(
     slack = counters[need:].clone()
     for splits in split_counts:
         with poisoned_empty():
-            out = dec.mla_decode(*args, num_splits=splits, config=config)
+            out = decode(*args, num_splits=splits, config=config)
         _check_rows(out, ref, b.real, f"{label}, {splits} splits, two kernels")
         with mock.patch.object(dec, "_mla_combine_kernel", None):
             for call in range(2):
                 what = f"{label}, {splits} splits merged in the launch, call {call}"
                 with poisoned_empty():
-                    out = dec.mla_decode(*args, num_splits=splits, config=config, counters=counters,
+                    out = decode(*args, num_splits=splits, config=config, counters=counters,
                                          merge_in_launch=True)
                 _check_rows(out, ref, b.real, what)
                 assert not counters[:need].any(), f"{what}: counters not reset"
@@ -113,7 +124,7 @@ def check_mla_decode(
     given = randn(rows, heads, rank + 5, dtype=dtype, device=device, seed=99)
     before = given.clone()
     with poisoned_empty():
-        res = dec.mla_decode(*args, out=given[:, :, :rank], counters=counters, config=config)
+        res = decode(*args, out=given[:, :, :rank], counters=counters, config=config)
     assert res.data_ptr() == given.data_ptr()
     _check_rows(given[:, :, :rank], ref, b.real, f"{label}, into a given output")
     assert torch.equal(given[:, :, rank:], before[:, :, rank:]), "decode wrote past its output columns"
@@ -223,8 +234,11 @@ def check_mla_prefill_windows(
 def check_mla_rope_store(
     device, dtype: torch.dtype, tokens: int, heads: int, rank: int, rope_dim: int, block_size: int,
     is_neox: bool = False, pool_layout: bool = False, absorb: bool = False,
+    cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0, cache_tol: float | None = None,
 ) -> None:
-    """The fused kv_a RMSNorm + rope of k_pe and q_pe + cache write against the reference:
+    """The fused kv_a RMSNorm + rope of k_pe and q_pe + cache write against the reference
+    (`cache_dtype` fp8: rows divided by `cache_scale`, compared within `cache_tol` where
+    Triton's interpreter rounds to fp8 its own way, else bit for bit):
     kv_a a strided view (rows wider than L + R), q_pe a strided view into a q projection
     [T, H, Dn + R], scattered slots with padding (-1); the whole cache, the whole q
     buffer and the whole kv_a buffer are compared (stray writes show; what the kernel
@@ -245,7 +259,7 @@ def check_mla_rope_store(
     slots = torch.randperm(num_blocks * block_size, generator=_gen(35))[:tokens]
     slots[torch.arange(tokens) % 3 == 2] = -1
     slots = slots.to(device)
-    cache = randn(num_blocks, block_size, width, dtype=dtype, device=device, seed=36)
+    cache = kv_cache_randn(num_blocks, block_size, width, dtype=dtype, cache_dtype=cache_dtype, device=device, seed=36)
     if pool_layout:
         cache = cache.unsqueeze(2)
     ref_kv, ref_q, ref_cache = kv_buf.clone(), q_buf.clone(), cache.clone()
@@ -254,17 +268,19 @@ def check_mla_rope_store(
         w_uk = (randn(heads, nope + 8, rank, dtype=torch.float32, device=device, seed=37) * nope**-0.5).to(dtype)
         w_uk = w_uk[:, :nope]
         want = reference.mla_rope_store_absorb(ref_kv[:, :width], ref_q, w_uk, positions, weight, 1e-6, table,
-                                               ref_cache, slots, is_neox)
+                                               ref_cache, slots, is_neox, cache_scale)
         with poisoned_empty():
-            got = mla_rope_store_absorb(kv_a, q_buf, w_uk, positions, weight, 1e-6, table, cache, slots, is_neox)
+            got = mla_rope_store_absorb(kv_a, q_buf, w_uk, positions, weight, 1e-6, table, cache, slots, is_neox,
+                                        cache_scale)
         assert got.shape == (tokens, heads, width) and got.dtype == dtype
         assert_close(got[..., :rank], want[..., :rank], f"{label}: q_nope @ W_UK")
         assert_close(got[..., rank:], want[..., rank:], f"{label}: the query's rotated q_pe")
     else:
         reference.mla_rope_store(ref_kv[:, :width], ref_q[:, :, nope:], positions, weight, 1e-6, table, ref_cache,
-                                 slots, is_neox)
+                                 slots, is_neox, cache_scale)
         with poisoned_empty():
-            latent, k_pe = mla_rope_store(kv_a, q_pe, positions, weight, 1e-6, table, cache, slots, is_neox)
+            latent, k_pe = mla_rope_store(kv_a, q_pe, positions, weight, 1e-6, table, cache, slots, is_neox,
+                                          cache_scale)
         assert latent.data_ptr() == kv_a.data_ptr() and latent.shape == (tokens, rank), "latent: a view of kv_a"
         assert k_pe.data_ptr() == kv_a[:, rank:].data_ptr() and k_pe.shape == (tokens, rope_dim)
     assert_close(kv_buf[:, :rank], ref_kv[:, :rank], f"{label}: normed latent")
@@ -276,9 +292,19 @@ def check_mla_rope_store(
     written = torch.zeros(flat.shape[0], dtype=torch.bool, device=device)
     written[slots[slots >= 0]] = True
     assert same(flat[~written], ref_flat[~written]), f"{label}: cache written outside the step's slots"
-    # The cache rows are what kv_a now holds, bit for bit (one value, two stores).
-    assert same(flat[slots[slots >= 0]], kv_buf[:, :width][slots >= 0]), f"{label}: cache rows differ from kv_a"
-    assert_close(flat[written], ref_flat[written], f"{label}: cache rows")
+    if cache.dtype == dtype:
+        # The cache rows are what kv_a now holds, bit for bit (one value, two stores).
+        assert same(flat[slots[slots >= 0]], kv_buf[:, :width][slots >= 0]), f"{label}: cache rows differ from kv_a"
+        assert_close(flat[written], ref_flat[written], f"{label}: cache rows")
+    else:  # kv_a's rows divided by the scale, as the reference stores them from kv_a's values
+        stored = reference.to_cache_dtype(reference.scaled_for_cache(kv_buf[:, :width][slots >= 0], cache_scale),
+                                          cache.dtype)
+        got_rows, want_rows = flat[slots[slots >= 0]].float(), stored.float()
+        if cache_tol is None:
+            assert same(got_rows, want_rows), f"{label}: fp8 cache rows differ from kv_a's divided by the scale"
+        else:
+            err = rel_err(got_rows, want_rows)
+            assert err <= cache_tol, f"{label}: fp8 cache rows off by {err:.3g} (> {cache_tol})"
 
 
 def check_mla_decode_step(

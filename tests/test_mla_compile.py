@@ -64,29 +64,32 @@ def _resident(kernel, num_warps: int) -> int:
 
 DECODE_NAMES = ["q_ptr", "out_ptr", "kv_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr", "counter_ptr",
                 "sqb", "sqh", "sob", "soh", "kv_b", "kv_s", "s_table",
-                "num_heads", "num_head_blocks", "num_splits", "qk_scale"]
+                "num_heads", "num_head_blocks", "num_splits", "qk_scale", "v_scale"]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")])
 @pytest.mark.parametrize("variant", ["direct", "partials", "merge"])
-def test_mla_decode_residency_on_sm90(dtype, variant):
+def test_mla_decode_residency_on_sm90(dtype, cache, variant):
     """Every variant of the default tiles holds RESIDENT_PER_SM programs per SM, without
     spills; the 16-bit one runs its dots on the tensor cores (mma: 16 heads are too few
-    rows for Hopper's wgmma, whose M is 64)."""
+    rows for Hopper's wgmma, whose M is 64), over an fp8 cache in fp16."""
     import torch
 
     from agent_infer.kernels.triton.mla_decode import (
         _MERGE_COLS, _MERGE_TILE, MERGE_MAX_SPLITS, RESIDENT_PER_SM, _mla_decode_kernel, default_config,
     )
 
-    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16)
-    types = [f"*{dtype}"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"]
+    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16,
+                         torch.float8_e4m3fn if cache == "fp8e4nv" else None)
+    types = [f"*{dtype}"] * 2 + [f"*{cache}"] + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
+    fp8 = cache == "fp8e4nv"
     merge = variant == "merge"
     constexprs = {
         "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
         "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": variant == "direct", "MERGE": merge,
         "MERGE_S": min(MERGE_MAX_SPLITS, _MERGE_TILE // (cfg.block_h * _MERGE_COLS)) if merge else 1,
         "MERGE_C": _MERGE_COLS, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "PDL": True,
+        "V_SCALED": fp8, "F16_DOTS": fp8, "PTX_CVT": fp8,
     }
     aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
     kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
@@ -95,6 +98,8 @@ def test_mla_decode_residency_on_sm90(dtype, variant):
     assert "griddepcontrol.wait" in ptx  # PDL: waits for the rope + cache write
     if dtype == "bf16":
         assert "mma.sync" in ptx, "the decode dots are not on the tensor cores"
+    if fp8:
+        assert "f16.f16" in ptx, "the dots over an fp8 cache are not in fp16"
     if merge:
         assert "atom.global.gpu.acq_rel.add" in ptx
         assert "ld.global.cg" in ptx  # the merging program reads the others' partials past L1
@@ -143,29 +148,35 @@ def test_mla_prefill_residency_on_sm90(dtype, window):
         assert "wgmma" in kernel.asm["ptx"], "the prefill dots are not on Hopper's wgmma"
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_mla_rope_store_compiles_for_sm90(heads):
+def test_mla_rope_store_compiles_for_sm90(heads, cache):
     from agent_infer.kernels.triton.mla_rope_store import MAX_HEADS_PER_PROGRAM, _mla_rope_store_kernel
 
     names = ["kv_a_ptr", "q_pe_ptr", "pos_ptr", "w_ptr", "cs_ptr", "cache_ptr", "slot_ptr",
-             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "num_heads", "eps"]
-    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*bf16", "*i64"] + ["i32"] * 7 + ["fp32"]
+             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "num_heads", "eps", "inv_scale"]
+    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", f"*{cache}", "*i64"] + ["i32"] * 7 + ["fp32"] * 2
     constexprs = {"KV_LORA": 512, "ROPE_DIM": 64, "IS_NEOX": False, "BLOCK_SIZE": 16, "BLOCK_L": 512,
-                  "BLOCK_HALF": 32, "BLOCK_HQ": min(heads, MAX_HEADS_PER_PROGRAM), "PDL": True}
+                  "BLOCK_HALF": 32, "BLOCK_HQ": min(heads, MAX_HEADS_PER_PROGRAM), "PDL": True,
+                  "SCALED": cache == "fp8e4nv"}
     kernel = _compile(_mla_rope_store_kernel, names, types, constexprs, names[:12], 2, 1)
     assert _resident(kernel, 2) >= 8
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
 
 
-def test_mla_rope_store_absorb_compiles_for_sm90():
-    """The decode form with W_UK absorbed, at V2-Lite's Dn 128 / L 512 / R 64: no spills."""
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_mla_rope_store_absorb_compiles_for_sm90(cache):
+    """The decode form with W_UK absorbed, at V2-Lite's Dn 128 / L 512 / R 64: no spills,
+    into a bf16 or an fp8 cache."""
     from agent_infer.kernels.triton.mla_rope_store import _ABSORB_C, _mla_rope_store_absorb_kernel
 
     names = ["kv_a_ptr", "q_ptr", "pos_ptr", "w_ptr", "cs_ptr", "cache_ptr", "slot_ptr", "uk_ptr", "out_ptr",
-             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "suh", "suk", "sot", "soh", "eps"]
-    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*bf16", "*i64", "*bf16", "*bf16"] + ["i32"] * 10 + ["fp32"]
+             "skv", "sqt", "sqh", "scs", "kc_b", "kc_s", "suh", "suk", "sot", "soh", "eps", "inv_scale"]
+    types = ["*bf16", "*bf16", "*i64", "*bf16", "*fp32", f"*{cache}", "*i64", "*bf16", "*bf16"] + ["i32"] * 10 + \
+        ["fp32"] * 2
     constexprs = {"KV_LORA": 512, "ROPE_DIM": 64, "NOPE": 128, "IS_NEOX": False, "BLOCK_SIZE": 16, "BLOCK_L": 512,
-                  "BLOCK_HALF": 32, "BLOCK_D": 128, "BLOCK_C": _ABSORB_C, "NUM_C": 512 // _ABSORB_C, "PDL": True}
+                  "BLOCK_HALF": 32, "BLOCK_D": 128, "BLOCK_C": _ABSORB_C, "NUM_C": 512 // _ABSORB_C, "PDL": True,
+                  "SCALED": cache == "fp8e4nv"}
     kernel = _compile(_mla_rope_store_absorb_kernel, names, types, constexprs, names[:19], 4, 1)
     assert _resident(kernel, 4) >= 4
     assert "griddepcontrol.wait" in kernel.asm["ptx"]

@@ -17,6 +17,7 @@ these references) compute what the checkpoints expect:
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent_infer.kernels import ops
@@ -127,14 +128,17 @@ def test_latent_norm_is_deepseek_v2_rmsnorm():
         assert torch.equal(latent, want)
 
 
-def test_absorbed_decode_equals_materialised_attention():
+@pytest.mark.parametrize("cache_dtype,cache_scale", [(None, 1.0), (torch.float8_e4m3fn, 0.25)], ids=["fp64", "fp8"])
+def test_absorbed_decode_equals_materialised_attention(cache_dtype, cache_scale):
     """One decode step both ways: absorbed (ops.mla_decode over the latent cache, W_UK
     into the query, W_UV on the output) and materialised (kv_b_proj's K/V of every cached
     row, then ordinary attention via ops.mla_prefill_attention's last row, the new token
-    being its sequence's last key)."""
+    being its sequence's last key). An fp8 cache: its entries times the scale are the
+    rows the materialised side reads."""
     heads, rank, nope, vdim, block_size = 3, 48, 16, 12, 16
     contexts = [37, 1, 90]
-    batch = LatentBatch("cpu", torch.float64, contexts, heads, rank, ROPE, block_size, padding_rows=1)
+    batch = LatentBatch("cpu", torch.float64, contexts, heads, rank, ROPE, block_size, padding_rows=1,
+                        cache_dtype=cache_dtype, cache_scale=cache_scale)
     w_kb = randn(heads, nope, rank, dtype=torch.float64, device="cpu", seed=6) * rank**-0.5  # kv_b_proj's K rows
     w_vb = randn(heads, vdim, rank, dtype=torch.float64, device="cpu", seed=7) * rank**-0.5  # and its V rows
     q_nope = randn(len(contexts), heads, nope, dtype=torch.float64, device="cpu", seed=8)
@@ -143,12 +147,13 @@ def test_absorbed_decode_equals_materialised_attention():
     q[: len(contexts), :, :rank] = torch.einsum("bhn,hnl->bhl", q_nope, w_kb)
     q[: len(contexts), :, rank:] = q_pe
     out = torch.full((len(contexts) + 1, heads, rank), float("nan"), dtype=torch.float64)
-    res = ops.mla_decode(q, batch.kv_cache, batch.block_tables, batch.context_lens, batch.scale, rank, out=out)
+    res = ops.mla_decode(q, batch.kv_cache, batch.block_tables, batch.context_lens, batch.scale, rank, out=out,
+                         cache_scale=cache_scale)
     assert res is out and torch.equal(out[-1], torch.zeros_like(out[-1])), "padding row (context 0) must be zeros"
     absorbed = torch.einsum("bhl,hvl->bhv", out[: len(contexts)], w_vb)
 
     rows = [batch.kv_cache[batch.block_tables[i].long()].flatten(0, 1)[:c] for i, c in enumerate(contexts)]
-    latent = torch.cat(rows)  # [sum of contexts, L + R]
+    latent = torch.cat(rows).double() * cache_scale  # [sum of contexts, L + R]
     k_nope = torch.einsum("tl,hnl->thn", latent[:, :rank], w_kb)
     v = torch.einsum("tl,hvl->thv", latent[:, :rank], w_vb)
     cu_q = torch.arange(len(contexts) + 1, dtype=torch.int32)

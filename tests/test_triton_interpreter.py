@@ -553,6 +553,14 @@ else:
         contexts, heads, rank, rope, block_size, splits, config = case
         mc.check_mla_decode(DEV, dtype, contexts, heads, rank, rope, block_size, splits, padding_rows=1, config=config)
 
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    def test_mla_decode_fp8_cache(dtype):
+        """An fp8 latent cache whose entries times the scale are the rows (the scale in the
+        scores and the output; fp16 dots for 16-bit queries): one split, two kernels and
+        the in-launch merge; a scale left out is 8x off in the rows."""
+        mc.check_mla_decode(DEV, dtype, [1, 17, 100], 3, 48, 16, 16, (3,), padding_rows=1,
+                            cache_dtype=kc.FP8, cache_scale=0.125)
+
     def test_mla_decode_pool_layout():
         """The KV pool's per-layer view [blocks, block_size, 1, L + R] reads as the 3-d cache."""
         mc.check_mla_decode(DEV, torch.float32, [40, 9], 3, 48, 16, 16, (2,), padding_rows=0, pool_layout=True)
@@ -611,6 +619,14 @@ else:
 
     def test_mla_rope_store_pool_layout():
         mc.check_mla_rope_store(DEV, torch.float32, 6, 3, 40, 16, 16, pool_layout=True)
+
+    @pytest.mark.parametrize("absorb", [False, True])
+    def test_mla_rope_store_fp8_cache(absorb):
+        """Rows into an fp8 latent cache divided by its scale; within 15 % since the
+        interpreter's fp32 -> fp8 rounding departs from torch's (a scale of 1/16 not
+        applied is 94 % off). On a GPU: bit for bit (tests/gpu/test_mla_kernels.py)."""
+        mc.check_mla_rope_store(DEV, torch.bfloat16, 5, 3, 40, 16, 16, absorb=absorb, cache_dtype=kc.FP8,
+                                cache_scale=0.0625, cache_tol=0.15)
 
     @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize("tokens,heads,rank,rope,block_size,is_neox", [(1, 3, 40, 16, 16, False),

@@ -8,11 +8,13 @@ W_UV, up-projecting the context for prefill); a backend gives it
   (cached prefix and this step's tokens) sit in the cache, cut into windows of at most
   `context_tile_tokens` rows in all, so that a long context is up-projected a window at
   a time and the memory a prefill step takes is bounded by the window, not the context;
-- `context_rows(cache, window)`: a window's rows, gathered in sequence order;
+- `context_rows(cache, window, dtype)`: a window's rows, gathered in sequence order, in `dtype`;
 - `prefill(..., ctx, window, scale)`: causal attention over a window's materialised keys
   and values: the output, and with several windows its log-sum-exp for the merge.
 
-An fp8 cache is refused: the MLA kernels read the latent in the model's dtype.
+An fp8 (e4m3) cache holds the rows divided by the layer's scale (`LatentCache.scale`):
+decode reads it as it is, a prefill window's rows are converted back to the model's
+dtype before the up-projection.
 """
 
 from __future__ import annotations
@@ -81,12 +83,12 @@ class LatentTorchBackend(AttentionBackend):
 
     @classmethod
     def check_cache_dtype(cls, cache_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
-        if cache_dtype != model_dtype:
-            raise ConfigError("MLA models keep the latent cache in the model's dtype: --kv-cache-dtype fp8 is not "
-                              "supported for them")
+        if cache_dtype not in (model_dtype, torch.float8_e4m3fn):
+            raise ConfigError(f"an MLA latent cache holds the model's dtype or fp8 (e4m3), not {cache_dtype}")
 
     def decode(self, q_lat: torch.Tensor, cache: LatentCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference.mla_decode(q_lat, cache.kv, meta.block_tables, meta.context_lens, scale, cache.kv_lora_rank)
+        return reference.mla_decode(q_lat, cache.kv, meta.block_tables, meta.context_lens, scale, cache.kv_lora_rank,
+                                    cache.scale)
 
     def prefill_context(self, cache: LatentCache, meta: AttentionMetadata) -> PrefillContext:
         ctx = meta.backend_data
@@ -94,8 +96,12 @@ class LatentTorchBackend(AttentionBackend):
             ctx = meta.backend_data = PrefillContext(meta, cache.kv.shape[1], self.context_tile_tokens)
         return ctx
 
-    def context_rows(self, cache: LatentCache, window: ContextWindow) -> torch.Tensor:
-        return cache.kv.reshape(-1, cache.kv.shape[-1])[window.slots]
+    def context_rows(self, cache: LatentCache, window: ContextWindow, dtype: torch.dtype) -> torch.Tensor:
+        """A window's rows in `dtype` (an fp8 cache's entries times its scale)."""
+        rows = cache.kv.reshape(-1, cache.kv.shape[-1])[window.slots]
+        if rows.dtype == dtype:
+            return rows
+        return (rows.float() * cache.scale).to(dtype)
 
     def prefill(self, q_nope, q_pe, k_nope, k_pe, v, ctx: PrefillContext, window: ContextWindow,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,7 +140,7 @@ class LatentTritonBackend(LatentTorchBackend):
         from agent_infer.kernels.triton.mla_decode import mla_decode
 
         return mla_decode(q_lat, cache.kv, meta.block_tables, meta.context_lens, scale, cache.kv_lora_rank,
-                          counters=meta.decode_counters)
+                          counters=meta.decode_counters, cache_scale=cache.scale)
 
     def _prefill_kernels(self):
         from agent_infer.kernels.triton import mla_prefill

@@ -210,17 +210,19 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 def mla_rope_store(
     kv_a: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, is_neox: bool = False,
+    cache_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_a [T, L + R] <- [rms_norm(latent) | rope(k_pe)] in place and into the latent cache
-    at slot_mapping (-1 = skip); q_pe [T, H, R] rotated in place (interleaved pairs unless
-    is_neox). Returns the views (latent [T, L], k_pe [T, R]); one kernel on the GPU."""
+    at slot_mapping (-1 = skip; an fp8 cache takes them divided by `cache_scale`); q_pe
+    [T, H, R] rotated in place (interleaved pairs unless is_neox). Returns the views
+    (latent [T, L], k_pe [T, R]); one kernel on the GPU."""
     if _use_triton(kv_a):
         from agent_infer.kernels.triton.mla_rope_store import mla_rope_store as triton_mla_rope_store
 
         return triton_mla_rope_store(kv_a, q_pe, positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
-                                     is_neox)
+                                     is_neox, cache_scale)
     return reference.mla_rope_store(kv_a, q_pe, positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
-                                    is_neox)
+                                    is_neox, cache_scale)
 
 
 def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -238,7 +240,7 @@ def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def mla_rope_store_absorb(
     kv_a: torch.Tensor, q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    is_neox: bool = False,
+    is_neox: bool = False, cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """mla_rope_store with q [T, H, Dn + R] (its last R columns rotated in place), then the
     absorbed decode query [T, H, L + R] = [q_nope @ w_uk | q_pe] for w_uk [H, Dn, L].
@@ -249,28 +251,30 @@ def mla_rope_store_absorb(
 
         if q.shape[0] <= mrs.ABSORB_MAX_TOKENS:
             return mrs.mla_rope_store_absorb(kv_a, q, w_uk, positions, norm_weight, eps, cos_sin_cache, kv_cache,
-                                             slot_mapping, is_neox)
+                                             slot_mapping, is_neox, cache_scale)
         mla_rope_store(kv_a, q[..., w_uk.shape[1]:], positions, norm_weight, eps, cos_sin_cache, kv_cache,
-                       slot_mapping, is_neox)
+                       slot_mapping, is_neox, cache_scale)
         return mla_absorb_query(q, w_uk)
     return reference.mla_rope_store_absorb(kv_a, q, w_uk, positions, norm_weight, eps, cos_sin_cache, kv_cache,
-                                           slot_mapping, is_neox)
+                                           slot_mapping, is_neox, cache_scale)
 
 
 def mla_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     scale: float, kv_lora_rank: int, out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [N, H, L + R] over the latent cache -> [N, H, L] (into `out`
-    when given). `counters` (from triton.mla_decode.mla_decode_counters, allocated once by
-    the GPU path) lets the Triton kernel merge its splits in one launch; the reference
-    ignores it."""
+    when given; an fp8 cache's entries times `cache_scale` are the rows). `counters` (from
+    triton.mla_decode.mla_decode_counters, allocated once by the GPU path) lets the Triton
+    kernel merge its splits in one launch; the reference ignores it."""
     if _use_triton(q):
         from agent_infer.kernels.triton.mla_decode import mla_decode as triton_mla_decode
 
         return triton_mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank, out=out,
-                                 counters=counters)
-    return _into(out, reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank))
+                                 counters=counters, cache_scale=cache_scale)
+    return _into(out, reference.mla_decode(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank,
+                                           cache_scale))
 
 
 def merge_attention_partials(

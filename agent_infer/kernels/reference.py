@@ -225,12 +225,13 @@ def mla_rope_store(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox: bool = False,
+    cache_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's new tokens into the latent cache. kv_a [T, L + R] (kv_a_proj_with_mqa's
     output: raw latent, then the un-rotated rope key) is rewritten in place as
     [rms_norm(latent) | rope(k_pe)], and those rows go into kv_cache at slot_mapping
-    (-1 = padding, not stored); q_pe [T, H, R] is rotated in place. Returns the views
-    (latent [T, L], k_pe [T, R]) of kv_a."""
+    (-1 = padding, not stored; an fp8 cache holds them divided by `cache_scale`); q_pe
+    [T, H, R] is rotated in place. Returns the views (latent [T, L], k_pe [T, R]) of kv_a."""
     rank = norm_weight.shape[0]
     latent = rms_norm(kv_a[:, :rank], norm_weight, eps)
     k_pe = _mla_rope(positions, kv_a[:, None, rank:], cos_sin_cache, is_neox)[:, 0]
@@ -238,7 +239,8 @@ def mla_rope_store(
     kv_a[:, :rank] = latent
     kv_a[:, rank:] = k_pe
     keep = slot_mapping >= 0
-    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = kv_a[keep]
+    rows = kv_a[keep] if kv_cache.dtype == kv_a.dtype else scaled_for_cache(kv_a[keep], cache_scale)
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = to_cache_dtype(rows, kv_cache.dtype)
     return kv_a[:, :rank], kv_a[:, rank:]
 
 
@@ -253,12 +255,12 @@ def mla_absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def mla_rope_store_absorb(
     kv_a: torch.Tensor, q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    is_neox: bool = False,
+    is_neox: bool = False, cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """A decode step's MLA input side: mla_rope_store (q's last R columns rotated in
     place), then the absorbed query mla_absorb_query(q, w_uk) [T, H, L + R]."""
     mla_rope_store(kv_a, q[..., w_uk.shape[1]:], positions, norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping,
-                   is_neox)
+                   is_neox, cache_scale)
     return mla_absorb_query(q, w_uk)
 
 
@@ -269,19 +271,21 @@ def mla_decode(
     context_lens: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [N, H, L + R] (q_nope @ W_UK, then the rotated q_pe) scores
     every cached row over all L + R columns and averages the rows' latent parts:
-    out [N, H, L] = softmax(scale * q . row) @ row[:L]. A context of 0 gives zeros.
-    No host reads of device values (capturable in a CUDA graph)."""
+    out [N, H, L] = softmax(scale * q . row) @ row[:L], a row being the cache's entry times
+    `cache_scale` (an fp8 cache's). A context of 0 gives zeros. No host reads of device
+    values (capturable in a CUDA graph)."""
     batch = q.shape[0]
     rows = kv_cache.reshape(*kv_cache.shape[:2], kv_cache.shape[-1])
     keys = rows[block_tables[:batch]].flatten(1, 2).float()  # [N, max_blocks * block_size, L + R]
-    scores = torch.einsum("bhd,btd->bht", q.float(), keys) * scale
+    scores = torch.einsum("bhd,btd->bht", q.float(), keys) * (scale * cache_scale)
     valid = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:batch, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num(0.0)  # context 0: every score -inf
-    return torch.einsum("bht,btl->bhl", probs, keys[..., :kv_lora_rank]).to(q.dtype)
+    return (torch.einsum("bht,btl->bhl", probs, keys[..., :kv_lora_rank]) * cache_scale).to(q.dtype)
 
 
 def mla_prefill_attention(

@@ -35,10 +35,13 @@ class DenseKVCache:
 @dataclass(frozen=True)
 class LatentCache:
     """One layer's MLA cache [num_blocks, block_size, kv_lora_rank + rope_dim]: the
-    normalised latent in the first `kv_lora_rank` columns, the rotated RoPE key after."""
+    normalised latent in the first `kv_lora_rank` columns, the rotated RoPE key after.
+    An fp8 cache holds the rows divided by `scale` (the layer's; 1 unless computed at
+    start-up); a cache in the model's dtype holds the rows, its scale 1."""
 
     kv: torch.Tensor
     kv_lora_rank: int
+    scale: float = 1.0
 
     @property
     def latent(self) -> torch.Tensor:

@@ -15,15 +15,20 @@ head. kv_b_proj's weight holds, per head, W_UK [nope dim, latent] and W_UV [v di
 
 The layer declares its cache layout (`LatentLayout`, not split by tensor parallelism:
 every rank attends over all of it); the engine binds each layer's view and the backend.
+An fp8 (e4m3) cache holds the rows divided by the layer's `cache_scale` (1, or computed
+from a calibration prefill with --calculate-kv-scales).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from agent_infer.attention.metadata import get_attention_metadata
 from agent_infer.kernels import ops
+from agent_infer.kvcache.calibration import scales_from_amax
 from agent_infer.kvcache.layouts import LatentCache, LatentLayout
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
@@ -39,9 +44,24 @@ class LatentAttention(nn.Module):
         self.cache_layout = LatentLayout(kv_lora_rank, rope_dim)
         self.cache: LatentCache | None = None
         self.backend = None
+        self.cache_scale = 1.0  # an fp8 cache's; checkpoints give MLA layers none
 
     def bind(self, cache: LatentCache | None, backend) -> None:
+        if cache is not None and cache.kv.dtype == torch.float8_e4m3fn:
+            cache = dataclasses.replace(cache, scale=self.cache_scale)
         self.cache, self.backend = cache, backend
+
+    def calibration_amax(self, tokens: int) -> torch.Tensor:
+        """The largest |value| of the rows this layer stored in cache slots [0, tokens),
+        twice (fp32 [2]: the row is both the keys and the values), as the dense layers
+        give their K and V: what --calculate-kv-scales reads after its prefill."""
+        rows = self.cache.kv.reshape(-1, self.cache.kv.shape[-1])[:tokens]
+        return rows.abs().amax().float().repeat(2)
+
+    def use_calibrated_scales(self, amax: torch.Tensor) -> None:
+        """The cache scale for `calibration_amax`'s figure (maximum over the ranks): the
+        keys' target of `kvcache.calibration.scales_from_amax`."""
+        self.cache_scale = scales_from_amax(float(amax[0]), float(amax[1]))[0]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, kv_norm: RMSNorm,
@@ -56,7 +76,7 @@ class LatentAttention(nn.Module):
         h, dn, dv, lat = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
         w = kv_b_weight.view(h, dn + dv, lat)
         store = (positions, kv_norm.weight, kv_norm.eps, rotary.cos_sin_cache, self.cache.kv, meta.slot_mapping,
-                 rotary.is_neox)
+                 rotary.is_neox, self.cache.scale)
         tokens = q.shape[0]
         decode_rows = meta.num_decode if meta.is_prefill else tokens
         if decode_rows == tokens:  # a decode step: the cache write and the absorbed query together
@@ -84,7 +104,7 @@ class LatentAttention(nn.Module):
         ctx = self.backend.prefill_context(self.cache, meta)
         out = lse = None
         for window in ctx.windows:
-            rows = self.backend.context_rows(self.cache, window)
+            rows = self.backend.context_rows(self.cache, window, q.dtype)
             kv = ops.linear(rows[:, :lat], kv_b_weight).view(-1, h, dn + dv)
             part, part_lse = self.backend.prefill(q[..., :dn], q[..., dn:], kv[..., :dn], rows[:, lat:], kv[..., dn:],
                                                   ctx, window, self.scale)

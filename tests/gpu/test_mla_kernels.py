@@ -51,6 +51,16 @@ def test_mla_decode_pool_layout():
     mc.check_mla_decode(DEV, torch.bfloat16, _lens(9, 2000, 2), 16, RANK, ROPE, 16, (4,), pool_layout=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MLA_DECODE_CASES[:3] + MLA_DECODE_CASES[-1:],
+                         ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}-bs{c[2]}-s{c[3]}")
+def test_mla_decode_fp8_cache(dtype, case):
+    """An fp8 latent cache with a scale: fp16 dots (PTX conversion) for 16-bit queries."""
+    contexts, heads, block_size, splits = case
+    mc.check_mla_decode(DEV, dtype, contexts, heads, RANK, ROPE, block_size, splits, padding_rows=2,
+                        cache_dtype=kc.FP8, cache_scale=0.375)
+
+
 @pytest.mark.parametrize("batch,max_context,splits", [(1, 8000, 4), (8, 4000, 4), (64, 2000, 2), (1, 8000, 64)])
 def test_mla_decode_merged_memory_ordering(batch, max_context, splits):
     """Hundreds of back-to-back launches merged in the launch, each checked against the
@@ -99,6 +109,14 @@ def test_mla_rope_store(dtype, heads, tokens):
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_mla_rope_store_absorb(dtype, heads, tokens):
     mc.check_mla_rope_store(DEV, dtype, tokens, heads, RANK, ROPE, 16, absorb=True)
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_mla_rope_store_fp8_cache(absorb, tokens):
+    """Rows into an fp8 latent cache divided by the scale, bit for bit as the reference."""
+    mc.check_mla_rope_store(DEV, torch.bfloat16, tokens, 16, RANK, ROPE, 16, absorb=absorb, cache_dtype=kc.FP8,
+                            cache_scale=0.375)
 
 
 # ---- CUDA graph ------------------------------------------------------------------------

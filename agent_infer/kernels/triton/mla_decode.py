@@ -27,6 +27,11 @@ scratch, merged either
 
 Scratch comes from shapes alone (graph-safe). A context of 0 (a padding row of a graph
 batch) gives zeros, not NaN.
+
+An fp8 (e4m3) cache holds the rows divided by the layer's scale: the scale joins the
+softmax scale and multiplies the output. With 16-bit activations the dots then run in
+fp16, the query times the score scale rounded to fp16 once (as decode_attention.py does
+over an fp8 cache).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.paged import kv_block_ids
-from agent_infer.kernels.triton.utils import dot_precision, launch_opts, num_sms, pdl_begin
+from agent_infer.kernels.triton.utils import (
+    cache_scaled, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin, to_f16_scaled,
+)
 
 _LOG2E = 1.4426950408889634
 # A single sequence takes up to 256 splits: at batch 1 the latent read is spread over
@@ -137,11 +144,12 @@ def _split_shares(ctx, num_splits, BLOCK_N: tl.constexpr):
 def _mla_decode_kernel(
     q_ptr, out_ptr, kv_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     sqb, sqh, sob, soh, kv_b, kv_s, s_table,
-    num_heads, num_head_blocks, num_splits, qk_scale,
+    num_heads, num_head_blocks, num_splits, qk_scale, v_scale,
     KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, V_SCALED: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
+    PTX_CVT: tl.constexpr = False,
 ):
     # Head blocks on the fastest grid axis: at H = 128 the programs of one sequence run
     # side by side, so each latent tile comes from HBM once and from L2 for the others.
@@ -168,6 +176,9 @@ def _mla_decode_kernel(
     q_rows = q_ptr + seq * sqb + heads.to(tl.int64)[:, None] * sqh
     q_lat = tl.load(q_rows + cl[None, :], mask=q_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
     q_pe = tl.load(q_rows + KV_LORA + cr[None, :], mask=q_mask[:, None] & (cr < ROPE_DIM)[None, :], other=0.0)
+    if F16_DOTS:  # over an fp8 cache: the score scale goes into q before its fp16 rounding
+        q_lat = to_f16_scaled(q_lat, qk_scale)
+        q_pe = to_f16_scaled(q_pe, qk_scale)
 
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -177,11 +188,18 @@ def _mla_decode_kernel(
         kmask = kpos < hi
         lat, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
                              KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_L, BLOCK_R)
+        if PTX_CVT:  # converted before Triton stages the dot operands (utils.e4m3_to_f16_ptx)
+            lat = e4m3_to_f16_ptx(lat)
+            pe = e4m3_to_f16_ptx(pe)
+        lat = lat.to(q_lat.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
+        pe = pe.to(q_pe.dtype)
         # The rope part first: its dot is the small one, and the latent's then accumulates
         # onto it.
         s = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
         s = tl.dot(q_lat, tl.trans(lat), acc=s, input_precision=PRECISION)
-        s = tl.where(kmask[None, :], s * qk_scale, float("-inf"))
+        if not F16_DOTS:
+            s = s * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -191,6 +209,8 @@ def _mla_decode_kernel(
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if V_SCALED:  # an fp8 cache holds the rows divided by the scale; the merges are linear in o
+        o = o * v_scale
     out_mask = h_mask[:, None] & (cl < KV_LORA)[None, :]
     out_ptrs = out_ptr + seq * sob + heads.to(tl.int64)[:, None] * soh + cl[None, :]
     row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, L], part_lse [B, H, S]
@@ -249,10 +269,15 @@ class MlaDecodeConfig:
     num_stages: int
 
 
-def default_config(dtype: torch.dtype) -> MlaDecodeConfig:
+def default_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> MlaDecodeConfig:
     """A bf16/fp16 tile of 32 keys is 32 x 576 x 2 B = 36 KB per pipeline stage; fp32 takes
-    16 keys for the same bytes. benchmarks/mla_kernels.py sweeps alternatives."""
+    16 keys for the same bytes. benchmarks/mla_kernels.py sweeps alternatives. Over an
+    fp8 cache with 16-bit queries (fp16 dots) 32 keys spill registers at 4 warps in the
+    one-split variant (tests/test_mla_compile.py): 16 keys, not yet measured against
+    others on a GPU."""
     if dtype == torch.float32:
+        return MlaDecodeConfig(16, 16, 4, 2)
+    if cache_dtype == torch.float8_e4m3fn:
         return MlaDecodeConfig(16, 16, 4, 2)
     return MlaDecodeConfig(16, 32, 4, 2)
 
@@ -363,10 +388,12 @@ def mla_decode(
     num_splits: int | None = None,
     config: MlaDecodeConfig | None = None,
     merge_in_launch: bool | None = None,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [N, H, L + R] (absorbed latent query, then the rotated rope query; strided rows
     allowed) over the latent cache [blocks, block_size, L + R] (or [.., 1, L + R]) ->
-    out [N, H, L] = softmax(scale * q . row) @ row[:L].
+    out [N, H, L] = softmax(scale * q . row) @ row[:L], a row being the cache's entry times
+    `cache_scale` (an e4m3 cache's; 1 for a cache of q's dtype).
 
     Sequence b reads its context_lens[b] rows under block_tables[b] (extra table / length
     rows are ignored). Reads no device value on the host. `counters` (from
@@ -383,7 +410,9 @@ def mla_decode(
     assert 0 < kv_lora_rank < width and cache_width == width, (
         f"q width {width}, cache width {cache_width}, kv_lora_rank {kv_lora_rank}"
     )
-    assert kv_cache.dtype == q.dtype, f"a {kv_cache.dtype} latent cache for {q.dtype} queries"
+    assert kv_cache.dtype in (q.dtype, torch.float8_e4m3fn), f"a {kv_cache.dtype} latent cache for {q.dtype} queries"
+    scaled = cache_scaled(kv_cache, cache_scale, cache_scale)
+    f16_dots = fp16_dots(kv_cache.dtype, q.dtype)
     assert q.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
@@ -392,7 +421,7 @@ def mla_decode(
     assert out.shape == (batch, num_heads, kv_lora_rank) and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
-    cfg = config or default_config(q.dtype)
+    cfg = config or default_config(q.dtype, kv_cache.dtype)
     assert cfg.block_h >= MIN_BLOCK_H and cfg.block_h & (cfg.block_h - 1) == 0
     head_blocks = num_head_blocks(num_heads, cfg.block_h)
     plan = mla_launch_plan(batch, num_heads, kv_lora_rank, counters is not None, q.device, num_splits, cfg.block_h,
@@ -415,11 +444,12 @@ def mla_decode(
         q, out, kv_cache, block_tables, context_lens, part_o, part_lse,
         counters if plan.merge else context_lens,  # unused without MERGE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_b, kv_s, block_tables.stride(0),
-        num_heads, head_blocks, splits, scale * _LOG2E,
+        num_heads, head_blocks, splits, scale * cache_scale * _LOG2E, cache_scale,
         KV_LORA=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        V_SCALED=scaled, F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **opts,
     )
     if plan.combine_s:
         _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](

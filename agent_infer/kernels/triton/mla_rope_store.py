@@ -22,7 +22,8 @@ V2-Lite), so beyond `ABSORB_MAX_TOKENS` a batched GEMM does the absorption.
 
 Arithmetic as transformers' DeepseekV2 (see reference.mla_rope_store): the norm in fp32,
 rounded to the activation dtype before the weight multiply; the rotation in fp32 with
-the fp32 cos/sin table, rounded once.
+the fp32 cos/sin table, rounded once. An fp8 (e4m3) cache receives the row divided by
+the layer's cache scale, saturating at +-448; kv_a keeps the row itself.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.rope_store import rope_pair_index
-from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
+from agent_infer.kernels.triton.utils import cache_scaled, launch_opts, pdl_begin, scaled_for_cache, to_cache_dtype
 
 # Query heads per program: 16 x 32 rotation pairs at R = 64.
 MAX_HEADS_PER_PROGRAM = 16
@@ -70,11 +71,13 @@ def _token_rotation(pos_ptr, cs_ptr, scs, ROPE_DIM: tl.constexpr, IS_NEOX: tl.co
 
 @triton.jit
 def _latent_row(
-    row, w_ptr, cache_ptr, slot_ptr, kc_b, kc_s, eps, idx1, idx2, r_mask, cos, sin,
+    row, w_ptr, cache_ptr, slot_ptr, kc_b, kc_s, eps, idx1, idx2, r_mask, cos, sin, inv_scale,
     KV_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """One token's kv_a row [latent | k_pe] <- [rms_norm(latent) * w | rope(k_pe)] in
-    place, and into the cache at its slot (none when -1)."""
+    place, and into the cache at its slot (none when -1); SCALED: an fp8 cache, which
+    takes the row times inv_scale."""
     cl = tl.arange(0, BLOCK_L)
     cl_mask = cl < KV_LORA
     w = tl.load(w_ptr + cl, mask=cl_mask, other=0.0).to(tl.float32)
@@ -88,17 +91,19 @@ def _latent_row(
     y1, y2 = _rotate(row + KV_LORA, idx1, idx2, r_mask, cos, sin)
     if slot >= 0:
         dst = cache_ptr + (slot // BLOCK_SIZE) * kc_b + (slot % BLOCK_SIZE) * kc_s
-        tl.store(dst + cl, latent, mask=cl_mask)
-        tl.store(dst + KV_LORA + idx1, y1, mask=r_mask)
-        tl.store(dst + KV_LORA + idx2, y2, mask=r_mask)
+        ct = cache_ptr.dtype.element_ty
+        tl.store(dst + cl, to_cache_dtype(scaled_for_cache(latent, inv_scale, SCALED), ct), mask=cl_mask)
+        tl.store(dst + KV_LORA + idx1, to_cache_dtype(scaled_for_cache(y1, inv_scale, SCALED), ct), mask=r_mask)
+        tl.store(dst + KV_LORA + idx2, to_cache_dtype(scaled_for_cache(y2, inv_scale, SCALED), ct), mask=r_mask)
 
 
 @triton.jit
 def _mla_rope_store_kernel(
     kv_a_ptr, q_pe_ptr, pos_ptr, w_ptr, cs_ptr, cache_ptr, slot_ptr,
-    skv, sqt, sqh, scs, kc_b, kc_s, num_heads, eps,
+    skv, sqt, sqh, scs, kc_b, kc_s, num_heads, eps, inv_scale,
     KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -107,7 +112,7 @@ def _mla_rope_store_kernel(
     idx1, idx2, r_mask, cos, sin = _token_rotation(pos_ptr + t, cs_ptr, scs, ROPE_DIM, IS_NEOX, BLOCK_HALF)
     if part == 0:
         _latent_row(kv_a_ptr + t * skv, w_ptr, cache_ptr, slot_ptr + t, kc_b, kc_s, eps, idx1, idx2, r_mask, cos, sin,
-                    KV_LORA, BLOCK_SIZE, BLOCK_L, PDL)
+                    inv_scale, KV_LORA, BLOCK_SIZE, BLOCK_L, PDL, SCALED)
     else:
         pdl_begin(PDL)
         heads = (part - 1) * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
@@ -119,17 +124,17 @@ def _mla_rope_store_kernel(
 @triton.jit
 def _mla_rope_store_absorb_kernel(
     kv_a_ptr, q_ptr, pos_ptr, w_ptr, cs_ptr, cache_ptr, slot_ptr, uk_ptr, out_ptr,
-    skv, sqt, sqh, scs, kc_b, kc_s, suh, suk, sot, soh, eps,
+    skv, sqt, sqh, scs, kc_b, kc_s, suh, suk, sot, soh, eps, inv_scale,
     KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_C: tl.constexpr, NUM_C: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, NUM_C: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     idx1, idx2, r_mask, cos, sin = _token_rotation(pos_ptr + t, cs_ptr, scs, ROPE_DIM, IS_NEOX, BLOCK_HALF)
     if part == 0:
         _latent_row(kv_a_ptr + t * skv, w_ptr, cache_ptr, slot_ptr + t, kc_b, kc_s, eps, idx1, idx2, r_mask, cos, sin,
-                    KV_LORA, BLOCK_SIZE, BLOCK_L, PDL)
+                    inv_scale, KV_LORA, BLOCK_SIZE, BLOCK_L, PDL, SCALED)
     else:
         head = ((part - 1) // NUM_C).to(tl.int64)
         chunk = (part - 1) % NUM_C
@@ -150,7 +155,7 @@ def _mla_rope_store_absorb_kernel(
             tl.store(out_row + KV_LORA + idx2, y2, mask=r_mask)
 
 
-def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping) -> int:
+def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping, cache_scale) -> int:
     """The shared contract of both kernels; returns the rope dimension."""
     tokens, width = kv_a.shape
     rank = norm_weight.shape[0]
@@ -161,7 +166,9 @@ def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slo
     assert positions.shape[0] == tokens and slot_mapping.shape[0] == tokens
     assert kv_cache.shape[-1] == width and kv_cache.dim() in (3, 4) and kv_cache.stride(-1) == 1
     assert kv_cache.dim() == 3 or kv_cache.shape[2] == 1
-    assert kv_cache.dtype == kv_a.dtype == q_pe.dtype, "bf16/fp16/fp32 activations and cache of one dtype"
+    assert kv_a.dtype == q_pe.dtype and kv_cache.dtype in (kv_a.dtype, torch.float8_e4m3fn), (
+        f"{kv_a.dtype} activations, a {kv_cache.dtype} cache (the activations' dtype or e4m3)")
+    cache_scaled(kv_cache, cache_scale, cache_scale)  # checks the scale against the cache's dtype
     assert kv_a.stride(-1) == 1 and q_pe.stride(-1) == 1 and norm_weight.is_contiguous()
     return rope_dim
 
@@ -177,6 +184,7 @@ def mla_rope_store_absorb(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox: bool = False,
+    cache_scale: float = 1.0,
 ) -> torch.Tensor:
     """`mla_rope_store(kv_a, q[..., Dn:], ...)` and the absorbed decode query in one
     launch: returns [T, H, L + R] = [q_nope @ w_uk | rope(q_pe)] for q [T, H, Dn + R]
@@ -184,7 +192,8 @@ def mla_rope_store_absorb(
     view; its last dim contiguous); q's last R columns are rotated in place as well."""
     tokens = kv_a.shape[0]
     heads, nope, rank = w_uk.shape
-    rope_dim = _check_args(kv_a, q[..., nope:], positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping)
+    rope_dim = _check_args(kv_a, q[..., nope:], positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
+                           cache_scale)
     assert rank == norm_weight.shape[0] and q.shape[1:] == (heads, nope + rope_dim), f"q {tuple(q.shape)}"
     assert w_uk.stride(-1) == 1 and w_uk.dtype == q.dtype
     out = torch.empty(tokens, heads, rank + rope_dim, dtype=q.dtype, device=q.device)
@@ -194,10 +203,11 @@ def mla_rope_store_absorb(
     _mla_rope_store_absorb_kernel[(tokens, 1 + heads * num_c)](
         kv_a, q, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping, w_uk, out,
         kv_a.stride(0), q.stride(0), q.stride(1), cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1), eps,
+        w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1), eps, 1.0 / cache_scale,
         KV_LORA=rank, ROPE_DIM=rope_dim, NOPE=nope, IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_L=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
-        BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=_ABSORB_C, NUM_C=num_c, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=_ABSORB_C, NUM_C=num_c,
+        SCALED=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4,
         **launch_opts(kv_a.device),
     )
     return out
@@ -213,10 +223,12 @@ def mla_rope_store(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox: bool = False,
+    cache_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_a [T, L + R] <- [rms_norm(latent) * norm_weight | rope(k_pe)] in place, and those
     rows into kv_cache [blocks, block_size, L + R] (or [.., 1, L + R]) at slot_mapping [T]
-    (int64, -1 = padding, not stored); q_pe [T, H, R] <- rope(q_pe) in place. L is
+    (int64, -1 = padding, not stored; an e4m3 cache takes them divided by `cache_scale`,
+    saturating); q_pe [T, H, R] <- rope(q_pe) in place. L is
     norm_weight's length; cos_sin_cache [max_pos, R] holds the R/2 frequencies' cos, then
     their sin (layers/rotary.py); DeepSeek's interleaved pairs (2i, 2i + 1) unless
     `is_neox`. Row strides are free (last dims contiguous). Returns the views
@@ -226,7 +238,7 @@ def mla_rope_store(
     for the kernel launched just before it, which may write kv_a and q_pe only."""
     tokens = kv_a.shape[0]
     rank = norm_weight.shape[0]
-    rope_dim = _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping)
+    rope_dim = _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping, cache_scale)
     latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
     if tokens == 0:
         return latent, k_pe
@@ -235,9 +247,9 @@ def mla_rope_store(
     _mla_rope_store_kernel[(tokens, 1 + triton.cdiv(num_heads, block_hq))](
         kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
         kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), cos_sin_cache.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), num_heads, eps,
+        kv_cache.stride(0), kv_cache.stride(1), num_heads, eps, 1.0 / cache_scale,
         KV_LORA=rank, ROPE_DIM=rope_dim, IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_L=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
-        BLOCK_HQ=block_hq, num_warps=2, **launch_opts(kv_a.device),
+        BLOCK_HQ=block_hq, SCALED=kv_cache.dtype == torch.float8_e4m3fn, num_warps=2, **launch_opts(kv_a.device),
     )
     return latent, k_pe
