@@ -69,7 +69,13 @@ def calibration_ids(tokenizer, vocab_size: int, limit: int) -> list[int]:
     return ids
 
 
+def scale_from_amax(amax: float, target: float) -> float:
+    """The scale that puts a calibration's largest stored |value| `amax` at `target`; 1
+    for a part that stored only zeros."""
+    return amax / target if amax > 0 else 1.0
+
+
 def scales_from_amax(k_amax: float, v_amax: float) -> tuple[float, float]:
     """(k_scale, v_scale) for a layer whose calibration stored at most |K| = k_amax and
-    |V| = v_amax; 1 for a part that stored only zeros."""
-    return (k_amax / K_TARGET if k_amax > 0 else 1.0), (v_amax / V_TARGET if v_amax > 0 else 1.0)
+    |V| = v_amax."""
+    return scale_from_amax(k_amax, K_TARGET), scale_from_amax(v_amax, V_TARGET)

@@ -28,7 +28,7 @@ from torch import nn
 
 from agent_infer.attention.metadata import get_attention_metadata
 from agent_infer.kernels import ops
-from agent_infer.kvcache.calibration import scales_from_amax
+from agent_infer.kvcache.calibration import K_TARGET, scale_from_amax
 from agent_infer.kvcache.layouts import LatentCache, LatentLayout
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
@@ -52,16 +52,15 @@ class LatentAttention(nn.Module):
         self.cache, self.backend = cache, backend
 
     def calibration_amax(self, tokens: int) -> torch.Tensor:
-        """The largest |value| of the rows this layer stored in cache slots [0, tokens),
-        twice (fp32 [2]: the row is both the keys and the values), as the dense layers
-        give their K and V: what --calculate-kv-scales reads after its prefill."""
+        """The largest |value| (fp32 [1]) of the rows this layer stored in cache slots
+        [0, tokens): what --calculate-kv-scales reads after its prefill."""
         rows = self.cache.kv.reshape(-1, self.cache.kv.shape[-1])[:tokens]
-        return rows.abs().amax().float().repeat(2)
+        return rows.abs().amax().float().reshape(1)
 
     def use_calibrated_scales(self, amax: torch.Tensor) -> None:
-        """The cache scale for `calibration_amax`'s figure (maximum over the ranks): the
-        keys' target of `kvcache.calibration.scales_from_amax`."""
-        self.cache_scale = scales_from_amax(float(amax[0]), float(amax[1]))[0]
+        """The cache scale for `calibration_amax`'s figure (maximum over the ranks), at
+        the keys' target (the rows are the keys, and the values through W_UV)."""
+        self.cache_scale = scale_from_amax(float(amax[0]), K_TARGET)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, kv_norm: RMSNorm,

@@ -464,12 +464,6 @@ def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
     return w.view(torch.int32)
 
 
-def _weight_strides(w: torch.Tensor, block_m: int) -> tuple[int, int]:
-    """(expert, row) strides of `_as_words(w, block_m)`, in its elements."""
-    words = _as_words(w, block_m)
-    return words.stride(0), words.stride(1)
-
-
 def _gemm_opts(tile: Tile) -> dict:
     return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **PLAIN_LAUNCH}
 
@@ -527,9 +521,10 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
     h = torch.empty(layout.num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     tiles_n = triton.cdiv(inter, tile.block_n)
     scaled = w13_scale is not None
+    w = _as_words(w13, bm)
     _moe_gate_up_kernel[(layout.num_blocks * tiles_n,)](
-        x, _as_words(w13, bm), h, *layout.kernel_args(), w13_scale if scaled else h,
-        inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), *_weight_strides(w13, bm),
+        x, w, h, *layout.kernel_args(), w13_scale if scaled else h,
+        inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w.stride(0), w.stride(1),
         h.stride(0), w13_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(x.dtype), SCALED=scaled, **_gemm_opts(tile),
@@ -551,9 +546,10 @@ def down_weighted(
     tiles_n = triton.cdiv(d, tile.block_n)
     scaled = w2_scale is not None
     bm = layout.block_m
+    w = _as_words(w2, bm)
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
-        h, _as_words(w2, bm), y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
-        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), *_weight_strides(w2, bm), y.stride(0),
+        h, w, y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
+        d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
