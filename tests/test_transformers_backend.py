@@ -111,5 +111,22 @@ def test_what_it_cannot_serve_is_refused_by_name(checkpoints, tmp_path):
         ModelConfig.from_hf(_edited(src, str(tmp_path / "unknown"), architectures=["NoSuchForCausalLM"]))
     with pytest.raises(ConfigError, match="encoder-decoder"):
         ModelConfig.from_hf(_edited(src, str(tmp_path / "encdec"), is_encoder_decoder=True))
-    with pytest.raises(ConfigError, match="on one rank"):
-        _engine(src, tensor_parallel_size=2)
+
+
+def test_the_engines_layers_replace_only_what_computes_the_same(checkpoints, tmp_path):
+    model = _engine(checkpoints["MistralForCausalLM"]).runner.model
+    kinds = {type(m).__name__ for m in model.hf.modules()}
+    assert "Linear" not in kinds and "MistralRMSNorm" not in kinds and {"_WholeLinear", "_RMSNorm"} <= kinds
+    # Gemma's norms scale by 1 + weight: kept as transformers wrote them; its tied LM head
+    # becomes the engine's, on the embedding's own tensor.
+    gemma = write_hf_model("GemmaForCausalLM", str(tmp_path / "gemma"), 0, tie_word_embeddings=True, hidden_size=48,
+                           intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16)
+    engine = _engine(gemma)
+    hf_model = engine.runner.model.hf
+    assert sum(type(m).__name__ == "GemmaRMSNorm" for m in hf_model.modules()) == 5
+    assert hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = engine.generate([prompt], PARAMS)[0]
+    check_greedy_close(out.token_ids, [dict(t.top) for t in out.logprobs], hf_greedy(load_hf_model(gemma), prompt,
+                       NEW_TOKENS), 1e-4, "gemma")

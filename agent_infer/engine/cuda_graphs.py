@@ -115,6 +115,10 @@ class _RowStaging:
         return self.device_rows(size)
 
 
+class GraphUnsafe(RuntimeError):
+    """A decode step synchronised with the host, so it cannot be captured."""
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device, backend):
         """`backend`: the attention backend, which adds its fields to the captured metadata."""
@@ -162,6 +166,8 @@ class DecodeGraphs:
             rows.order.copy_(torch.arange(bs, dtype=torch.int32, device=self.device))
             self._forward(bs)  # warm-up: Triton compilation, cuBLAS handles, autotuning
             torch.cuda.synchronize(self.device)
+            if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
+                self._check_no_sync(bs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.hidden[bs], self.logits[bs] = self._forward(bs)
@@ -170,6 +176,18 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_batch, time.perf_counter() - t0)
+
+    def _check_no_sync(self, bs: int) -> None:
+        """Run the warmed-up step again with host syncs turned into errors: a step that
+        reads a value on the host would fail (or replay a stale value) in a graph."""
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._forward(bs)
+        except RuntimeError as e:
+            raise GraphUnsafe(str(e).splitlines()[0]) from e
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch

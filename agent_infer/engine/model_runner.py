@@ -24,7 +24,7 @@ from agent_infer.attention.backend import AttentionBackend, backend_class
 from agent_infer.attention.metadata import AttentionMetadata, forward_context, longest_first
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.state import ParallelState, broadcast_from_first
-from agent_infer.engine.cuda_graphs import DecodeGraphs
+from agent_infer.engine.cuda_graphs import DecodeGraphs, GraphUnsafe
 from agent_infer.engine.host_step import HostStep, block_tables, build_host_step
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from agent_infer.engine.scheduler import ScheduledBatch
@@ -209,9 +209,15 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.model.cuda_graphs:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, min(self.config.max_decode_rows, 512), max_blocks, self.device,
-                                   self.backend)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, min(self.config.max_decode_rows, 512), max_blocks, self.device,
+                              self.backend)
+        try:
+            graphs.capture()
+        except GraphUnsafe as e:
+            log.warning("decode runs without CUDA graphs: a step of %s synchronises with the host (%s)",
+                        self.model_config.architecture, e)
+            return
+        self.graphs = graphs
 
     def eager_decode_batches(self) -> tuple[list[int], list[int]]:
         """Decode-row counts for the start-up warm-up to run eagerly, so that no eager step

@@ -33,6 +33,9 @@ class CausalLM(nn.Module):
     config_class: ClassVar[Any]
     # Whether decode steps may be captured in CUDA graphs (every op graph-safe).
     cuda_graphs: ClassVar[bool] = True
+    # Whether that is for a decode step to show first (code this engine did not write):
+    # the graphs are captured only if a decode step runs without a host sync.
+    graphs_after_sync_check: ClassVar[bool] = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flattened token ids and positions [T] -> final hidden states [T, hidden]."""

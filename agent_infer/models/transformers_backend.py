@@ -4,17 +4,21 @@
 transformers' own model class is built and its checkpoint loaded by transformers itself
 (so its own renames and conversions of checkpoint names apply), in the engine's dtype and
 on its device, and every attention module's score computation routed through our paged
-attention: the engine's attention
-function is registered with transformers' `AttentionInterface`, so each attention
-module projects and rotates q and k itself (its norms, biases, partial rotary, its
-scaling) and hands them to us; we write k and v into the layer's cache blocks and
-attend over them with the engine's backend. Continuous batching, the paged and prefix
-caches, chunked prefill, sampling, structured outputs and the server are the engine's.
+attention: the engine's attention function is registered with transformers'
+`AttentionInterface`, so each attention module projects and rotates q and k itself (its
+norms, biases, partial rotary, its scaling) and hands them to us; we write k and v into
+the layer's cache blocks and attend over them with the engine's backend. Continuous
+batching, the paged and prefix caches, chunked prefill, sampling, structured outputs and
+the server are the engine's. Its linear layers, RMSNorms and LM head are the engine's too
+(models/transformers_layers.py), and tensor parallelism follows the architecture's own
+published split; every rank loads the whole checkpoint on the CPU and keeps its part.
+Decode steps run in CUDA graphs once one has shown no host sync.
 
 Refused by name: encoder-decoders; models whose attention does not go through the
 interface; sliding-window attention and attention-logit soft-capping (the paged kernels
-do neither); tensor parallelism (one rank). The final-logit soft-capping (Gemma),
-`logits_scaling` (Granite) and `logit_scale` (Cohere) of the LM head are applied.
+do neither); --tp > 1 for an architecture without a published split, or a size that does
+not divide it. The final-logit soft-capping (Gemma), `logits_scaling` (Granite) and
+`logit_scale` (Cohere) of the LM head are applied.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from agent_infer.kernels import ops
 from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 from agent_infer.loader.weights import checkpoint_files
 from agent_infer.models.base import CausalLM
+from agent_infer.models.transformers_layers import SplitPlan, plan_split, tp_plan_of, use_engine_layers
 
 ATTENTION_NAME = "agent_infer_paged"
 
@@ -133,38 +138,62 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
+def _attention_modules(base: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' attention modules of a base model, with their names, in layer order."""
+    return [(name, m) for name, m in base.named_modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "is_causal") and "Attention" in type(m).__name__]
+
+
+def _split(hf: nn.Module, cfg: ModelConfig, tp: int) -> SplitPlan | None:
+    """How `hf` splits over `tp` ranks (None for one rank); a ConfigError when it cannot."""
+    if tp == 1:
+        return None
+    f: TransformersFamilyConfig = cfg.family
+    plan = tp_plan_of(hf)
+    if plan is None:
+        raise ConfigError(f"{f.architecture} runs through the transformers backend, whose tensor parallelism "
+                          f"follows the architecture's published split (base_model_tp_plan); this one has none, "
+                          f"so it runs on one rank: --tp {tp} is not supported for it")
+    names = [name for name, _ in _attention_modules(hf.base_model)]
+    return plan_split(hf.base_model, plan, names, tp, f.num_heads, f.num_kv_heads, f.architecture)
+
+
 class TransformersCausalLM(CausalLM):
     """transformers' model class for the checkpoint, on our paged cache (see the module
     docstring). `hf` is the transformers model; each of its attention modules holds a
     `paged_attention` (listed, in layer order, by `attention_layers`)."""
 
     config_class = TransformersFamilyConfig
-    # Not yet shown graph-safe for every architecture (transformers' modules may sync or
-    # branch on values): decode runs eagerly.
-    cuda_graphs = False
+    # transformers' modules may read values on the host (dynamic rotary scaling does):
+    # a decode step must show it does not before graphs are captured.
+    graphs_after_sync_check = True
 
     def __init__(self, cfg: ModelConfig, tp: ParallelState, max_pos: int):
         super().__init__()
         import transformers
 
-        if tp.world_size > 1:
-            raise ConfigError("the transformers backend runs on one rank (--tp 1)")
         self.config = cfg
         f: TransformersFamilyConfig = cfg.family
         checkpoint_files(cfg.path)  # a missing or unreadable checkpoint is named before transformers reads it
         _register_attention()
         # Built where the engine builds its models (the default device and dtype of the
-        # caller's context), but loaded on the CPU by transformers first.
+        # caller's context), but loaded, and split over ranks, on the CPU first.
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         with torch.device("cpu"):
             hf = getattr(transformers, f.architecture).from_pretrained(cfg.path, attn_implementation=ATTENTION_NAME,
                                                                        dtype=dtype)
+            split = _split(hf, cfg, tp.world_size)
+            use_engine_layers(hf, split, tp)
         self.hf = hf.to(device).eval()
+        # A 4-D mask is taken as already built: transformers then skips its own mask
+        # preparation, which reads position ids on the host (a sync every step). The
+        # paged attention ignores it; its metadata says what each query sees.
+        self._prepared_mask = torch.empty((1, 1, 0, 0), device=device, dtype=dtype)
         self._layers: list[PagedCacheAttention] = []
-        for module in self.hf.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "is_causal") and "Attention" in type(module).__name__:
-                module.paged_attention = PagedCacheAttention(f.num_heads, f.num_kv_heads, f.head_dim)
-                self._layers.append(module.paged_attention)
+        for name, module in _attention_modules(self.hf.base_model):
+            parts = tp.world_size if split is not None and name in split.split_heads else 1
+            module.paged_attention = PagedCacheAttention(f.num_heads // parts, f.num_kv_heads // parts, f.head_dim)
+            self._layers.append(module.paged_attention)
         if len(self._layers) != cfg.num_layers:
             raise ConfigError(f"{f.architecture}: found {len(self._layers)} attention modules for "
                               f"{cfg.num_layers} layers; this model cannot run on the paged cache")
@@ -181,7 +210,8 @@ class TransformersCausalLM(CausalLM):
                           f"quantize: --quantization fp8 and fp8 checkpoints need a native family")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
+                                 attention_mask=self._prepared_mask, use_cache=False)
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -195,9 +225,16 @@ class TransformersCausalLM(CausalLM):
 
     @classmethod
     def check_parallel(cls, cfg: ModelConfig, tp: int, moe_parallel: str) -> None:
-        if tp > 1:
-            raise ConfigError(f"{cfg.architecture} runs through the transformers backend, on one rank: "
-                              f"--tp {tp} is not supported for it")
+        """The published split checked against the model's structure, built on the meta
+        device (no weights read)."""
+        if tp == 1:
+            return
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(cfg.path)
+        with torch.device("meta"):
+            model = getattr(transformers, cfg.family.architecture)(hf_config)
+        _split(model, cfg, tp)
 
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
