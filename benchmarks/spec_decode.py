@@ -139,7 +139,8 @@ def run_agent(eng: LLMEngine, prompts, batch: int, max_tokens: int) -> tuple[flo
 def cmd_agent(args) -> tuple[list[tuple], dict]:
     path = model_path(args)
     plain = engine(args, path, max_num_seqs=8)
-    spec = engine(args, path, max_num_seqs=8, speculative_config=NGRAM)
+    spec = engine(args, path, max_num_seqs=8,
+                  speculative_config={**NGRAM, "num_speculative_tokens": args.num_speculative_tokens})
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
     run_agent(plain, prompts[:1], 1, 16)  # warm-up
     run_agent(spec, prompts[:1], 1, 16)
@@ -148,7 +149,7 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     # first one, the variation that batch shapes alone give (bf16 rounding differs with the
     # number of rows; speculation's verify rows are such a change too).
     rows = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical", "plain = first")]
-    payload, first = {"model": path, "dtype": args.dtype}, None
+    payload, first = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens}, None
     for batch in args.batches:
         rate_p, out_p = run_agent(plain, prompts, batch, args.max_tokens)
         rate_s, out_s = run_agent(spec, prompts, batch, args.max_tokens)
@@ -198,6 +199,8 @@ def main() -> int:
     p.add_argument("--max-chars", type=int, default=2400)
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-speculative-tokens", type=int, default=NGRAM["num_speculative_tokens"],
+                   help="agent: prompt lookup's k (drafts a step at most)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)

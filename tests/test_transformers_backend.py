@@ -130,3 +130,28 @@ def test_the_engines_layers_replace_only_what_computes_the_same(checkpoints, tmp
     out = engine.generate([prompt], PARAMS)[0]
     check_greedy_close(out.token_ids, [dict(t.top) for t in out.logprobs], hf_greedy(load_hf_model(gemma), prompt,
                        NEW_TOKENS), 1e-4, "gemma")
+
+
+def test_the_compiled_model_gives_the_eager_tokens(checkpoints):
+    """What a GPU runs, traced on the CPU (dynamo and AOT autograd; the GPU's code
+    generation is Triton's): the engine's linear and norm operators stay whole in the
+    graph, attention is the only break, and the tokens and logprobs are the eager model's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    engine = _engine(checkpoints["Phi3ForCausalLM"])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61))]
+    eager = engine.generate(prompts, PARAMS)
+    torch._dynamo.reset()
+    counters.clear()
+    engine.runner.model.use_torch_compile("aot_eager")
+    try:
+        compiled = engine.generate(prompts, PARAMS)
+        assert counters["stats"]["unique_graphs"] > 0
+        breaks = list(counters["graph_break"])
+        assert breaks and all("torch.compiler.disable" in b for b in breaks), breaks
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5

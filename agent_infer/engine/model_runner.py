@@ -102,6 +102,8 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.sampler = Sampler()
         self.model = self._load_model()
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.model.use_torch_compile()
         # What each attention layer caches per token; the engine itself never looks inside.
         self.cache_layouts = [layer.cache_layout for layer in self.model.attention_layers]
         self.backend = self._make_backend()

@@ -41,6 +41,11 @@ class CausalLM(nn.Module):
         """Flattened token ids and positions [T] -> final hidden states [T, hidden]."""
         raise NotImplementedError
 
+    def use_torch_compile(self) -> None:
+        """On a GPU, unless --enforce-eager, before the first step: have torch.compile
+        compile what the family wants compiled. Nothing for the native families, whose
+        steps are the engine's kernels already."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] (all ranks take part; each returns the full logits)."""
         raise NotImplementedError

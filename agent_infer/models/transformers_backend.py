@@ -12,7 +12,8 @@ batching, the paged and prefix caches, chunked prefill, sampling, structured out
 the server are the engine's. Its linear layers, RMSNorms and LM head are the engine's too
 (models/transformers_layers.py), and tensor parallelism follows the architecture's own
 published split; every rank loads the whole checkpoint on the CPU and keeps its part.
-Decode steps run in CUDA graphs once one has shown no host sync.
+On a GPU the base model is compiled (torch.compile) around the engine's kernels, and
+decode steps run in CUDA graphs once one has shown no host sync.
 
 Refused by name: encoder-decoders; models whose attention does not go through the
 interface; sliding-window attention and attention-logit soft-capping (the paged kernels
@@ -109,6 +110,9 @@ class PagedCacheAttention(nn.Module):
         return self.backend.attend(q, self.cache, meta, scale)
 
 
+# Where torch.compile breaks the graph (one break a layer): the attention reads the
+# engine's step metadata and launches its own kernels.
+@torch.compiler.disable
 def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -173,6 +177,7 @@ class TransformersCausalLM(CausalLM):
         import transformers
 
         self.config = cfg
+        self._tp_size = tp.world_size
         f: TransformersFamilyConfig = cfg.family
         checkpoint_files(cfg.path)  # a missing or unreadable checkpoint is named before transformers reads it
         _register_attention()
@@ -213,6 +218,14 @@ class TransformersCausalLM(CausalLM):
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
                                  attention_mask=self._prepared_mask, use_cache=False)
         return out.last_hidden_state[0]
+
+    def use_torch_compile(self, backend: str = "inductor") -> None:
+        """Compile the base model (dynamic in the step's token count): the elementwise work
+        transformers leaves between kernels (rotary embedding, activations, residual adds)
+        fuses into few kernels, around the engine's linear, norm and attention. On one
+        rank: a split model's collectives stay uncompiled."""
+        if self._tp_size == 1:
+            self.hf.base_model.compile(dynamic=True, backend=backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         f: TransformersFamilyConfig = self.config.family

@@ -127,6 +127,29 @@ class _RowLinear(RowParallelLinear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# The engine's kernels as operators torch.compile keeps whole (the model around them is
+# compiled on a GPU: models/transformers_backend.py): one node each in the graph, where
+# tracing into their launchers would break it.
+@torch.library.custom_op("agent_infer::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return ops.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("agent_infer::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
 class _WholeLinear(ReplicatedLinear):
     """A transformers `nn.Linear` kept whole on every rank, on the engine's linear path."""
 
@@ -134,7 +157,7 @@ class _WholeLinear(ReplicatedLinear):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._linear(x.reshape(-1, x.shape[-1]), self.bias)
+        y = _linear_op(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -147,7 +170,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return _rms_norm_op(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 def _engine_norm(module: nn.Module) -> _RMSNorm | None:
