@@ -130,7 +130,8 @@ class _RowLinear(RowParallelLinear):
 # The engine's kernels as operators torch.compile keeps whole (the model around them is
 # compiled on a GPU: models/transformers_backend.py): one node each in the graph, where
 # tracing into their launchers would break it.
-@torch.library.custom_op("agent_infer::linear", mutates_args=())
+@torch.library.custom_op("agent_infer::linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return ops.linear(x, weight, bias)
 
@@ -140,7 +141,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("agent_infer::rms_norm", mutates_args=())
+@torch.library.custom_op("agent_infer::rms_norm", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, float eps) -> Tensor")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ops.rms_norm(x, weight, eps)
 
