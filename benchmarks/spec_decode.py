@@ -144,6 +144,8 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
     run_agent(plain, prompts[:1], 1, 16)  # warm-up
     run_agent(spec, prompts[:1], 1, 16)
+    if args.force_drafting:
+        force_drafting(spec)
     spec.draft_policy.stats.__init__()
     # "plain = first": plain decoding's text at this batch size against its text at the
     # first one, the variation that batch shapes alone give (bf16 rounding differs with the
@@ -201,6 +203,9 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-speculative-tokens", type=int, default=NGRAM["num_speculative_tokens"],
                    help="agent: prompt lookup's k (drafts a step at most)")
+    p.add_argument("--force-drafting", action="store_true",
+                   help="agent: draft at every step whatever the policy measures (acceptance figures on a CPU, "
+                        "where a verify step costs more than it saves)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
