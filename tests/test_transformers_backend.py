@@ -134,8 +134,8 @@ def test_the_engines_layers_replace_only_what_computes_the_same(checkpoints, tmp
 
 def test_the_compiled_model_gives_the_eager_tokens(checkpoints):
     """What a GPU runs, traced on the CPU (dynamo and AOT autograd; the GPU's code
-    generation is Triton's): the engine's linear and norm operators stay whole in the
-    graph, attention is the only break, and the tokens and logprobs are the eager model's."""
+    generation is Triton's): the engine's linear operator stays whole in the graph,
+    attention is the only break, and the tokens and logprobs are the eager model's."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

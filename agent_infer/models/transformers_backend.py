@@ -221,9 +221,9 @@ class TransformersCausalLM(CausalLM):
 
     def use_torch_compile(self, backend: str = "inductor") -> None:
         """Compile the base model (dynamic in the step's token count): the elementwise work
-        transformers leaves between kernels (rotary embedding, activations, residual adds)
-        fuses into few kernels, around the engine's linear, norm and attention. On one
-        rank: a split model's collectives stay uncompiled."""
+        transformers leaves between kernels (rotary embedding, activations, residual adds
+        with the RMSNorms after them) fuses into few kernels, around the engine's linear
+        layers and attention. On one rank: a split model's collectives stay uncompiled."""
         if self._tp_size == 1:
             self.hf.base_model.compile(dynamic=True, backend=backend)
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from agent_infer.config import ConfigError
 from agent_infer.distributed.state import ParallelState, all_gather_last_dim
-from agent_infer.kernels import ops
+from agent_infer.kernels import ops, reference
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agent_infer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -127,9 +127,9 @@ class _RowLinear(RowParallelLinear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-# The engine's kernels as operators torch.compile keeps whole (the model around them is
-# compiled on a GPU: models/transformers_backend.py): one node each in the graph, where
-# tracing into their launchers would break it.
+# The engine's linear path as an operator torch.compile keeps whole (the model around
+# it is compiled on a GPU: models/transformers_backend.py): one node in the graph, where
+# tracing into its launchers would break it.
 @torch.library.custom_op("agent_infer::linear", mutates_args=(),
                          schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -139,17 +139,6 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-@torch.library.custom_op("agent_infer::rms_norm", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, float eps) -> Tensor")
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return ops.rms_norm(x, weight, eps)
-
-
-@_rms_norm_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 class _WholeLinear(ReplicatedLinear):
@@ -172,7 +161,11 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm_op(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if torch.compiler.is_compiling():
+            # Traced as plain tensor operations: the compiler fuses them with the residual
+            # add before, one kernel where the engine's would be a second.
+            return reference.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 def _engine_norm(module: nn.Module) -> _RMSNorm | None:
