@@ -36,10 +36,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 
 
-def _generate(path: str, prompts, **kw):
+def _generate(path: str, prompts, params: SamplingParams = PARAMS, **kw):
     engine = _engine(path, max_model_len=2048, **kw)
     try:
-        return engine.generate(prompts, PARAMS)
+        return engine.generate(prompts, params)
     finally:
         engine.shutdown()
         del engine
@@ -101,10 +101,10 @@ def test_fp8_teacher_forced_beside_the_noise_floor(preset, monkeypatch):
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 30000) for _ in range(n)] for n in (5, 40, 130, 300)]
     runs = {
-        "fp8": _forced(path, prompts, quantization="fp8"),
+        "fp8": _generate(path, prompts, FORCED, quantization="fp8"),
         "fp8 reference": _reference_outputs(path, prompts, monkeypatch, FORCED, quantization="fp8",
                                             max_model_len=2048),
-        "bf16": _forced(path, prompts),
+        "bf16": _generate(path, prompts, FORCED),
         "bf16 in fp32": _fp32_products(path, prompts, monkeypatch),
     }
     fp8 = _agreement(runs["fp8"], runs["fp8 reference"])
@@ -130,18 +130,7 @@ def _fp32_products(path: str, prompts, monkeypatch):
         m.setattr(ops, "_gemv_ok", lambda x, w: False)
         m.setattr(ops, "linear", linear)
         m.setattr(ops, "fused_moe", fused_moe)
-        return _forced(path, prompts, eager=True)
-
-
-def _forced(path: str, prompts, **kw):
-    engine = _engine(path, max_model_len=2048, **kw)
-    try:
-        return engine.generate(prompts, FORCED)
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        return _generate(path, prompts, FORCED, eager=True)
 
 
 def _agreement(ours, ref) -> tuple[float, float, float]:
