@@ -190,9 +190,15 @@ def _engine_norm(module: nn.Module) -> _RMSNorm | None:
     return norm if same else None
 
 
-def _sharded(linear: nn.Linear, style: str, tp: ParallelState) -> nn.Module:
-    layer = (_ColumnLinear(linear, tp, gather=style == "colwise_gather_output") if style in COLUMN
-             else _RowLinear(linear, tp, split_input=style == "rowwise_split_input"))
+def _engine_linear(linear: nn.Linear, style: str | None, tp: ParallelState) -> nn.Module:
+    """The engine's layer for `linear`: this rank's part of it under a split `style`, else
+    the whole of it; loaded from `linear`'s tensors."""
+    if style is None:
+        layer = _WholeLinear(linear)
+    elif style in COLUMN:
+        layer = _ColumnLinear(linear, tp, gather=style == "colwise_gather_output")
+    else:
+        layer = _RowLinear(linear, tp, split_input=style == "rowwise_split_input")
     layer.weight_loader(layer.weight, linear.weight.data)
     if linear.bias is not None:
         layer.bias.weight_loader(layer.bias, linear.bias.data)
@@ -212,14 +218,9 @@ def use_engine_layers(hf: nn.Module, split: SplitPlan | None, tp: ParallelState)
     plain input embedding by a vocabulary-parallel one (sharing one weight when tied)."""
     base = hf.base_model
     for name, module in list(base.named_modules()):
-        if split is not None and name in split.linears:
-            _replace(base, name, _sharded(module, split.linears[name], tp))
-        elif type(module) is nn.Linear:
-            whole = _WholeLinear(module)
-            whole.weight_loader(whole.weight, module.weight.data)
-            if module.bias is not None:
-                whole.bias.weight_loader(whole.bias, module.bias.data)
-            _replace(base, name, whole)
+        if type(module) is nn.Linear:
+            style = split.linears.get(name) if split is not None else None
+            _replace(base, name, _engine_linear(module, style, tp))
         elif type(module).__name__.endswith("RMSNorm") and (norm := _engine_norm(module)) is not None:
             _replace(base, name, norm)
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
