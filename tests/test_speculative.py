@@ -1,5 +1,6 @@
 """Speculative decoding: greedy tokens equal plain decoding (prompt lookup on the default
-model, batched, with runs cut by stop strings, max_tokens and EOS), rejected drafts leave
+model, batched, with runs cut by stop strings, max_tokens and EOS; verify steps chained
+onto one still in flight too), rejected drafts leave
 nothing in the prefix cache, rejection sampling keeps the target's distribution (a
 chi-square test on a tiny vocabulary), structured outputs still match with drafts, the
 draft policy turns drafting off where it costs, and the metrics count what happened."""
@@ -22,6 +23,7 @@ from agent_infer.sampling_params import SamplingParams, StructuredOutputsParams 
 from agent_infer.speculative.config import SpeculativeConfig
 from agent_infer.speculative.ngram import propose_ngram
 from agent_infer.speculative.policy import MAX_PAUSE_STEPS, DraftPolicy
+from tests.drafters import Replay
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -172,6 +174,49 @@ def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smo
     assert bm.stats.hits - hits0 >= sum(len(p) // bs - 1 for p in again)
     plain = smol_engine.generate(again, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smol_engine):
+    """Verify steps launched before the one in flight is read back, on drafts predicted
+    past it (async scheduling; Replay proposes plain decoding's own continuation, every
+    third proposal's eighth token wrong): chains run, some break and void a row already in
+    flight, and the tokens, logprobs and finish reasons are plain decoding's; runs end on
+    max_tokens, EOS and a stop string; the prefix cache holds only tokens the sequences have."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
+               "a b c d e f g h a b c d e f g h a b c", "The capital of France is",
+               chat_ids(smol_engine, "Copy this line: def add(a, b): return a + b")]
+    params = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=40, stop=["f g h a b c d"]),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30),
+              SamplingParams(temperature=0, max_tokens=60)]
+    plain = smol_engine.generate(prompts, params)
+    engine = spec_engine(default_model_dir, block_size=2)  # blocks fill (and are published) every other token
+    assert engine.async_scheduling
+    engine.drafter = Replay(plain, wrong_at=7)  # a draft of the first chained step (k = 4)
+    counts = Counter()
+    chain, on_result = engine._chain, engine.scheduler.on_result
+
+    def counted_chain(seqs):
+        chained = chain(seqs)
+        counts["chained"] += chained
+        return chained
+
+    def counted_result(batch, tokens):
+        out = on_result(batch, tokens)
+        counts["void"] += sum(a < 0 for a in batch.accepted)
+        return out
+
+    engine._chain, engine.scheduler.on_result = counted_chain, counted_result
+    got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
+    assert counts["chained"] > 10 and counts["void"] > 0, counts
+    for a, b in zip(plain + plain, got):
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+    bm = engine.block_manager
+    real = {k for out in plain for k in _block_keys(out.prompt_token_ids + out.token_ids[:-1], bm.block_size)}
+    published = {k for k, b in bm.key_to_block.items() if bm.block_tokens[b] is not None}
+    assert published and published <= real
 
 
 def _block_keys(tokens: list[int], bs: int) -> set[int]:

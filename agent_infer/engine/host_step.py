@@ -66,11 +66,10 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
             row_start.append(start)
             row_len.append(n)
             continue
-        # A decode row: its token is the last sampled, maybe not read back yet (never for
-        # a verify row: its step follows a read-back, since drafts follow that token).
+        # A decode row: its token is the last sampled, maybe not read back yet (a verify
+        # row chained onto an earlier verify step: its drafts assume that step's).
         token = seq.last_token_id
         if token == PLACEHOLDER:
-            assert n == 1, "a verify row needs its last token on the host"
             if prev is None:
                 prev = [-1] * batch.num_tokens
             prev[len(ids)] = seq.pending_row

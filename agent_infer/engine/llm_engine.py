@@ -38,6 +38,10 @@ from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
+# Verify steps one proposal of prompt lookup can chain (it is asked for this many steps'
+# tokens past its drafts).
+CHAIN_STEPS = 4
+
 WORKER_ENTRY = "agent_infer.engine.worker"  # what a local worker process runs
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) and
@@ -141,6 +145,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
         self._inflight: tuple[ScheduledBatch, object] | None = None  # launched, not read back
+        self._verified_now: ScheduledBatch | None = None  # the verify step read back in this step() call
         self._penalty_requests: set[str] = set()
         # Speculative decoding: drafts proposed on the host before each decode step that
         # the policy lets carry them (agent_infer/speculative).
@@ -161,6 +166,11 @@ class LLMEngine:
         # which runs after each step on its tokens.
         self.async_scheduling = (config.async_scheduling and config.preemption_mode == "none"
                                  and not self.runner.uses_draft_layer)
+        # Prompt lookup predicts past its drafts, so a verify step can follow one still in
+        # flight, as if that one accepted all its drafts (`_chain`): the host's work then
+        # overlaps the device's for verify steps too.
+        self._chain_tokens = (CHAIN_STEPS * (self.num_speculative_tokens + 1)
+                              if self.async_scheduling and isinstance(self.drafter, NgramDrafter) else 0)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -286,7 +296,8 @@ class LLMEngine:
             outputs += self._resolve()  # penalties need every earlier token on the host
         candidates = self._draft_candidates()
         drafting = bool(candidates)
-        if drafting:
+        self._verified_now = None
+        if drafting and not self._chain(candidates):
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
             self._propose(candidates)
@@ -304,14 +315,41 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._resolve()
         self._inflight = launched
-        if not self.async_scheduling or batch.num_draft_tokens:
-            # A verify step's tokens decide where its sequences stand: resolved at once.
+        if not self.async_scheduling or (batch.num_draft_tokens and not self._chainable(batch)):
+            # A verify step's tokens decide where its sequences stand: resolved at once,
+            # unless prompt lookup has predicted past it.
             outputs += self._resolve()
-        # Decode steps are timed for the policy (not one that waited on a prefill step).
+        # Decode steps are timed for the policy (not one that waited on a prefill step),
+        # with the tokens of the verify step read back in this call.
         if self.drafter is not None and batch.num_prompt_rows == 0 and self.stats.prefill_steps == prefills0:
+            verified = self._verified_now if self._verified_now is not None else batch
             self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
-                                          len(batch) + sum(batch.accepted))
+                                          len(batch) + sum(max(0, a) for a in verified.accepted))
         return outputs
+
+    def _chain(self, seqs: list[Sequence]) -> bool:
+        """Drafts for `seqs` without reading back the verify step in flight, when each of
+        them verifies in it and has a lookahead: the next verify row starts at that
+        step's last token (still on the device) and drafts what prompt lookup predicted
+        after it, as if every draft in flight is accepted. Where one is not, reading that
+        step back withdraws the tokens assumed, voiding this row (Scheduler.on_result)."""
+        if not self._chain_tokens or self._inflight is None:
+            return False
+        batch = self._inflight[0]
+        verifying = {id(s) for s, d in zip(batch.seqs, batch.drafts) if d} if batch.drafts else set()
+        if not all(id(s) in verifying and len(s.lookahead) > 1 and s.request_id not in self.constraints
+                   for s in seqs):
+            return False
+        k = self.num_speculative_tokens
+        for seq in seqs:
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            seq.draft_token_ids, seq.lookahead = seq.lookahead[1 : 1 + room], seq.lookahead[1 + room :]
+        return True
+
+    def _chainable(self, batch: ScheduledBatch) -> bool:
+        """Whether every verify row of `batch` has a lookahead a next step could chain on."""
+        return bool(self._chain_tokens) and all(len(s.lookahead) > 1
+                                                for s, d in zip(batch.seqs, batch.drafts) if d)
 
     def _draft_candidates(self) -> list[Sequence]:
         """The sequences a draft could go to in this step, if the policy drafts at this
@@ -331,9 +369,13 @@ class LLMEngine:
         k = self.num_speculative_tokens
         for seq in seqs:
             room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
-            drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens, room)
+            ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
+            run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens,
+                                       room + ahead)
+            drafts, seq.lookahead = run[:room], run[room:]
             if drafts and seq.request_id in self.constraints:
                 drafts = self.constraints.check_drafts(seq, drafts)
+                seq.lookahead = []  # a grammar checks drafts against tokens it has seen
             if not drafts:  # as a verify row that accepts nothing: the step adds one token
                 self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
             seq.draft_token_ids = drafts
@@ -387,6 +429,8 @@ class LLMEngine:
         outputs = self._postprocess(batch, result)
         if self.drafter is not None:
             self.drafter.after_step(batch)
+        if batch.num_draft_tokens:
+            self._verified_now = batch
         return outputs
 
     def _worker_failed(self, error: Exception):
@@ -411,7 +455,8 @@ class LLMEngine:
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
         for (seq, drafted), accepted in zip(verify, batch.accepted):
-            self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
+            if accepted >= 0:  # not a void row
+                self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
         for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now

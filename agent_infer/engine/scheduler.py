@@ -57,8 +57,11 @@ class ScheduledBatch:
     # Per sequence, the draft tokens it verifies (a verify row: a decode row whose last
     # token and drafts are computed and sampled at every position); empty for the others.
     drafts: list[list[int]] = field(default_factory=list)
-    # Filled by `on_result`: per verify row, how many of its drafts were accepted.
+    # Filled by `on_result`: per verify row, how many of its drafts were accepted (-1: the
+    # row was void, its sequence's tokens withdrawn after it was launched).
     accepted: list[int] = field(default_factory=list)
+    # Filled by `on_launch`: each sequence's epoch then (Sequence.epoch).
+    epochs: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -305,9 +308,11 @@ class Scheduler:
 
     def on_launch(self, batch: ScheduledBatch) -> None:
         """The step is on its way to the device: advance the computed counts, and give each
-        sampling sequence a placeholder output token that `on_result` fills in. The next
-        step can then be scheduled before this one's tokens are known."""
+        sampling sequence a placeholder output token that `on_result` fills in (after a
+        verify row's drafts, taken as accepted until then). The next step can then be
+        scheduled before this one's tokens are known."""
         row = 0
+        batch.epochs = [seq.epoch for seq in batch.seqs]
         for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples)):
             seq.num_computed_tokens += n
             if batch.is_prefill:
@@ -317,8 +322,10 @@ class Scheduler:
             if samples:
                 if seq.status == SequenceStatus.RUNNING_PREFILL:
                     seq.transition_to(SequenceStatus.RUNNING_DECODE)
+                drafts = batch.drafts_of(i)
+                seq.output_token_ids += drafts
                 seq.output_token_ids.append(PLACEHOLDER)
-                seq.pending_row = row  # a verify row's is never read: its step is resolved at once
+                seq.pending_row = row + len(drafts)  # the target's token after the drafts
                 row += batch.sample_rows(i)
 
     def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
@@ -337,6 +344,10 @@ class Scheduler:
                 continue
             drafts = batch.drafts_of(i)
             first_row, row = row, row + 1 + len(drafts)
+            if batch.epochs and seq.epoch != batch.epochs[i]:
+                if drafts:  # launched on tokens withdrawn since: nothing of it stands
+                    batch.accepted.append(-1)
+                continue
             rows = token_ids[first_row:row]
             if drafts:
                 accepted = _num_accepted(drafts, rows)
@@ -345,12 +356,14 @@ class Scheduler:
             if seq.is_finished:  # aborted, or stopped by an earlier token, while this step ran
                 continue
             first = seq.num_resolved
+            if len(rows) < 1 + len(drafts):
+                # Rejected drafts and all taken on them since (a chained step's rows).
+                del seq.output_token_ids[first + len(rows):]
+                seq.lookahead = []
+                seq.epoch += 1
             for j, token in enumerate(rows):
                 index = first + j
-                if j == 0:
-                    seq.output_token_ids[index] = token
-                else:
-                    seq.output_token_ids.append(token)
+                seq.output_token_ids[index] = token
                 seq.num_resolved = index + 1
                 reason = self._stop_reason(seq, token, index)
                 if reason is not None:
@@ -358,7 +371,7 @@ class Scheduler:
                     break
             if drafts and not seq.is_finished:
                 seq.num_computed_tokens = seq.num_tokens - 1  # the rejected drafts' K/V are void
-            self.bm.commit_full_blocks(seq)
+            self.bm.commit_full_blocks(seq, limit=seq.num_prompt_tokens + seq.num_resolved)
             sampled.append((seq, first, first_row))
         return sampled
 

@@ -67,7 +67,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: SequenceStatus = SequenceStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)  # may end in PLACEHOLDERs
+    # May end in tokens not yet read back: PLACEHOLDERs, and a verify row's drafts (taken
+    # as accepted until its step is read back).
+    output_token_ids: list[int] = field(default_factory=list)
     num_resolved: int = 0  # leading output tokens whose values are known
     pending_row: int = -1  # row of the last placeholder in its step's sampled tokens
     block_table: list[int] = field(default_factory=list)
@@ -86,6 +88,13 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow the output, for the next step to
     # verify (the scheduler may take fewer); set before each schedule.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prompt lookup's tokens predicted past those drafts (the target's own next token,
+    # then drafts for the step after), for a verify step chained onto this one before it
+    # is read back (llm_engine.LLMEngine._chain).
+    lookahead: list[int] = field(default_factory=list)
+    # Bumped whenever output tokens still in flight are withdrawn (a chained verify row's
+    # drafts rejected): a row of this sequence in a step launched before is void.
+    epoch: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
