@@ -193,6 +193,7 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
     engine = spec_engine(default_model_dir, block_size=2)  # blocks fill (and are published) every other token
     assert engine.async_scheduling
     engine.drafter = Replay(plain, wrong_at=7)  # a draft of the first chained step (k = 4)
+    engine.draft_policy.may_chain = lambda request_id: True  # the policy's own rule is tested apart
     counts = Counter()
     chain, on_result = engine._chain, engine.scheduler.on_result
 
@@ -389,3 +390,20 @@ def test_drafting_stops_where_it_costs():
     # A cheap probe that finds repetition again turns drafting back on at once.
     assert run(4, 1.0, 1.05, 3.0, steps=100) > 60
     assert DraftPolicy(disable_by_batch_size=8).batch_drafts(8) is False
+
+
+def test_steps_chain_only_for_drafts_accepted_whole():
+    """A sequence's verify steps chain once most of its rows accept every draft, and stop
+    chaining when rejections come (a chained row is void after any rejection)."""
+    policy = DraftPolicy()
+    assert not policy.may_chain("a")  # no record yet
+    for n in range(3):
+        policy.on_verified("a", 4, 4, 10 + 5 * n)
+    assert policy.may_chain("a")
+    policy.on_verified("a", 0, 0, 26)  # no drafts found: no verdict on acceptance
+    assert policy.may_chain("a")
+    policy.on_verified("a", 4, 2, 30)
+    assert not policy.may_chain("a")  # one rejection in four rows: below the bar again
+    for n in range(6):
+        policy.on_verified("b", 4, 4 if n % 3 else 1, 10 + 5 * n)  # one row in three rejects
+    assert not policy.may_chain("b")

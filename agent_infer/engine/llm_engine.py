@@ -338,7 +338,7 @@ class LLMEngine:
         batch = self._inflight[0]
         verifying = {id(s) for s, d in zip(batch.seqs, batch.drafts) if d} if batch.drafts else set()
         if not all(id(s) in verifying and len(s.lookahead) > 1 and s.request_id not in self.constraints
-                   for s in seqs):
+                   and self.draft_policy.may_chain(s.request_id) for s in seqs):
             return False
         k = self.num_speculative_tokens
         for seq in seqs:
@@ -347,8 +347,9 @@ class LLMEngine:
         return True
 
     def _chainable(self, batch: ScheduledBatch) -> bool:
-        """Whether every verify row of `batch` has a lookahead a next step could chain on."""
-        return bool(self._chain_tokens) and all(len(s.lookahead) > 1
+        """Whether every verify row of `batch` has a lookahead a next step could chain on
+        (and a record of drafts accepted whole that makes chaining pay)."""
+        return bool(self._chain_tokens) and all(len(s.lookahead) > 1 and self.draft_policy.may_chain(s.request_id)
                                                 for s, d in zip(batch.seqs, batch.drafts) if d)
 
     def _draft_candidates(self) -> list[Sequence]:

@@ -1,6 +1,6 @@
 """When to draft, and what drafting has done (the spec-decode metrics).
 
-Drafting must never cost. Two rules keep it so:
+Drafting must never cost. Three rules keep it so:
 * a sequence whose drafts keep failing, or that keeps having none (looking for drafts
   costs a step its overlap with the previous one), stops drafting for a while, twice as
   long each time it fails again (text that stops repeating itself), and resumes on its own;
@@ -9,7 +9,12 @@ Drafting must never cost. Two rules keep it so:
   step yields more tokens per second than a plain one: at large batches a step is
   compute-bound, a verify step costs up to k + 1 plain ones, and drafting turns itself
   off. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
-  the steps' time, so a change in the workload turns it back on.
+  the steps' time, so a change in the workload turns it back on;
+* a verify step is chained onto one still in flight (llm_engine) only for sequences whose
+  drafts are mostly accepted whole: a chained row is void whenever the step before it
+  rejects a draft, and chaining pays only when the chance of none rejected exceeds the
+  time of an overlapped step over that of one read back at once (host and device
+  serialised); docs/PERFORMANCE.md derives the bar (CHAIN_MIN_WHOLE).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ PLAIN_PROBE_EVERY = 64  # while drafting pays: one plain step in this many refre
 MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
 PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
+CHAIN_MIN_WHOLE = 0.75  # a sequence's share of verify rows accepted whole, for its steps to chain
 _EMA = 0.1
+_WHOLE_EMA = 0.25  # a few rows accepted whole start a chain, a few rejections end it
 
 
 @dataclass
@@ -60,6 +67,7 @@ class _Backoff:
     fails: int = 0
     pause: int = 0  # the last pause's length, in tokens
     resume_at: int = 0  # the sequence's length at which it may draft again
+    whole: float = 0.5  # EMA of its verify rows accepted whole (every draft)
 
 
 @dataclass
@@ -129,6 +137,8 @@ class DraftPolicy:
         if drafted:
             self.stats.record(drafted, accepted)
         s = self._seqs.setdefault(request_id, _Backoff())
+        if drafted:
+            s.whole += _WHOLE_EMA * ((accepted == drafted) - s.whole)
         if accepted:
             s.fails, s.pause, s.resume_at = 0, 0, 0
             return
@@ -137,6 +147,12 @@ class DraftPolicy:
             s.pause = min(MAX_PAUSE_STEPS, 2 * s.pause or 2)
             s.resume_at = length + s.pause  # the next `pause` tokens come without drafts
             s.fails = 0
+
+    def may_chain(self, request_id: str) -> bool:
+        """Whether the sequence's next verify step may be launched before its last one is
+        read back (the third rule above)."""
+        s = self._seqs.get(request_id)
+        return s is not None and s.whole >= CHAIN_MIN_WHOLE
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
