@@ -165,8 +165,10 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
     payload["acceptance_per_position"] = per_pos
     payload["tokens_per_verify_row"] = s.mean_acceptance_length
+    payload["chained_rows"], payload["void_rows"] = s.num_chained_rows, s.num_void_rows
     rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", "", ""))
     rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", "", ""))
+    rows.append(("chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "", "", ""))
     return rows, payload
 
 

@@ -602,6 +602,8 @@ def speculative_summary(engine) -> dict | None:
         "acceptance_rate": s.acceptance_rate,
         "mean_acceptance_length": s.mean_acceptance_length,
         "acceptance_per_position": [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else [],
+        "num_chained_rows": s.num_chained_rows,
+        "num_void_rows": s.num_void_rows,
     }
 
 
@@ -612,7 +614,9 @@ def speculative_rows(summary: dict | None) -> list[tuple]:
     return [("spec decode: verify rows", summary["num_drafts"], None, "info", None),
             ("spec decode: draft acceptance rate", summary["acceptance_rate"], None, "info", None),
             ("spec decode: tokens per verify row", summary["mean_acceptance_length"], None, "info", None),
-            ("spec decode: acceptance by position", per_pos, None, "info", None)]
+            ("spec decode: acceptance by position", per_pos, None, "info", None),
+            ("spec decode: chained / void verify rows", f"{summary['num_chained_rows']} / {summary['num_void_rows']}",
+             None, "info", None)]
 
 
 def save_json(args, payload: dict) -> None:

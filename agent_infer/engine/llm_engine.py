@@ -344,6 +344,7 @@ class LLMEngine:
         for seq in seqs:
             room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
             seq.draft_token_ids, seq.lookahead = seq.lookahead[1 : 1 + room], seq.lookahead[1 + room :]
+        self.draft_policy.stats.num_chained_rows += len(seqs)
         return True
 
     def _chainable(self, batch: ScheduledBatch) -> bool:
@@ -456,8 +457,10 @@ class LLMEngine:
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
         for (seq, drafted), accepted in zip(verify, batch.accepted):
-            if accepted >= 0:  # not a void row
+            if accepted >= 0:
                 self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
+            else:
+                self.draft_policy.stats.num_void_rows += 1
         for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now

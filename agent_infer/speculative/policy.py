@@ -36,12 +36,16 @@ _WHOLE_EMA = 0.25  # a few rows accepted whole start a chain, a few rejections e
 @dataclass
 class SpecDecodeStats:
     """vLLM's spec-decode counters: verify rows (a sequence with drafts in a step), their
-    draft tokens, the accepted ones, and the accepted ones by draft position."""
+    draft tokens, the accepted ones, and the accepted ones by draft position; and this
+    engine's chained verify rows (launched before the step before them was read back)
+    and the void ones among them (their sequence's drafts rejected in that step)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_chained_rows: int = 0
+    num_void_rows: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
