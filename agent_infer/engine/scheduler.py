@@ -235,6 +235,9 @@ class Scheduler:
             elif self._grow(seq, plenty):
                 seqs.append(seq)
                 drafts.append([])
+                k = 0
+            if k < len(proposed):
+                seq.lookahead = []  # predicted past drafts this step does not carry
         if not seqs:
             return None
         return ScheduledBatch(seqs, False, [1 + len(d) for d in drafts], [True] * len(seqs),
