@@ -239,8 +239,8 @@ def mla_rope_store(
     kv_a[:, :rank] = latent
     kv_a[:, rank:] = k_pe
     keep = slot_mapping >= 0
-    rows = kv_a[keep] if kv_cache.dtype == kv_a.dtype else scaled_for_cache(kv_a[keep], cache_scale)
-    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = to_cache_dtype(rows, kv_cache.dtype)
+    rows = to_cache_dtype(scaled_for_cache(kv_a[keep], cache_scale), kv_cache.dtype)
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = rows
     return kv_a[:, :rank], kv_a[:, rank:]
 
 

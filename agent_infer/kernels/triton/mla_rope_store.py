@@ -155,8 +155,10 @@ def _mla_rope_store_absorb_kernel(
             tl.store(out_row + KV_LORA + idx2, y2, mask=r_mask)
 
 
-def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping, cache_scale) -> int:
-    """The shared contract of both kernels; returns the rope dimension."""
+def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
+                cache_scale) -> tuple[int, bool]:
+    """The shared contract of both kernels; returns the rope dimension and whether the
+    stores divide by the cache scale (an fp8 cache)."""
     tokens, width = kv_a.shape
     rank = norm_weight.shape[0]
     rope_dim = width - rank
@@ -168,9 +170,8 @@ def _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slo
     assert kv_cache.dim() == 3 or kv_cache.shape[2] == 1
     assert kv_a.dtype == q_pe.dtype and kv_cache.dtype in (kv_a.dtype, torch.float8_e4m3fn), (
         f"{kv_a.dtype} activations, a {kv_cache.dtype} cache (the activations' dtype or e4m3)")
-    cache_scaled(kv_cache, cache_scale, cache_scale)  # checks the scale against the cache's dtype
     assert kv_a.stride(-1) == 1 and q_pe.stride(-1) == 1 and norm_weight.is_contiguous()
-    return rope_dim
+    return rope_dim, cache_scaled(kv_cache, cache_scale, cache_scale)
 
 
 def mla_rope_store_absorb(
@@ -192,8 +193,8 @@ def mla_rope_store_absorb(
     view; its last dim contiguous); q's last R columns are rotated in place as well."""
     tokens = kv_a.shape[0]
     heads, nope, rank = w_uk.shape
-    rope_dim = _check_args(kv_a, q[..., nope:], positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
-                           cache_scale)
+    rope_dim, scaled = _check_args(kv_a, q[..., nope:], positions, norm_weight, cos_sin_cache, kv_cache,
+                                   slot_mapping, cache_scale)
     assert rank == norm_weight.shape[0] and q.shape[1:] == (heads, nope + rope_dim), f"q {tuple(q.shape)}"
     assert w_uk.stride(-1) == 1 and w_uk.dtype == q.dtype
     out = torch.empty(tokens, heads, rank + rope_dim, dtype=q.dtype, device=q.device)
@@ -206,8 +207,7 @@ def mla_rope_store_absorb(
         w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1), eps, 1.0 / cache_scale,
         KV_LORA=rank, ROPE_DIM=rope_dim, NOPE=nope, IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_L=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
-        BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=_ABSORB_C, NUM_C=num_c,
-        SCALED=kv_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=_ABSORB_C, NUM_C=num_c, SCALED=scaled, num_warps=4,
         **launch_opts(kv_a.device),
     )
     return out
@@ -238,7 +238,8 @@ def mla_rope_store(
     for the kernel launched just before it, which may write kv_a and q_pe only."""
     tokens = kv_a.shape[0]
     rank = norm_weight.shape[0]
-    rope_dim = _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping, cache_scale)
+    rope_dim, scaled = _check_args(kv_a, q_pe, positions, norm_weight, cos_sin_cache, kv_cache, slot_mapping,
+                                   cache_scale)
     latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
     if tokens == 0:
         return latent, k_pe
@@ -250,6 +251,6 @@ def mla_rope_store(
         kv_cache.stride(0), kv_cache.stride(1), num_heads, eps, 1.0 / cache_scale,
         KV_LORA=rank, ROPE_DIM=rope_dim, IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_L=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
-        BLOCK_HQ=block_hq, SCALED=kv_cache.dtype == torch.float8_e4m3fn, num_warps=2, **launch_opts(kv_a.device),
+        BLOCK_HQ=block_hq, SCALED=scaled, num_warps=2, **launch_opts(kv_a.device),
     )
     return latent, k_pe
