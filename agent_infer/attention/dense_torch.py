@@ -21,5 +21,7 @@ class DenseTorchBackend(AttentionBackend):
                 q, cache.k, cache.v, meta.block_tables, meta.query_lens_host, meta.context_lens_host, scale,
                 cache.k_scale, cache.v_scale,
             )
+        # Eager steps carry their lengths on the host (a captured graph's are placeholders).
+        host_lens = meta.context_lens_host if meta.block_tables_host is not None else None
         return reference.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale,
-                                          cache.k_scale, cache.v_scale)
+                                          cache.k_scale, cache.v_scale, host_lens)

@@ -75,8 +75,8 @@ def norm_rope_store(
         )
     if q_weight is not None:
         q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
-    q = reference.apply_rotary(positions, q, cos_sin_cache, is_neox)
-    k = reference.apply_rotary(positions, k, cos_sin_cache, is_neox)
+    cos, sin = reference.rotary_cos_sin(positions, cos_sin_cache, q.dtype)
+    q, k = reference.rotate(q, cos, sin, is_neox), reference.rotate(k, cos, sin, is_neox)
     reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
 

@@ -36,8 +36,21 @@ def apply_rotary(
     cos_sin_cache is [max_pos, rot_dim]: cos of the rot_dim/2 frequencies, then sin.
     Neox style pairs feature i with i + rot_dim/2; GPT-J style pairs 2i with 2i+1.
     """
-    rot_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    return rotate(x, *rotary_cos_sin(positions, cos_sin_cache, x.dtype), is_neox)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, 1, rot_dim / 2] of `positions`, for `rotate`: looked up once
+    when several tensors turn by the same positions."""
+    cos, sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """`apply_rotary` with the positions' cos and sin already looked up."""
+    rot_dim = 2 * cos.shape[-1]
     rot, rest = x[..., :rot_dim], x[..., rot_dim:]
     if is_neox:
         x1, x2 = rot.chunk(2, dim=-1)
@@ -71,9 +84,10 @@ def store_kv(
     kv_heads, head_dim] at flat slots; a slot of -1 (padding) is skipped. An fp8 cache
     stores k / k_scale and v / v_scale (its entries times the scales are K and V)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(scaled_for_cache(k[keep], k_scale), k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(scaled_for_cache(v[keep], v_scale), v_cache.dtype)
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache_dtype(scaled_for_cache(k, k_scale), k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache_dtype(scaled_for_cache(v, v_scale), v_cache.dtype)
 
 
 def scaled_for_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -96,7 +110,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     block_size = cache.shape[1]
     n = (length + block_size - 1) // block_size
-    return cache[block_table[:n]].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:n]).flatten(0, 1)[:length]
 
 
 def prefill_attention(
@@ -122,9 +136,12 @@ def prefill_attention(
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         ki = _gather_context(k_cache, block_tables[i], ctx).transpose(0, 1).to(q.dtype)
         vi = _gather_context(v_cache, block_tables[i], ctx).transpose(0, 1).to(q.dtype)
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale * k_scale, enable_gqa=True)
+        if q_len == ctx:  # no cached prefix: plain causal attention
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale * k_scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale * k_scale, enable_gqa=True)
         if v_scale != 1.0:
             o = o.float() * v_scale
         out[start : start + q_len] = o.transpose(0, 1)
@@ -141,21 +158,30 @@ def decode_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    context_lens_host: list[int] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, q [B, H, D], attending to its context_lens[b] cached
-    tokens (the cache's entries times k_scale / v_scale are K and V)."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    k = k_cache[block_tables].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
-    v = v_cache[block_tables].flatten(1, 2)
-    group = num_heads // num_kv_heads
-    qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k.float()) * (scale * k_scale)
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v.float()) * v_scale
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    tokens (the cache's entries times k_scale / v_scale are K and V), in fp32.
+
+    One sequence whose length the host knows (`context_lens_host`) gathers exactly its
+    context and attends unmasked, as transformers' own decode does; a batch gathers every
+    row's table and masks what lies past each length."""
+    batch = q.shape[0]
+    if batch == 1 and context_lens_host is not None:
+        k = _gather_context(k_cache, block_tables[0], context_lens_host[0])[None]
+        v = _gather_context(v_cache, block_tables[0], context_lens_host[0])[None]
+        mask = None
+    else:
+        k = k_cache[block_tables].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
+        v = v_cache[block_tables].flatten(1, 2)
+        mask = (torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask,
+        scale=scale * k_scale, enable_gqa=True,
+    )[:, :, 0]
+    if v_scale != 1.0:
+        out = out * v_scale
+    return out.to(q.dtype)
 
 
 _M32 = 0xFFFFFFFF
