@@ -114,7 +114,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
-                     fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache)
+                     fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache),
+                     rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, fp8-shapes (fp8 on
                      load at the Qwen3-8B and V2-Lite shapes against the reference), fp8-forced (the same,
@@ -666,6 +667,7 @@ cmd_kernels() {
               kernel_part chain 240 python3 benchmarks/throughput_kernels.py --only chain,prefill_rows ;;
       floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
+      rows)   kernel_part rows 400 python3 benchmarks/gpu_kernels.py --only gemv ;;
       fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph
               kernel_part fp8_decode 120 python3 benchmarks/throughput_kernels.py --only decode --kv-cache-dtype fp8 ;;

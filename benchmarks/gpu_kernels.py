@@ -290,11 +290,15 @@ def sweep_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     base = default_config(m, n, k, torch.device(DEV))
     if not sweeping():
         return [base]
-    tiles = [(8, 1024, 4), (32, 256, 4), (16, 1024, 8)] if m == 1 else [(32, 256, 4), (128, 64, 4), (64, 128, 8)]
+    tiles = [(8, 1024, 4, 4, False), (32, 256, 4, 4, False), (16, 1024, 8, 4, False)] if m == 1 else [
+        (32, 256, 4, 4, False), (128, 64, 4, 4, False), (64, 128, 8, 4, False),
+        # the weight tile as the MMA's left operand (Hopper's warpgroup MMA)
+        (64, 128, 4, 4, True), (64, 128, 4, 6, True), (128, 128, 4, 4, True), (64, 256, 4, 4, True),
+        (128, 64, 8, 6, True)]
     out = [base]
-    for bn, bk, warps in tiles:
+    for bn, bk, warps, stages, swap in tiles:
         split = max(1, min(base.split_k * base.block_n // bn, triton.cdiv(k, bk) // 2 or 1))
-        out.append(GemvConfig(bn, bk, split, warps, 4, use_dot=m > 1))
+        out.append(GemvConfig(bn, bk, split, warps, stages, use_dot=m > 1, swap_ab=swap))
     return out
 
 
@@ -314,7 +318,8 @@ def bench_gemv() -> None:
                 timed.append((bench(lambda: linear(x, w, None, cfg)), cfg, err))
             t, _, err = timed[0]  # the default config
             tb, cfg, _ = min(timed, key=lambda e: e[0])
-            cfg_s = f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} {'dot' if cfg.use_dot else 'fma'}"
+            cfg_s = (f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages} "
+                     f"{('dot-swapped' if cfg.swap_ab else 'dot') if cfg.use_dot else 'fma'}")
             add(Row("gemv", f"{name} {k}->{n} M={m}", t, f"{wbytes / t / 1e6:5.2f} TB/s", t_torch, "cuBLAS", err,
                     f"cuBLAS {wbytes / t_torch / 1e6:.2f} TB/s; best {cfg_s} {tb:.1f} us = {wbytes / tb / 1e6:.2f} TB/s"))
         del w, w32

@@ -103,6 +103,32 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
         assert stack == 0, f"the fp8 GEMV (silu={silu}, add_norm={add_norm}) spills {stack} bytes per thread"
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab):
+    """A few rows (verify steps, small batches) padded to 16: with x as the left operand
+    the dot can only take the older 16-row MMA (mma.sync); with the weight tile on the
+    left (`GemvConfig.swap_ab`) it takes Hopper's warpgroup MMA, fed from shared memory by
+    the same pipelined loads, without spilling."""
+    from agent_infer.kernels.triton.gemv import _gemv_kernel
+
+    signature = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
+        "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
+        "SWAP_AB": "constexpr",
+    }
+    constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 64,
+                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab}
+    kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=4, num_stages=4,
+                           aligned=(0, 1, 3, 4, 8, 9, 10, 11))
+    ptx = kernel.asm["ptx"]
+    assert ("wgmma.mma_async" in ptx) == swap_ab and ("mma.sync" in ptx) == (not swap_ab)
+    assert "cp.async" in ptx  # the weight tiles stream through the software pipeline either way
+    regs, stack = _registers_per_thread(kernel)
+    assert stack == 0, f"{regs} registers, {stack} bytes of stack"
+
+
 def _run_tool(name: str, kernel, *args: str) -> str:
     """The output of one of the Triton wheel's CUDA tools (cuobjdump, nvdisasm) on a
     compiled kernel's cubin."""

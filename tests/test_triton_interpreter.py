@@ -262,6 +262,8 @@ else:
         (5, 33, 128, False, GemvConfig(16, 32, split_k=2, use_dot=True)),
         (40, 48, 256, True, GemvConfig(16, 64, split_k=2, use_dot=True)),  # rows padded to 64
         (17, 40, 96, False, None),  # rows padded to 32, the default config
+        (5, 100, 128, True, GemvConfig(64, 32, split_k=2, use_dot=True, swap_ab=True)),  # the weight on the left
+        (3, 64, 96, False, GemvConfig(64, 64, use_dot=True, swap_ab=True)),
     ]
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)

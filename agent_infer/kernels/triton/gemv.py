@@ -7,7 +7,8 @@ loads in flight, K is split too; the partial sums go to an fp32 scratch [S, M, N
 second small kernel adds up (deterministic, no atomics, no zero-fill).
 
 M == 1 uses plain FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the
-end; M > 1 uses tl.dot on an x tile padded to 16, 32 or 64 rows. The engine takes the
+end; M > 1 uses tl.dot on an x tile padded to 16, 32 or 64 rows, x on the left or (swap_ab)
+the weight tile, which lets a Hopper GPU use its warpgroup MMA. The engine takes the
 M == 1 row kernel below; this one is benchmarked against cuBLAS for small decode batches
 (benchmarks/gpu_kernels.py, benchmarks/throughput_kernels.py --only chain). The
 reference is F.linear.
@@ -35,6 +36,10 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     use_dot: bool = False  # tl.dot on rows padded to a power of two >= 16; required when M > 1
+    # With use_dot: the weight tile is the dot's left operand ([BLOCK_N, BLOCK_K] times x^T),
+    # so BLOCK_N >= 64 fills a Hopper warpgroup MMA, whose left operand must be 64 rows
+    # tall, where x's 16 padded rows on the left leave only the older, narrower MMA.
+    swap_ab: bool = False
 
 
 @triton.jit
@@ -43,6 +48,7 @@ def _gemv_kernel(
     M, N, K, sxm, swn, som, k_per_split,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -54,7 +60,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
     x_rows = x_ptr + m[:, None] * sxm
-    if USE_DOT:
+    if SWAP_AB:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -67,11 +75,15 @@ def _gemv_kernel(
             k_mask = kk < k_hi
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
+        if SWAP_AB:
+            acc_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=PRECISION)
+        elif USE_DOT:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
         else:
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
-    if not USE_DOT:
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
+    elif not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
@@ -129,6 +141,8 @@ def linear(
     cfg = config or default_config(m, n, k, x.device)
     if m > 1 and not cfg.use_dot:
         raise ValueError("the FMA path handles M == 1 only; use_dot=True for M > 1")
+    if cfg.swap_ab and not cfg.use_dot:
+        raise ValueError("swap_ab swaps the operands of tl.dot: it needs use_dot=True")
     assert triton.next_power_of_2(cfg.block_k) == cfg.block_k and triton.next_power_of_2(cfg.block_n) == cfg.block_n
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(k, cfg.block_k)
@@ -145,7 +159,7 @@ def linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         split_reduce(part, bias, out)
