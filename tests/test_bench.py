@@ -19,8 +19,8 @@ from agent_infer.bench.cli import add_bench_parser
 from agent_infer.bench.hf_baseline import left_pad
 from agent_infer.bench.monitor import GpuMonitor, GpuSeries, parse_smi_line
 from agent_infer.bench.offline import (
-    LatencyRun, fresh_prompts, format_table, json_text, nano_vllm_workload, run_throughput, summarise_latency,
-    uniform_workload,
+    LatencyRun, fresh_prompts, format_table, json_text, latency_rows, nano_vllm_workload, run_throughput,
+    summarise_latency, uniform_workload,
 )
 from agent_infer.bench.roofline import decode_roofline, decode_weight_params
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
@@ -278,6 +278,17 @@ def test_summarise_latency_medians_and_rates():
     assert s["prefill_tok_s"] == pytest.approx(400 / 0.020)
 
 
+def test_latency_rows_without_a_roofline():
+    """A CPU run without --bandwidth-tbs has no roofline: the column says so with '-'
+    instead of a GPU's figure."""
+    results = {"ttft_ms": 300.0, "decode_tok_s_per_seq": 19.0, "decode_tok_s_total": 19.0, "decode_step_ms": 52.6,
+               "e2e_s": 3.6}
+    rows = latency_rows(results, None, None, {}, 1, 128)
+    assert [r[0] for r in rows][:3] == ["TTFT ms (128-token prompt, batch 1)", "decode tok/s per sequence",
+                                        "decode step ms"]
+    assert all(r[4] is None for r in rows)
+
+
 def test_table_ratio_means_times_faster():
     text = format_table([
         ("rate", 300.0, 10.0, "rate", "281.0 (106.8 %)"),
@@ -424,10 +435,12 @@ def test_latency_command_on_tiny(bench_cache, tmp_path, capsys):
         "latency", "--random-weights", "tiny", "--device", "cpu", "--kv-cache-gib", "0.02",
         "--input-len", "24", "--output-len", "6", "--batch-size", "2", "--num-iters", "2", "--num-warmup", "1",
         "--compare-hf", "--profile", str(prof), "--profile-steps", "3", "--output-json", str(out_json),
+        "--bandwidth-tbs", "0.02",  # a CPU's roofline needs the machine's bandwidth
     ])
     assert rc == 0
     out = capsys.readouterr().out
     rep = json.loads(out_json.read_text())
+    assert rep["roofline"]["bandwidth_tbs"] == 0.02
     r = rep["results"]
     assert rep["benchmark"] == "latency" and rep["model"]["random_weights"] == "tiny"
     assert rep["model"]["path"] == str(bench_cache / "random" / "tiny")
@@ -558,7 +571,7 @@ def test_bench_registers_latency_throughput_and_serve():
     assert set(sub.choices) == {"latency", "throughput", "serve"}
     args = parser.parse_args(["bench", "latency", "--random-weights", "qwen3-8b"])
     assert (args.input_len, args.output_len, args.batch_size, args.max_num_seqs) == (512, 256, 1, None)
-    assert args.bandwidth_tbs == 4.26 and callable(args.handler)
+    assert args.bandwidth_tbs is None and callable(args.handler)  # 4.26 on a GPU, no roofline on a CPU
     args = parser.parse_args(["bench", "throughput"])
     assert (args.num_seqs, args.min_len, args.max_len, args.temperature, args.max_num_seqs) == (256, 100, 1024, 0.6, None)  # None: the engine's 256
     assert (args.workload, args.rounds, args.num_warmup) == ("nano-vllm", 3, 0)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from agent_infer.bench.monitor import GpuMonitor, format_monitor
-from agent_infer.bench.roofline import decode_roofline
+from agent_infer.bench.roofline import DEFAULT_BANDWIDTH_TBS, decode_roofline
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
 from agent_infer.bench.table import render_table
 from agent_infer.bench.workloads import (  # noqa: F401 - re-exported for existing callers
@@ -219,13 +219,17 @@ def cmd_latency(args: argparse.Namespace) -> int:
         # The cache a decode step reads: every sequence's context, at its mean length over the run.
         tp = setup.config.tensor_parallel_size
         cache_bytes = round(B * (n_in + n_out / 2) * engine.runner.cache_bytes_per_token() * tp)
-        roofline = latency_roofline(setup, args.bandwidth_tbs, results, B, cache_bytes)
+        # A GPU's bandwidth says nothing of a CPU's: there, a roofline only with the machine's own.
+        bandwidth = args.bandwidth_tbs or (DEFAULT_BANDWIDTH_TBS if setup.device.type == "cuda" else None)
+        roofline = latency_roofline(setup, bandwidth, results, B, cache_bytes) if bandwidth else None
         payload = report_payload("latency", args, setup, engine, init_s, results, hf, roofline, monitor)
         save_json(args, payload)  # before profiling: a crash there must not lose the figures
         payload["profile"] = maybe_profile(args, engine, fresh(), params, "latency")
         title = (f"latency: {model_label(setup)}, batch {B}, {n_in} -> {n_out} tokens, {mode_label(setup)}, "
-                 f"median of {args.num_iters}\nroofline: {roofline['bytes_per_token'] / 1e9:.3f} GB of weights read "
-                 f"per decode step at {roofline['bandwidth_tbs']} TB/s x {roofline['tp']} GPU(s)")
+                 f"median of {args.num_iters}\nroofline: " + (
+                     f"{roofline['bytes_per_token'] / 1e9:.3f} GB of weights read per decode step at "
+                     f"{roofline['bandwidth_tbs']} TB/s x {roofline['tp']} device(s)" if roofline else
+                     "none on a CPU without --bandwidth-tbs"))
         finish(args, title, latency_rows(results, hf, roofline, monitor, B, n_in), payload)
     finally:
         engine.shutdown()  # TP workers end with it
@@ -271,23 +275,28 @@ def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: i
     }
 
 
-def latency_rows(results: dict, hf: dict | None, roof: dict, monitor: dict, B: int, n_in: int) -> list[tuple]:
+def latency_rows(results: dict, hf: dict | None, roof: dict | None, monitor: dict, B: int, n_in: int) -> list[tuple]:
+    """The latency table's rows; `roof` None: no roofline column."""
     def hfv(key):
         return hf[key] if hf else None
 
-    frac = roof["achieved_fraction"] * 100
+    def roof_rate(key: str, fraction: str) -> str | None:
+        return f"{roof[key]:,.1f} ({roof[fraction] * 100:.1f} %)" if roof else None
+
     rows = [
         (f"TTFT ms ({n_in}-token prompt{'s' if B > 1 else ''}, batch {B})", results["ttft_ms"], hfv("ttft_ms"), "time", None),
         ("decode tok/s per sequence", results["decode_tok_s_per_seq"], hfv("decode_tok_s_per_seq"), "rate",
-         f"{roof['decode_tok_s_per_seq']:,.1f} ({frac:.1f} %)"),
-        (f"  roofline with the cache's {roof['cache_bytes_per_step'] / 1e9:.3f} GB a step", None, None, "rate",
-         f"{roof['decode_tok_s_per_seq_with_cache']:,.1f} ({roof['achieved_fraction_with_cache'] * 100:.1f} %)"),
+         roof_rate("decode_tok_s_per_seq", "achieved_fraction")),
     ]
+    if roof:
+        rows.append((f"  roofline with the cache's {roof['cache_bytes_per_step'] / 1e9:.3f} GB a step", None, None,
+                     "rate", roof_rate("decode_tok_s_per_seq_with_cache", "achieved_fraction_with_cache")))
     if B > 1:
         rows.append(("decode tok/s total", results["decode_tok_s_total"], hfv("decode_tok_s_total"), "rate",
-                     f"{roof['decode_tok_s_total']:,.1f} ({frac:.1f} %)"))
+                     roof_rate("decode_tok_s_total", "achieved_fraction")))
     rows += [
-        ("decode step ms", results["decode_step_ms"], hfv("decode_step_ms"), "time", f"{roof['step_ms']:.3f}"),
+        ("decode step ms", results["decode_step_ms"], hfv("decode_step_ms"), "time",
+         f"{roof['step_ms']:.3f}" if roof else None),
         ("end-to-end s", results["e2e_s"], hfv("e2e_s"), "time", None),
     ]
     rows += memory_rows(monitor)
