@@ -85,6 +85,34 @@ def test_streaming_outputs_carry_prompt_logprobs_once_the_prompt_is_done(tiny_mo
     assert seen[0].prompt_logprobs is seen[-1].prompt_logprobs  # built once
 
 
+def _rank_bounds(row: torch.Tensor, token: int, tol: float = 1e-4) -> tuple[int, int]:
+    """The ranks a token may have in a transformers log_softmax row, allowing for
+    rounding: 1 + the entries surely above it .. 1 + those possibly above it."""
+    v = row[token]
+    return int((row > v + tol).sum()) + 1, int((row > v - tol).sum()) + 1
+
+
+def test_prompt_and_sampled_logprobs_carry_the_token_rank(tiny_model_dirs):
+    """Every prompt and sampled token's logprob comes with its rank in its row (1 + the
+    vocabulary entries with a larger logprob, as vLLM's Logprob.rank), also with no
+    top-k to find the token in (prompt_logprobs=0, logprobs=0)."""
+    path = tiny_model_dirs["qwen3"]
+    out = _engine(path).generate([PROMPT], SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
+                                                          prompt_logprobs=0, logprobs=0))[0]
+    full = PROMPT + out.token_ids
+    with torch.inference_mode():
+        logits = load_hf_model(path)(input_ids=torch.tensor([full])).logits[0, :-1]
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    checked = list(zip(out.prompt_logprobs[1:], range(len(PROMPT) - 1)))
+    checked += list(zip(out.logprobs, range(len(PROMPT) - 1, len(full) - 1)))
+    assert len(checked) == len(full) - 1
+    for lp, r in checked:
+        assert lp.token_id == full[r + 1] and isinstance(lp.rank, int)
+        low, high = _rank_bounds(rows[r], lp.token_id)
+        assert low <= lp.rank <= high, f"position {r + 1}: rank {lp.rank}, expected {low}..{high}"
+    assert any(lp.rank > 1 for lp, _ in checked)  # not just argmaxes
+
+
 def test_bad_prompt_logprobs_is_refused():
     with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)

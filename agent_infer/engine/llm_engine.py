@@ -451,7 +451,7 @@ class LLMEngine:
         if result.prompt_logprobs is not None:
             for seq, lps in zip(batch.seqs, result.prompt_logprobs):
                 k = seq.sampling_params.prompt_logprobs or 0
-                seq.prompt_logprobs.extend((lp, top[:k]) for lp, top in lps)
+                seq.prompt_logprobs.extend((lp, top[:k], rank) for lp, top, rank in lps)
         now = time.monotonic()
         outputs = []
         new_tokens = self.scheduler.on_result(batch, result.tokens)
@@ -484,7 +484,8 @@ class LLMEngine:
         for j, token in enumerate(tokens):
             if lp is not None and result.logprobs is not None:
                 top = result.top_logprobs[row + j][:lp] if result.top_logprobs else []
-                seq.output_logprobs.append((result.logprobs[row + j], top))
+                rank = result.ranks[row + j] if result.ranks is not None else None
+                seq.output_logprobs.append((result.logprobs[row + j], top, rank))
             keep = first + j + 1
             if req.text is not None and req.text.add_token(token) is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, keep=keep)
@@ -512,7 +513,7 @@ class LLMEngine:
         req.sent_tokens = done
         logprobs = req.logprobs
         if logprobs is not None and len(logprobs) < len(seq.output_logprobs):
-            logprobs.extend(TokenLogprob(t, lp, top) for t, (lp, top) in
+            logprobs.extend(TokenLogprob(t, lp, top, rank) for t, (lp, top, rank) in
                             zip(seq.output_token_ids[len(logprobs):], seq.output_logprobs[len(logprobs):]))
         stop_reason = None  # like vLLM: None for EOS, else the stop string or stop token
         if seq.finish_reason == FinishReason.STOP:
@@ -551,7 +552,7 @@ class LLMEngine:
             ids = seq.prompt_token_ids
             if len(seq.prompt_logprobs) == len(ids) - 1:
                 req.prompt_logprobs = [None] + [
-                    TokenLogprob(t, lp, top) for t, (lp, top) in zip(ids[1:], seq.prompt_logprobs)
+                    TokenLogprob(t, lp, top, rank) for t, (lp, top, rank) in zip(ids[1:], seq.prompt_logprobs)
                 ]
         return req.prompt_logprobs
 

@@ -26,7 +26,7 @@ from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.state import ParallelState, broadcast_from_first
 from agent_infer.engine.cuda_graphs import DecodeGraphs, GraphUnsafe
 from agent_infer.engine.host_step import HostStep, block_tables, build_host_step
-from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch, token_ranks
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import Sequence
 from agent_infer.kernels import ops
@@ -53,25 +53,28 @@ def build_context(device: torch.device, dtype: torch.dtype):
 
 @dataclass
 class StepOutput:
-    """What one step produced, on the host: one token per sampling sequence, in batch order;
-    and, for sequences that asked for prompt logprobs, those of the prompt tokens this step
-    computed (per batch sequence, in order; empty for the others)."""
+    """What one step produced, on the host: one token per sampling sequence, in batch order
+    (with logprobs: its logprob, rank and top-k); and, for sequences that asked for prompt
+    logprobs, (logprob, top-k, rank) of the prompt tokens this step computed (per batch
+    sequence, in order; empty for the others)."""
 
     tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int]]] | None = None
+    ranks: list[int] | None = None
 
 
 @dataclass
 class PromptLogprobs:
     """Logprobs of prompt tokens given the tokens before them, for the rows of a prefill
-    step listed in `HostStep.prompt_lp_rows`: the target token's logprob [R] and the
-    top-k [R, k] (k = 0: none)."""
+    step listed in `HostStep.prompt_lp_rows`: the target token's logprob [R] and rank [R],
+    and the top-k [R, k] (k = 0: none)."""
 
     logprobs: torch.Tensor
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None = None
 
 
 @dataclass
@@ -313,17 +316,20 @@ class ModelRunner:
         rows = torch.from_numpy(step.prompt_lp_rows).to(self.device, non_blocking=True)
         targets = torch.from_numpy(step.prompt_lp_targets).to(self.device, non_blocking=True)
         k = step.prompt_lp_k
-        lps, top_ids, top_lps = [], [], []
+        lps, ranks, top_ids, top_lps = [], [], [], []
         for lo in range(0, rows.numel(), rows_per_pass):
             logits = self.model.compute_logits(hidden[rows[lo : lo + rows_per_pass]])
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            lps.append(logprobs.gather(1, targets[lo : lo + rows_per_pass, None]).squeeze(1))
+            target_lps = logprobs.gather(1, targets[lo : lo + rows_per_pass, None]).squeeze(1)
+            lps.append(target_lps)
+            ranks.append(token_ranks(logprobs, target_lps))
             if k > 0:
                 values, ids = logprobs.topk(k, dim=-1)
                 top_lps.append(values)
                 top_ids.append(ids)
         return PromptLogprobs(
-            torch.cat(lps), torch.cat(top_ids) if k > 0 else None, torch.cat(top_lps) if k > 0 else None
+            torch.cat(lps), torch.cat(top_ids) if k > 0 else None, torch.cat(top_lps) if k > 0 else None,
+            torch.cat(ranks),
         )
 
     @torch.inference_mode()
@@ -437,10 +443,11 @@ class InFlight:
             return None if t is None else t.to("cpu", non_blocking=True)
 
         host = None if out is None else SamplerOutput(
-            copy(out.tokens), copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs)
+            copy(out.tokens), copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs), copy(out.ranks)
         )
         if prompt is not None:
-            prompt = PromptLogprobs(copy(prompt.logprobs), copy(prompt.top_ids), copy(prompt.top_logprobs))
+            prompt = PromptLogprobs(copy(prompt.logprobs), copy(prompt.top_ids), copy(prompt.top_logprobs),
+                                    copy(prompt.ranks))
         event = torch.cuda.Event()
         event.record()
         return InFlight(host, prompt, step.prompt_lp_counts, event)
@@ -454,13 +461,16 @@ class InFlight:
         return result
 
 
-def _split_prompt_logprobs(p: PromptLogprobs, counts: np.ndarray) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+def _split_prompt_logprobs(p: PromptLogprobs, counts: np.ndarray
+                           ) -> list[list[tuple[float, list[tuple[int, float]], int]]]:
     lps = p.logprobs.tolist()
+    ranks = p.ranks.tolist()
     ids = p.top_ids.tolist() if p.top_ids is not None else None
     tops = p.top_logprobs.tolist() if p.top_logprobs is not None else None
     out, at = [], 0
     for n in counts.tolist():
-        out.append([(lps[r], list(zip(ids[r], tops[r])) if ids is not None else []) for r in range(at, at + n)])
+        out.append([(lps[r], list(zip(ids[r], tops[r])) if ids is not None else [], ranks[r])
+                    for r in range(at, at + n)])
         at += n
     return out
 
@@ -475,4 +485,4 @@ def to_host(out: SamplerOutput) -> StepOutput:
     if out.top_ids is not None:
         ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
-    return StepOutput(tokens, logprobs, top)
+    return StepOutput(tokens, logprobs, top, ranks=out.ranks.tolist() if out.ranks is not None else None)

@@ -10,6 +10,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    # The token's place in its row's distribution: 1 + how many vocabulary entries have a
+    # strictly larger logprob (vLLM's Logprob.rank); computed on the device.
+    rank: int | None = None
 
 
 @dataclass

@@ -103,6 +103,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] float32: logprob of the sampled token
     top_ids: torch.Tensor | None = None  # [B, k] int64
     top_logprobs: torch.Tensor | None = None  # [B, k] float32
+    ranks: torch.Tensor | None = None  # [B] int64: rank of the sampled token (with logprobs)
 
 
 class Sampler:
@@ -117,6 +118,7 @@ class Sampler:
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            out.ranks = token_ranks(raw_logprobs, out.logprobs)
             if batch.num_logprobs > 0:
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
         return out
@@ -137,6 +139,12 @@ class Sampler:
         # Temperature is applied: sample the masked distribution at T = 1 (greedy rows: T = 0,
         # the argmax, which the masks always keep).
         return ops.gumbel_sample(scaled, torch.where(greedy, torch.zeros_like(ones), ones), batch.seeds, batch.steps)
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[R] rank of each row's chosen token: 1 + the entries of its row [R, V] with a
+    strictly larger logprob. A comparison and a sum on the device: no host sync."""
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

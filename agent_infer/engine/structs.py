@@ -81,10 +81,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    # Per generated token: (sampled logprob, top-k [(token, logprob)]) when asked for.
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Per generated token: (sampled logprob, top-k [(token, logprob)], rank) when asked for.
+    output_logprobs: list[tuple[float, list[tuple[int, float]], int | None]] = field(default_factory=list)
     # Prompt tokens 1, 2, ... in order as their prefill chunks finish (token 0 has none).
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     # Speculative decoding: tokens proposed to follow the output, for the next step to
     # verify (the scheduler may take fewer); set before each schedule.
     draft_token_ids: list[int] = field(default_factory=list)
