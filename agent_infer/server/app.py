@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
 GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+GET /v1/models/{id}, GET /health, GET and POST /ping (SageMaker's health check),
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, and POST /invocations
+(SageMaker's one endpoint: chat completions, completions or responses, by the body).
 
 The app holds no engine: it talks to the engine core through a CoreClient, and its
 chat templates and long texts go to text workers. Its lifespan connects both and closes
@@ -93,6 +95,9 @@ def build_app(client: CoreClient, config: ServerConfig, *, text: TextWorkers | N
     app.add_api_route("/v1/models", guarded(chat.models), methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", guarded(chat.model), methods=["GET"])
     app.add_api_route("/health", guarded(chat.health), methods=["GET"])
+    app.add_api_route("/ping", guarded(chat.health), methods=["GET", "POST"])
+    app.add_api_route("/version", guarded(chat.version), methods=["GET"])
+    app.add_api_route("/invocations", guarded(invocations_endpoint(chat, completions, responses)), methods=["POST"])
     app.add_api_route("/metrics", guarded(chat.metrics_text), methods=["GET"])
     app.add_api_route("/tokenize", guarded(chat.tokenize), methods=["POST"])
     app.add_api_route("/detokenize", guarded(chat.detokenize), methods=["POST"])
@@ -122,4 +127,21 @@ def build_app(client: CoreClient, config: ServerConfig, *, text: TextWorkers | N
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(Exception, on_internal_error)
     return app
+
+
+def invocations_endpoint(chat: ChatServing, completions: CompletionServing, responses: ResponsesServing):
+    """POST /invocations (SageMaker sends every request there): the endpoint whose
+    request the body is, told by its one required field."""
+    async def invocations(request: Request):
+        body = await chat.read_json(request)
+        if "messages" in body:
+            return await chat.chat_completions(request)
+        if "prompt" in body:
+            return await completions.completions(request)
+        if "input" in body:
+            return await responses.create(request)
+        raise ApiError(400, "an invocation needs 'messages' (chat completions), 'prompt' (completions) or "
+                            "'input' (responses)", code="invalid_value")
+
+    return invocations
 

@@ -74,7 +74,6 @@ REFUSED: dict[str, tuple[object, str]] = {
     # vLLM's fields that we do not implement, whose absence a client would not notice
     "logprob_token_ids": (None, "logprob_token_ids (logprobs of chosen token ids) is not supported; "
                                 "use logprobs with top_logprobs"),
-    "truncation_side": ("left", "only truncation_side 'left' (keep the last tokens) is supported"),
     "use_beam_search": (False, "beam search is not supported"),
     "bad_words": (None, "bad_words is not supported; use logit_bias to ban tokens"),
     "logits_processors": (None, "custom logits processors are not supported"),
@@ -82,12 +81,18 @@ REFUSED: dict[str, tuple[object, str]] = {
 }
 
 
+# Refused even when empty: vLLM rejects an empty list there, so it is no harmless default.
+_REFUSED_WHEN_EMPTY = frozenset({"logprob_token_ids"})
+
+
 def refusal(body: dict) -> tuple[str, str] | None:
     """(param, message) for the first field of a raw body that we cannot honour (set to
-    anything but its default or an empty value)."""
+    anything but its default or, for most, an empty value)."""
     for name, (default, message) in REFUSED.items():
         value = body.get(name)
-        if value is not None and value != default and value not in ("", [], {}):
+        if value is None or value == default:
+            continue
+        if name in _REFUSED_WHEN_EMPTY or value not in ("", [], {}):
             return name, message
     modalities = body.get("modalities")
     if isinstance(modalities, list) and any(m != "text" for m in modalities):
@@ -101,6 +106,11 @@ def refusal(body: dict) -> tuple[str, str] | None:
 class StreamOptions(_Request):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False  # vLLM: usage in every chunk
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing set (`{}`, or only nulls): vLLM lets that through without stream."""
+        return not self.model_fields_set
 
 
 class JsonSchemaFormat(_Request):
@@ -163,7 +173,11 @@ class _SamplingFields(SamplingExtras):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: Bool = False  # logprob tokens as "token_id:<id>"
     return_token_ids: Bool = False  # choices carry token_ids (and prompt_token_ids)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: the context)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep k prompt tokens (-1: the context)
+    # Which end truncate_prompt_tokens keeps: "left" (the default) cuts the start, keeping
+    # the last tokens; "right" cuts the end, keeping the first.
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="truncation_side must be 'left' or 'right'")
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -174,14 +188,6 @@ class _SamplingFields(SamplingExtras):
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises SamplingParamsError (which names the field) for out-of-range values."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        bias = None
-        if self.logit_bias:
-            bias = {}
-            for key, value in self.logit_bias.items():
-                try:
-                    bias[int(key)] = value
-                except ValueError:
-                    raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -200,10 +206,20 @@ class _SamplingFields(SamplingExtras):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
-            logit_bias=bias,
+            logit_bias=self._logit_bias(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             structured_outputs=structured,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with token-id keys; every key that is not one is named in the error."""
+        if not self.logit_bias:
+            return None
+        bad = [key for key in self.logit_bias if not _is_int_text(key)]
+        if bad:
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids, got "
+                                                    f"{', '.join(map(repr, bad))}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """The constraint asked for by response_format, structured_outputs or guided_*
@@ -247,11 +263,19 @@ class _SamplingFields(SamplingExtras):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+def _is_int_text(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
     )
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (scoring the prompt): see CompletionServing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
     add_special_tokens: Bool = True
@@ -260,6 +284,17 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Request):
     type: Literal["text", "input_text"]
     text: str
+
+
+class RefusalPart(_Request):
+    """OpenAI's refusal part, allowed in an assistant message of the history."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
 
 
 class ToolCallFunction(_Request):
@@ -274,9 +309,12 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(
-        None, description="content must be a string or a list of {'type': 'text', 'text': ...} parts"
+    # Any role goes to the chat template as it is (as in vLLM: templates may know roles
+    # of their own); system, developer, user, assistant and tool are the ones we read.
+    role: str = Field(min_length=1, description="role must be a non-empty string")
+    content: str | list[TextPart | RefusalPart] | None = Field(
+        None, description="content must be a string or a list of {'type': 'text', 'text': ...} parts "
+                          "({'type': 'refusal', 'refusal': ...} parts too, in assistant messages)"
     )
     name: str | None = None
     tool_call_id: str | None = None
@@ -284,16 +322,29 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
-    def as_template_message(self, arguments_as_dict: bool = True) -> dict:
+    @model_validator(mode="after")
+    def _refusals_only_from_the_assistant(self):
+        if self.role != "assistant" and isinstance(self.content, list) and \
+                any(isinstance(p, RefusalPart) for p in self.content):
+            raise ValueError("refusal parts are only allowed in assistant messages")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one text (parts joined by newlines; a refusal part gives its text)."""
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+    def as_template_message(self, arguments_as_dict: bool = True, function_as_tool: bool = False) -> dict:
         """The message as chat templates take it: text content, tool calls with their
-        arguments as a mapping (or the JSON text, for templates that paste it in)."""
+        arguments as a mapping (or the JSON text, for templates that paste it in).
+        `function_as_tool`: OpenAI's legacy `function` role (a function's result) becomes
+        a tool message, for templates that know tool results but not that role."""
         import json
 
-        if isinstance(self.content, list):
-            content = "\n".join(p.text for p in self.content)
-        else:
-            content = self.content or ""
-        msg: dict[str, Any] = {"role": self.role, "content": content}
+        role = "tool" if function_as_tool and self.role == "function" else self.role
+        msg: dict[str, Any] = {"role": role, "content": self.text}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:
@@ -350,6 +401,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool | None = None  # default: True, unless continue_final_message
     continue_final_message: Bool = False
+    echo: Bool = False  # vLLM's: the last message's text, when the assistant's, starts the content
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
@@ -373,6 +425,7 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
+    return_token_strs: Bool = False  # vLLM's: each token's vocabulary string too
 
 
 class DetokenizeRequest(_Request):
@@ -412,12 +465,12 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class PromptLogprob(_Compact):
+class PromptLogprob(_Response):
     """vLLM's prompt logprob entry: one per candidate token of a prompt position."""
 
     logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    rank: int  # 1 + the vocabulary entries with a larger logprob
+    decoded_token: str
 
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
@@ -550,6 +603,13 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
 
+class ChatCompletionFirstChunk(ChatCompletionChunk):
+    """A choice's first chunk under return_token_ids: the prompt's ids too, as vLLM sends
+    them (a class of its own, so that other chunks carry no null field for it)."""
+
+    prompt_token_ids: list[int]
+
+
 class CompletionChunk(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -578,6 +638,7 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs; null otherwise, as in vLLM
 
 
 class DetokenizeResponse(_Response):

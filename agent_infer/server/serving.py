@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from agent_infer import __version__
 from agent_infer.core.client import CoreClient, EngineRequest, RequestGroup
 from agent_infer.core.metrics import CONTENT_TYPE, unavailable_text
 from agent_infer.engine.outputs import RequestOutput, TokenLogprob
@@ -43,6 +45,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
      "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
      "continue_final_message", "tools", "chat_template"}
 )
+
+# A template that tests a message's role against "function" (OpenAI's legacy role for a
+# function's result) renders such messages itself; others get them as tool messages.
+_FUNCTION_ROLE_TEST = re.compile(r"""role['"]?\]?\s*(?:==|!=|in)\s*[^%}]{0,60}?['"]function['"]""")
+
+
+def knows_function_role(template: str | None) -> bool:
+    """Whether a chat template handles OpenAI's legacy `function` role itself."""
+    return bool(_FUNCTION_ROLE_TEST.search(template or ""))
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,9 @@ class OpenAIServing:
             body = unavailable_text()
         return Response(body, media_type=CONTENT_TYPE)
 
+    async def version(self) -> Response:
+        return JSONResponse({"version": __version__})
+
     async def tokenize(self, request: Request) -> Response:
         req = await self.parse(request, P.TokenizeRequest)
         self.check_model(req.model)
@@ -131,7 +145,9 @@ class OpenAIServing:
             tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
             _, ids = await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                             req.chat_template_kwargs, tools, req.chat_template)
-        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.client.max_model_len, tokens=ids))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.client.max_model_len, tokens=ids,
+                                                token_strs=strs))
 
     async def detokenize(self, request: Request) -> Response:
         req = await self.parse(request, P.DetokenizeRequest)
@@ -141,7 +157,12 @@ class OpenAIServing:
 
     # ---- request parsing -------------------------------------------------------------------
 
-    async def parse(self, request: Request, model: type[BaseModel]):
+    async def read_json(self, request: Request) -> dict:
+        """The body as a JSON object, read once (an endpoint that dispatches on it, like
+        /invocations, hands the request on to one that reads it again)."""
+        cached = getattr(request.state, "json_body", None)
+        if cached is not None:
+            return cached
         content_type = request.headers.get("content-type")
         if content_type is not None and not _is_json_type(content_type):
             raise ApiError(415, f"the request body must be application/json, not {content_type.split(';')[0]}",
@@ -149,6 +170,11 @@ class OpenAIServing:
         obj = _json_body(await self._read_body(request))
         if not isinstance(obj, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        request.state.json_body = obj
+        return obj
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        obj = await self.read_json(request)
         refused = P.refusal(obj)
         if refused is not None:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
@@ -178,7 +204,8 @@ class OpenAIServing:
 
     @staticmethod
     def check_stream_options(req: P._SamplingFields) -> None:
-        if req.stream_options is not None and not req.stream:
+        # An empty object asks for nothing: let it through, as vLLM does.
+        if req.stream_options is not None and not req.stream_options.is_empty and not req.stream:
             raise ApiError(400, "stream_options is only allowed together with stream=true", param="stream_options",
                            code="invalid_value")
 
@@ -206,15 +233,16 @@ class OpenAIServing:
         if bad:
             raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:3]}", param=param, code="invalid_value")
 
-    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: the context)."""
+    def truncate(self, ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: the context), the last
+        ones (truncation_side "left", the default) or the first ("right")."""
         if keep is None:
             return ids
         if keep == 0:
             raise ApiError(400, "truncate_prompt_tokens must be -1 or >= 1", param="truncate_prompt_tokens",
                            code="invalid_value")
         limit = self.client.max_model_len if keep == -1 else keep
-        return ids[-limit:]
+        return ids[:limit] if side == "right" else ids[-limit:]
 
     async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool | None,
                           continue_final_message: bool, template_kwargs: dict | None, tools: list[dict] | None,
@@ -240,11 +268,12 @@ class OpenAIServing:
                 raise ApiError(400, "continue_final_message needs the last message to be the assistant's",
                                param="continue_final_message", code="invalid_value")
         formatter = ChatFormatter(tokenizer, chat_template)
+        function_as_tool = not knows_function_role(formatter.template)
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         try:
             text, ids = await self.text.render_chat(
-                [m.as_template_message(formatter.tool_arguments_as_dict) for m in messages],
+                [m.as_template_message(formatter.tool_arguments_as_dict, function_as_tool) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
                 template_kwargs=kwargs)
@@ -388,7 +417,8 @@ class OpenAIServing:
 
     def prompt_logprobs(self, lps: list[TokenLogprob | None] | None) -> P.PromptLogprobs | None:
         """vLLM's prompt_logprobs: per prompt position None (the first) or {id: {logprob,
-        rank, decoded_token}} for the prompt's token and the top alternatives."""
+        rank, decoded_token}} for the top alternatives and the prompt's token (whose rank
+        the engine computed: it need not be among them)."""
         if lps is None:
             return None
         out: P.PromptLogprobs = []
@@ -399,7 +429,7 @@ class OpenAIServing:
             entry = {str(t): P.PromptLogprob(logprob=finite(v), rank=r + 1, decoded_token=self.token_text(t))
                      for r, (t, v) in enumerate(lp.top)}
             if str(lp.token_id) not in entry:
-                entry[str(lp.token_id)] = P.PromptLogprob(logprob=finite(lp.logprob),
+                entry[str(lp.token_id)] = P.PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
                                                           decoded_token=self.token_text(lp.token_id))
             out.append(entry)
         return out

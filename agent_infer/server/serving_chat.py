@@ -40,6 +40,10 @@ class ChatServing(OpenAIServing):
         req = await self.parse(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         self.check_stream_options(req)
+        if req.stream and req.prompt_logprobs is not None:
+            # A chat stream has no place for them (completions sends them in the first chunk).
+            raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",
+                           code="invalid_value")
         chat = await self.prepare(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.submit(self.fan_out([Prompt(None, chat.ids)], chat.params, req.n, rid, req.stream,
@@ -51,12 +55,12 @@ class ChatServing(OpenAIServing):
         """A chat request made ready to run (every other endpoint that speaks in messages
         goes through here too): its prompt rendered and checked, its tools and output
         constraint compiled, its sampling settings, and how to parse its output."""
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 asks for nothing more: allowed, as in vLLM
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
         tools = ToolSetup.of(req)
         text, ids = await self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                            req.chat_template_kwargs, tools.template_tools, req.chat_template)
-        ids = self.truncate(ids, req.truncate_prompt_tokens)
+        ids = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = req.resolved_max_tokens
         self.check_length(len(ids), max_tokens, "messages")
         reasoning_cls = self.reasoning_cls
@@ -155,6 +159,13 @@ class ToolSetup:
         return None
 
 
+def _echoed_text(req: P.ChatCompletionRequest) -> str:
+    """With `echo`, the text the content starts with: the last message's, when it is the
+    assistant's (a prefill the model continues); nothing otherwise."""
+    last = req.messages[-1]
+    return last.text if req.echo and last.role == "assistant" else ""
+
+
 def _parameters_schema(function: P.FunctionDefinition) -> dict:
     """A function's parameters schema for the grammar of a forced call: its objects closed
     (no argument the function does not declare, whether or not it said strict), and a
@@ -204,6 +215,7 @@ class ChatView:
         self.forced_call = forced_call
         self.model = serving.config.served_model_name
         self._templates: dict[int, TextTemplate] = {}
+        self.echo = _echoed_text(req)
 
     def _tracker(self) -> UsageTracker:
         return UsageTracker([len(self.prompt_ids)], self.req.n)
@@ -238,6 +250,8 @@ class ChatView:
         for k, out in enumerate(finals):
             usage.update(k, out)
             reasoning, content, calls = self.parts(out)
+            if self.echo:
+                content = self.echo + (content or "")
             message, num_calls = message_of(reasoning, content, calls), len(calls)
             choices.append(P.ChatChoice(
                 index=k, message=message,
@@ -251,9 +265,23 @@ class ChatView:
             if first is not None and self.req.prompt_logprobs is not None else None,
             prompt_token_ids=list(self.prompt_ids) if self.req.return_token_ids else None)
 
-    def _chunk(self, choice: P.ChatChunkChoice | None, usage: P.Usage | None = None) -> str:
-        return sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
-                                          choices=[choice] if choice else [], usage=usage))
+    def _chunk(self, choice: P.ChatChunkChoice | None, usage: P.Usage | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
+        fields = dict(id=self.rid, created=self.created, model=self.model, choices=[choice] if choice else [],
+                      usage=usage)
+        if prompt_token_ids is not None:
+            return sse(P.ChatCompletionFirstChunk(**fields, prompt_token_ids=prompt_token_ids))
+        return sse(P.ChatCompletionChunk(**fields))
+
+    def _opening(self, k: int, usage: P.Usage | None) -> str:
+        """The first chunks of choice k: OpenAI's role chunk (with return_token_ids, the
+        prompt's ids, as vLLM sends them), then the echoed text, if any, as a chunk of its own."""
+        prompt_ids = list(self.prompt_ids) if self.req.return_token_ids else None
+        out = self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(role="assistant", content="")), usage,
+                          prompt_ids)
+        if self.echo:
+            out += self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(content=self.echo)), usage)
+        return out
 
     def _text_chunk(self, k: int, text: str) -> str:
         """The chunk of choice k carrying only new content: `_chunk`'s bytes, without pydantic."""
@@ -273,9 +301,8 @@ class ChatView:
         ended: set[int] = set()  # choices that have finished
         try:
             async with group:
-                for k in range(total):  # OpenAI's first chunk of each choice carries the role
-                    yield self._chunk(P.ChatChunkChoice(index=k, delta=P.ChatDelta(role="assistant", content="")),
-                                      usage.usage() if continuous else None)
+                for k in range(total):
+                    yield self._opening(k, usage.choice_usage(k) if continuous else None)
                 while batch := await group.next_batch():
                     events = []
                     for k, text, out, ids in coalesce(batch):
@@ -294,7 +321,8 @@ class ChatView:
                             parts = parser.feed(text, final=out.finished)
                             delta = parts.delta()
                             plain = not (parts.reasoning or parts.tool_events)
-                        token_ids = ids if self.req.return_token_ids and ids else None
+                        # With return_token_ids every chunk has its new ids (maybe none), as in vLLM.
+                        token_ids = list(ids) if self.req.return_token_ids else None
                         if not (delta or out.finished or logprobs or token_ids):
                             continue
                         if plain and delta and logprobs is None and not out.finished and not continuous \
@@ -306,7 +334,7 @@ class ChatView:
                             index=k, delta=delta or P.ChatDelta(), logprobs=logprobs,
                             finish_reason=self._finish_reason(out, num_calls) if out.finished else None,
                             stop_reason=out.stop_reason if out.finished else None, token_ids=token_ids),
-                            usage.usage() if continuous else None))
+                            usage.choice_usage(k) if continuous else None))
                     if group.finished:  # the last chunks go out in one write with what ends the stream
                         tail = events
                     elif events:

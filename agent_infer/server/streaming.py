@@ -124,6 +124,13 @@ class UsageTracker:
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
+    def choice_usage(self, k: int) -> P.Usage:
+        """The usage a chunk of choice k reports with continuous_usage_stats: its own
+        prompt and generated tokens so far (vLLM's rule; the final usage chunk totals)."""
+        prompt, completion = self.prompt_lens[k // self.n], self.generated[k]
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached[k]))
+
 
 async def wait_for_disconnect(request: Request) -> None:
     """Returns when the client disconnects. The body has been read, so the next ASGI
