@@ -28,7 +28,7 @@ def test_verify_steps_in_graphs_equal_eager_and_stay_close_to_transformers(name,
         eng = _engine(path, eager=eager, speculative_config=spec)
         assert (eng.runner.graphs is None) == eager
         eng.draft_policy.batch_drafts = lambda num_decoding: True
-        eng.drafter = Replay(plain)
+        eng.drafter = Replay(plain, wrong_at=2)  # a wrong draft every third proposal: rejections happen
         outs[eager] = eng.generate(prompts, params)
         stats = eng.draft_policy.stats
         assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats

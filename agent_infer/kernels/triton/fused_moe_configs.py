@@ -51,8 +51,12 @@ class MoeConfig:
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 # (E_local, I_local, D) -> {bucket: config}, measured (see above): DeepSeek-V2-Lite's
-# routed experts whole (EP = 1, TP = 1).
+# routed experts whole (EP = 1, TP = 1), and Qwen3-30B-A3B's at one token (its other
+# buckets take the heuristic).
 TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
+    (128, 768, 2048): {  # Qwen3-30B-A3B, EP = 1; measured: H200, torch 2.11, 2026-12-05 (--tokens 1 --quick)
+        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
+    },
     (64, 1408, 2048): {  # V2-Lite, EP = 1; measured: H200, torch 2.11, 2026-12-01 (tune_fused_moe.py --quick)
         1: MoeConfig(16, Tile(64, 128, 4, 4), Tile(32, 128, 4, 4)),
         2: MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
