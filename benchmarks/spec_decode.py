@@ -208,8 +208,15 @@ def main() -> int:
     p.add_argument("--force-drafting", action="store_true",
                    help="agent: draft at every step whatever the policy measures (acceptance figures on a CPU, "
                         "where a verify step costs more than it saves)")
+    p.add_argument("--chain-steps", type=int, default=None,
+                   help="agent: verify steps prompt lookup may chain onto one in flight (0: none; default: the "
+                        "engine's), to measure what chaining gives")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    if args.chain_steps is not None:
+        import agent_infer.engine.llm_engine as llm_engine
+
+        llm_engine.CHAIN_STEPS = args.chain_steps  # read when an engine is built
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
     if args.output_json:
         with open(args.output_json, "w") as f:
