@@ -61,19 +61,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool)
     return torch.cat((out, rest), dim=-1) if rest.numel() else out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for an fp8 weight: its values (each e4m3 element times the scale of its
-    block, or of its row without a block) in x's dtype. Activations stay as they are:
-    the weights' exact values are the format; quantizing activations is a kernel's choice."""
+def fp8_weight_values(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An fp8 weight's values in fp32: each e4m3 element times the scale of its block, or
+    of its row without a block."""
     w = weight.float()
     if block is None:
-        w = w * scale.float().view(-1, 1)
-    else:
-        rows, cols = block
-        s = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
-        w = w * s
-    return F.linear(x, w.to(x.dtype), bias)
+        return w * scale.float().view(-1, 1)
+    rows, cols = block
+    s = scale.float().repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+    return w * s
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for an fp8 weight: its values (`fp8_weight_values`) in x's dtype.
+    Activations stay as they are: the weights' exact values are the format; quantizing
+    activations is a kernel's choice."""
+    return F.linear(x, fp8_weight_values(weight, scale, block).to(x.dtype), bias)
 
 
 def store_kv(
