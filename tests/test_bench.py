@@ -245,6 +245,16 @@ def test_roofline_counts_every_tensor_but_the_embedding(tmp_path, name):
     assert decode_weight_params(cfg) == expected
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # untied and tied
+def test_roofline_through_the_transformers_backend_counts_what_native_counts(tiny_model_dirs, name):
+    """The backend's model keeps transformers' own input embedding (an nn.Embedding): it is
+    gathered, not read, as the native family's is."""
+    native = ModelConfig.from_hf(tiny_model_dirs[name], "native")
+    backend = ModelConfig.from_hf(tiny_model_dirs[name], "transformers")
+    assert backend.impl == "transformers"
+    assert decode_weight_params(backend) == decode_weight_params(native)
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3-small"])
 @pytest.mark.parametrize("batch", [1, 8, 256])
 def test_moe_roofline_counts_the_touched_routed_experts_and_all_the_rest(tmp_path, name, batch):

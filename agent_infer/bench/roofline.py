@@ -19,7 +19,8 @@ def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
     full, tied or not. Of a mixture of experts' routed experts only those the step's
     tokens are routed to are read: E (1 - (1 - k/E)^batch) of E on average for uniform
     routing (6 of 64 at batch 1 for DeepSeek-V2-Lite, 35 at 8, 61 at 32). Counted on
-    the family's own model at TP = 1, built on the meta device (no memory)."""
+    the family's own model at TP = 1, built on the meta device (no memory; the
+    transformers backend's loads the checkpoint on the CPU to build itself)."""
     from agent_infer.distributed.state import SINGLE
     from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from agent_infer.layers.moe import RoutedExperts
@@ -29,8 +30,10 @@ def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
         model = resolve_model_class(cfg.architecture, cfg.impl)(cfg, SINGLE, 2)
     total = sum(p.numel() for p in model.parameters())  # a tied table counts once, as the LM head
     head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    # Embedding tables (ours, or transformers' own in the transformers backend) are gathered.
     gathered = sum(m.weight.numel() for m in model.modules()
-                   if type(m) is VocabParallelEmbedding and id(m.weight) not in head_weights)
+                   if (type(m) is VocabParallelEmbedding or isinstance(m, torch.nn.Embedding))
+                   and id(m.weight) not in head_weights)
     unread = 0.0
     for m in model.modules():
         if isinstance(m, RoutedExperts):
