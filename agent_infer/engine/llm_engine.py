@@ -337,12 +337,10 @@ class LLMEngine:
             return False
         batch = self._inflight[0]
         verifying = {id(s) for s, d in zip(batch.seqs, batch.drafts) if d} if batch.drafts else set()
-        if not all(id(s) in verifying and len(s.lookahead) > 1 and s.request_id not in self.constraints
-                   and self.draft_policy.may_chain(s.request_id) for s in seqs):
+        if not all(id(s) in verifying and self._may_chain(s) for s in seqs):
             return False
-        k = self.num_speculative_tokens
         for seq in seqs:
-            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            room = self._draft_room(seq)
             seq.draft_token_ids, seq.lookahead = seq.lookahead[1 : 1 + room], seq.lookahead[1 + room :]
         self.draft_policy.stats.num_chained_rows += len(seqs)
         return True
@@ -350,8 +348,16 @@ class LLMEngine:
     def _chainable(self, batch: ScheduledBatch) -> bool:
         """Whether every verify row of `batch` has a lookahead a next step could chain on
         (and a record of drafts accepted whole that makes chaining pay)."""
-        return bool(self._chain_tokens) and all(len(s.lookahead) > 1 and self.draft_policy.may_chain(s.request_id)
-                                                for s, d in zip(batch.seqs, batch.drafts) if d)
+        return bool(self._chain_tokens) and all(self._may_chain(s) for s, d in zip(batch.seqs, batch.drafts) if d)
+
+    def _may_chain(self, seq: Sequence) -> bool:
+        """A lookahead past the token in flight (none under a grammar: `_propose`), and a
+        record of drafts accepted whole that makes chaining pay."""
+        return len(seq.lookahead) > 1 and self.draft_policy.may_chain(seq.request_id)
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts a step may give `seq`: k, fewer near its max_tokens."""
+        return min(self.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
 
     def _draft_candidates(self) -> list[Sequence]:
         """The sequences a draft could go to in this step, if the policy drafts at this
@@ -368,9 +374,8 @@ class LLMEngine:
     def _propose(self, seqs: list[Sequence]) -> None:
         """Set each sequence's drafts for the coming step. A sequence that gets none counts
         a miss: it paused like one whose drafts fail, since looking cost the step its overlap."""
-        k = self.num_speculative_tokens
         for seq in seqs:
-            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            room = self._draft_room(seq)
             ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
             run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens,
                                        room + ahead)
