@@ -152,15 +152,20 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     # number of rows; speculation's verify rows are such a change too).
     rows = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical", "plain = first")]
     payload, first = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens}, None
+    step_rows = []
     for batch in args.batches:
         rate_p, out_p = run_agent(plain, prompts, batch, args.max_tokens)
+        spec.stats.start_trace()
         rate_s, out_s = run_agent(spec, prompts, batch, args.max_tokens)
+        steps = step_kinds(spec.stats.stop_trace())
         first = first or out_p
         same = sum(a == b for a, b in zip(out_p, out_s))
         stable = sum(a == b for a, b in zip(out_p, first))
         rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}", f"{stable}/{len(prompts)}"))
         payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same,
-                                     "plain_same_as_first_batch": stable}
+                                     "plain_same_as_first_batch": stable, "spec_steps": steps}
+        step_rows += [(f"batch {batch}, spec: {kind} steps", f"{d['steps']}", f"{d['period_ms']:.3f} ms",
+                       f"blocked {d['blocked_ms']:.3f} ms", "", "") for kind, d in steps.items() if d["steps"]]
     s = spec.draft_policy.stats
     per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
     payload["acceptance_per_position"] = per_pos
@@ -169,7 +174,21 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", "", ""))
     rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", "", ""))
     rows.append(("chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "", "", ""))
-    return rows, payload
+    return rows + step_rows, payload
+
+
+def step_kinds(trace) -> dict[str, dict]:
+    """The speculating engine's decode steps split into verify steps (some row carried
+    drafts) and plain ones: how many, their mean period (time from the previous step's
+    read-back to this one's) and the mean time the host waited on the device for them."""
+    kinds = {"verify": [0, 0.0, 0.0], "plain": [0, 0.0, 0.0]}
+    for prefill, seqs, tokens, blocked, period in zip(trace.prefill, trace.seqs, trace.tokens, trace.blocked_s,
+                                                      trace.period_s):
+        if not prefill:
+            k = kinds["verify" if tokens > seqs else "plain"]
+            k[0], k[1], k[2] = k[0] + 1, k[1] + period, k[2] + blocked
+    return {name: {"steps": n, "period_ms": total / n * 1e3 if n else 0.0, "blocked_ms": waited / n * 1e3 if n else 0.0}
+            for name, (n, total, waited) in kinds.items()}
 
 
 def cmd_mtp(args) -> tuple[list[tuple], dict]:
