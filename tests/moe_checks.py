@@ -143,6 +143,73 @@ def check_fused_moe(
     assert same(again, out), f"{what}: a second run differs (not deterministic)"
 
 
+def check_fused_moe_add_norm(
+    device, dtype: torch.dtype, num_experts: int, top_k: int, hidden: int, inter: int, *, config=None,
+    fp8: bool = False, calls: int = 3, graph: bool = False, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """fused_moe_add_rms_norm (one token, the sum + residual add + RMSNorm done by the
+    down projection's last program) against the reference MoE then the reference add +
+    norm, and against the unfused kernels (fused_moe, then the add + norm kernel): several
+    calls in a row on one counter, which must come back to zero each time, the residual
+    updated in place. `graph`: the calls are replays of one CUDA graph with new x and
+    routing (CUDA only). `fp8` as in check_fused_moe."""
+    from agent_infer.kernels import ops
+    from agent_infer.kernels.triton import fused_moe as moe
+    from agent_infer.quantization import fp8 as F8
+    from tests.kernel_checks import capture_graph
+
+    w13, w2 = weights or moe_weights(num_experts, inter, hidden, dtype, device, seed=50)
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = (F8.quantize_channel(w.float().reshape(-1, w.shape[-1])) for w in (w13, w2))
+        w13, w2 = w13.view(num_experts, 2 * inter, hidden), w2.view(num_experts, hidden, inter)
+        scales = {"w13_scale": s13.view(num_experts, 2 * inter), "w2_scale": s2.view(num_experts, hidden)}
+    norm_w = (1.0 + 0.1 * dev_randn(hidden, dtype=torch.float32, device=device, seed=51)).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    x = dev_randn(1, hidden, dtype=dtype, device=device, seed=52)
+    topw, ids = make_routing(1, num_experts, top_k, device, seed=53)
+    residual = dev_randn(1, hidden, dtype=dtype, device=device, seed=54)
+    before = residual.clone()
+
+    def run():
+        return moe.fused_moe_add_rms_norm(x, w13, w2, topw, ids, residual, norm_w, 1e-6, counter, config=config,
+                                          **scales)
+
+    if graph:
+        cuda_graph, (out, res) = capture_graph(run)
+        replay = cuda_graph.replay
+        torch.cuda.synchronize()
+        residual.copy_(before)  # the warm-up call added to it
+    what = f"fused_moe + add + norm {dtype} E={num_experts} k={top_k} D={hidden} I={inter} fp8={fp8} {config}"
+    for call in range(calls):
+        if call:
+            x.copy_(dev_randn(1, hidden, dtype=dtype, device=device, seed=60 + call))
+            new_w, new_ids = make_routing(1, num_experts, top_k, device, seed=70 + call)
+            topw.copy_(new_w)
+            ids.copy_(new_ids)
+        before = residual.clone()
+        ref_y = reference.fused_moe(x.float(), w13 if fp8 else w13.float(), w2 if fp8 else w2.float(), topw, ids,
+                                    **scales)
+        ref_out, ref_res = reference.fused_add_rms_norm(ref_y.to(dtype), before, norm_w, 1e-6)
+        with poisoned_empty():
+            kern_y = moe.fused_moe(x, w13, w2, topw, ids, config=config, **scales)
+            kern_out, kern_res = ops.fused_add_rms_norm(kern_y, before.clone(), norm_w, 1e-6)
+            if graph:
+                out.fill_(float("nan"))
+                replay()
+                torch.cuda.synchronize()
+            else:
+                out, res = run()
+        assert res.data_ptr() == residual.data_ptr(), f"{what}: the residual must be updated in place"
+        assert out.shape == (1, hidden) and out.dtype == dtype, what
+        assert int(counter.item()) == 0, f"{what}: the last program must re-arm the counter"
+        label = f"{what} call {call}"
+        assert_close(residual.float(), ref_res.float(), label + " residual", dtype)
+        assert_close(out.float(), ref_out.float(), label + " normed", dtype)
+        assert_close(residual.float(), kern_res.float(), label + " residual against the unfused kernels", dtype)
+        assert_close(out.float(), kern_out.float(), label + " normed against the unfused kernels", dtype)
+
+
 def check_fused_moe_graph(
     device, dtype: torch.dtype, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, *,
     local: tuple[int, int] | None = None, replays: int = 3, config=None,

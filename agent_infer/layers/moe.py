@@ -155,6 +155,7 @@ class RoutedExperts(nn.Module):
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
         # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
+        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
         if placement == "ep" and world > 1:
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
             expert_map[self.first : self.first + self.num_local] = torch.arange(self.num_local, dtype=torch.int32)
@@ -243,6 +244,17 @@ class RoutedExperts(nn.Module):
                                  w2_scale=self.w2_scale)
         return self.forward_shared_dense(x, weights, ids)
 
+    def forward_add_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
+                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(y + residual), y + residual) for y = forward(x, weights, ids), on a rank
+        that holds every expert (no partial sums to reduce first): at one token the
+        experts' last launch does the add + norm too (ops.fused_moe_add_rms_norm)."""
+        assert self.expert_map is None, "the experts' sum is partial on this rank: reduce it first"
+        if self.num_shared and x.shape[0] > FUSED_SHARED_MAX_TOKENS:
+            return ops.fused_add_rms_norm(self.forward_shared_dense(x, weights, ids), residual, norm.weight, norm.eps)
+        return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
+                                          self.done_counter, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+
     def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with the shared experts as dense GEMMs (the prefill form): one GEMM
         for their gate and up rows (adjacent in w13), SiLU-and-mul per expert, a batched
@@ -304,8 +316,11 @@ class MoE(nn.Module):
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
-        experts' partial sums on this rank, reduced once over the group with the add + norm."""
+        experts' partial sums on this rank, reduced once over the group with the add + norm
+        (on one rank with the shared experts joined, the experts' own last launch does it)."""
         weights, ids = self.gate(x)
+        if self.tp.world_size == 1 and self.shared_experts is None:
+            return self.experts.forward_add_norm(x, weights, ids, residual, norm)
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts.down_proj.partial(self.shared_experts(x))

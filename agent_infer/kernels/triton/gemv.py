@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
+from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
 
 MAX_M = 64
@@ -193,29 +194,16 @@ class RowConfig:
 
 @triton.jit
 def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H: tl.constexpr):
-    """Run by every program after storing its rows of y: the last one to arrive (an atomic
-    counter) does residual <- y + residual, out <- rms_norm(residual) * weight over the
-    whole row, rounding as the separate fused_add_rms_norm kernel does, and re-arms the
-    counter. One program of a few µs instead of a dependent launch of its own."""
-    # Triton runs a scalar atomic in one thread, so its release covers that thread's
-    # stores only: the barrier first makes every thread's rows part of them.
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        # ... and the acquire is that thread's: the barrier extends it to the others.
+    """Run by every program after storing its rows of y: the last one to arrive does
+    residual <- y + residual, out <- rms_norm(residual) * weight over the whole row and
+    re-arms the counter. One program of a few µs instead of a dependent launch of its own."""
+    if last_to_arrive(count_ptr):
         tl.debug_barrier()
         h = tl.arange(0, BLOCK_H)
         mask = h < N
         # .cg: other SMs wrote y, and this SM's L1 is not kept coherent with them.
         y = tl.load(out_ptr + h, mask=mask, other=0.0, cache_modifier=".cg")
-        r = tl.load(res_ptr + h, mask=mask, other=0.0)
-        s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
-        tl.store(res_ptr + h, s.to(res_ptr.dtype.element_ty), mask=mask)
-        f = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(f * f, axis=0) / N + eps)
-        f = (f * rstd).to(y.dtype).to(tl.float32)
-        w = tl.load(nw_ptr + h, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + h, (f * w).to(out_ptr.dtype.element_ty), mask=mask)
+        add_rms_norm_row(y, h, mask, res_ptr, nw_ptr, out_ptr, N, eps)
         tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
 
 

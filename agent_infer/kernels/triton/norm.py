@@ -69,6 +69,33 @@ def _fused_add_rms_norm_kernel(
     tl.store(x_ptr + x_offs, (h * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def last_to_arrive(count_ptr):
+    """True in the last program of the launch to get here (an atomic counter, int32,
+    zero on entry; that program must store 0 back). Every program calls it after storing
+    what the last one will read: the barrier makes all its threads' stores part of the
+    one thread's release (Triton runs a scalar atomic in one thread). The winner must
+    pass a barrier before reading, so that its other threads read after the acquire."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    return done == tl.num_programs(0) - 1
+
+
+@triton.jit
+def add_rms_norm_row(y, cols, mask, res_ptr, w_ptr, out_ptr, n_cols, eps):
+    """One row of `_fused_add_rms_norm_kernel` for a y held in registers (its values in
+    the activation dtype): residual <- y + residual, out <- rms_norm(residual) * weight,
+    rounded as that kernel rounds."""
+    r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+    s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
+    tl.store(res_ptr + cols, s.to(res_ptr.dtype.element_ty), mask=mask)
+    h = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    h = (h * rstd).to(y.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _launch_shape(n_cols: int) -> tuple[int, int, int]:
     """Row block from the row width alone: a block sized to the row count too would be a
     constexpr that changes with the batch, and each new value a compilation mid-serving
