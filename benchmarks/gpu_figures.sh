@@ -89,7 +89,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      both all-reduces), and at TP = 1 the throughput workload's decode and prefill
   ab BASE_TAR        a base tree (git archive) against this one, alternating, fresh processes:
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
-                     throughput", AB_TP="1", BASE_COMMIT=base)
+                     throughput", AB_TP="1", BASE_COMMIT=base) on the Qwen3-8B shape, or on
+                     another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...)
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
                      prefill profiles), then a PDL-off batch-1 profile (each kernel's own
@@ -629,8 +630,8 @@ cmd_structured() {
 cmd_ab() {
   local tar=${1:-}
   [ -f "$tar" ] || { echo "ab needs the base tree: git archive -o .carry_ab/base.tar <commit>, carried"; return 1; }
-  local base=/tmp/ab_base r v tp dir commit part
-  m8 || return 1
+  local base=/tmp/ab_base r v tp dir commit part model
+  if [ -n "${AB_PRESET:-}" ]; then model="--random-weights $AB_PRESET"; else m8 || return 1; model="--model $M8"; fi
   rm -rf $base && mkdir -p $base && tar -xf "$tar" -C $base || return 1
   for part in ${AB_PARTS:-latency throughput}; do
     for r in $(seq "${AB_ROUNDS:-2}"); do
@@ -639,11 +640,11 @@ cmd_ab() {
         if [ "$part" = latency ]; then
           for tp in ${AB_TP:-1}; do
             (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
-              bench "ab_lat_tp${tp}_${v}_$r" 240 latency --model "$M8" --tp "$tp" --num-iters 3)
+              bench "ab_lat_tp${tp}_${v}_$r" 240 latency $model --tp "$tp" --num-iters 3)
           done
         else
           (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
-            bench "ab_thr_${v}_$r" 200 throughput --model "$M8")
+            bench "ab_thr_${v}_$r" 200 throughput $model)
         fi
       done
     done
