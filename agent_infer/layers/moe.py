@@ -154,8 +154,9 @@ class RoutedExperts(nn.Module):
         self.fp8: Fp8Config | None = None
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
-        # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
+        # The one-token add + norm's last-program counter (forward_add_norm).
         self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+        # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
         if placement == "ep" and world > 1:
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
             expert_map[self.first : self.first + self.num_local] = torch.arange(self.num_local, dtype=torch.int32)
