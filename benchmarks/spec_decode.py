@@ -27,6 +27,7 @@ from dataclasses import replace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from agent_infer.bench.step_trace import HOST_BOUND_BLOCKED_S, StepBand  # noqa: E402
 from agent_infer.config import EngineConfig  # noqa: E402
 from agent_infer.engine.llm_engine import LLMEngine  # noqa: E402
 from agent_infer.sampling_params import SamplingParams  # noqa: E402
@@ -164,7 +165,7 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}", f"{stable}/{len(prompts)}"))
         payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same,
                                      "plain_same_as_first_batch": stable, "spec_steps": steps}
-        step_rows += [(f"batch {batch}, spec: {kind} steps", f"{d['steps']}", f"{d['period_ms']:.3f} ms",
+        step_rows += [(f"batch {batch}, spec: {kind} steps", f"{d['steps']}", f"{d['mean_ms']:.3f} ms",
                        f"blocked {d['blocked_ms']:.3f} ms", "", "") for kind, d in steps.items() if d["steps"]]
     s = spec.draft_policy.stats
     per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
@@ -179,16 +180,14 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
 
 def step_kinds(trace) -> dict[str, dict]:
     """The speculating engine's decode steps split into verify steps (some row carried
-    drafts) and plain ones: how many, their mean period (time from the previous step's
-    read-back to this one's) and the mean time the host waited on the device for them."""
-    kinds = {"verify": [0, 0.0, 0.0], "plain": [0, 0.0, 0.0]}
+    drafts) and plain ones, each a StepBand: how many, their mean period (read-back to
+    read-back) and the mean time the host waited on the device for them."""
+    kinds = {"verify": StepBand("verify"), "plain": StepBand("plain")}
     for prefill, seqs, tokens, blocked, period in zip(trace.prefill, trace.seqs, trace.tokens, trace.blocked_s,
                                                       trace.period_s):
         if not prefill:
-            k = kinds["verify" if tokens > seqs else "plain"]
-            k[0], k[1], k[2] = k[0] + 1, k[1] + period, k[2] + blocked
-    return {name: {"steps": n, "period_ms": total / n * 1e3 if n else 0.0, "blocked_ms": waited / n * 1e3 if n else 0.0}
-            for name, (n, total, waited) in kinds.items()}
+            kinds["verify" if tokens > seqs else "plain"].add(period, blocked, blocked < HOST_BOUND_BLOCKED_S)
+    return {name: band.as_dict() for name, band in kinds.items()}
 
 
 def cmd_mtp(args) -> tuple[list[tuple], dict]:

@@ -320,7 +320,7 @@ class MoE(nn.Module):
         experts' partial sums on this rank, reduced once over the group with the add + norm
         (on one rank with the shared experts joined, the experts' own last launch does it)."""
         weights, ids = self.gate(x)
-        if self.tp.world_size == 1 and self.shared_experts is None:
+        if self.tp.world_size == 1:  # every expert local, the shared ones joined
             return self.experts.forward_add_norm(x, weights, ids, residual, norm)
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:

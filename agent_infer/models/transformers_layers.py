@@ -127,14 +127,14 @@ class _RowLinear(RowParallelLinear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-# torch names custom operators "namespace::name"; ours live under this package's name.
-_OP_NAMESPACE = __name__.split(".")[0]
+# torch names a custom operator "library::name"; the library is this package.
+_LINEAR = __name__.split(".")[0] + "::linear"
 
 
 # The engine's linear path as an operator torch.compile keeps whole (the model around
 # it is compiled on a GPU: models/transformers_backend.py): one node in the graph, where
 # tracing into its launchers would break it.
-@torch.library.custom_op(f"{_OP_NAMESPACE}::linear", mutates_args=(),
+@torch.library.custom_op(_LINEAR, mutates_args=(),
                          schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return ops.linear(x, weight, bias)

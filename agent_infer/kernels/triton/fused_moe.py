@@ -662,22 +662,13 @@ def fused_moe(
     is: the weights' values are converted exactly to x's dtype in the GEMMs, to fp32 in
     the FMA rows)."""
     num_tokens, d = x.shape
-    num_experts, two_i, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
     if out is None:
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
     assert out.shape == (num_tokens, d) and out.dtype == x.dtype and out.stride(1) == 1
     if num_tokens == 0:
         return out
-    cfg = config or get_config(num_experts, two_i // 2, d, num_tokens, top_k,
-                               expert_map.numel() if expert_map is not None else num_experts, fp8)
-    weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
-    ids = topk_ids.contiguous()
-    layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
-    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale)
-    return sum_topk(y, ids, expert_map, num_experts, out)
+    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, expert_map, config, direct, w13_scale, w2_scale)
+    return sum_topk(y, ids, expert_map, w13.shape[0], out)
 
 
 def fused_moe_add_rms_norm(
@@ -690,21 +681,34 @@ def fused_moe_add_rms_norm(
     projection's last program sums the slots, adds and normalises (`AddNorm`). Returns
     (normed [1, D], residual), residual updated in place; `counter` an int32 [1], zero
     between calls. Arguments otherwise as `fused_moe`'s."""
-    num_experts, two_i, _ = w13.shape
     d = x.shape[1]
-    top_k = topk_ids.shape[1]
-    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, None, w13_scale, w2_scale)
     assert x.shape[0] == 1, f"the fused add + norm takes one token, got {x.shape[0]}"
     assert residual.shape == (1, d) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (d,) and norm_weight.is_contiguous()
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
-    cfg = config or get_config(num_experts, two_i // 2, d, 1, top_k, num_experts, fp8)
-    layout = slot_layout(topk_ids.contiguous(), num_experts, cfg.block_m, None, direct=True)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
     out = torch.empty(1, d, dtype=x.dtype, device=x.device)
-    down_weighted(h, w2, topk_weights.to(torch.float32).contiguous(), layout, cfg.down, w2_scale,
-                  AddNorm(out, residual, norm_weight, counter, eps))
+    _gemms(x, w13, w2, topk_weights, topk_ids, None, config, True, w13_scale, w2_scale,
+           AddNorm(out, residual, norm_weight, counter, eps))
     return out, residual
+
+
+def _gemms(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None, config: MoeConfig | None, direct: bool | None,
+    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, add_norm: AddNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs checked, the configuration and slot layout chosen, then GEMM 1 and GEMM
+    2 (with `add_norm`, the add + norm in its last program): (y [T * k, D], the ids)."""
+    num_experts, two_i, _ = w13.shape
+    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    top_k = topk_ids.shape[1]
+    cfg = config or get_config(num_experts, two_i // 2, x.shape[1], x.shape[0], top_k,
+                               expert_map.numel() if expert_map is not None else num_experts, fp8)
+    weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
+    ids = topk_ids.contiguous()
+    layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
+    return down_weighted(h, w2, weights, layout, cfg.down, w2_scale, add_norm), ids
 
 
 def _check_inputs(
