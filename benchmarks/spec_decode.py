@@ -66,7 +66,7 @@ class FixedDrafts:
         self.n += 1
         return [(7919 * (self.n + i)) % self.vocab for i in range(min(k, self.k))]
 
-    def after_step(self, batch):
+    def after_step(self, batch, row_drafts):
         pass
 
     def forget(self, request_id):

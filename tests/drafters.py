@@ -19,7 +19,7 @@ class Replay:
             drafts[i] = (drafts[i] + 1) % 100
         return drafts
 
-    def after_step(self, batch):
+    def after_step(self, batch, row_drafts):
         pass
 
     def forget(self, request_id):

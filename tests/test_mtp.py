@@ -100,8 +100,8 @@ def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir
     drafts: list[tuple[str, int, int]] = []  # (request, its token count, draft)
     after = engine.drafter.after_step
 
-    def log(batch):
-        after(batch)
+    def log(batch, row_drafts):
+        after(batch, row_drafts)
         drafts.extend((rid, total, d[0]) for rid, (total, d) in engine.drafter._drafts.items())
 
     engine.drafter.after_step = log
@@ -129,6 +129,32 @@ def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir
             assert draft == ref[total - 2], (rid, total)  # drafted at position total - 2, for token total
             checked += 1
     assert checked >= len(PROMPTS) * 10
+
+
+def test_decode_steps_draft_on_the_device_within_the_step(mtp_dir):
+    """A decode step's draft pass runs right after its sampler, over the step's own rows
+    and attention metadata (no pass of its own, no second read-back): only steps with
+    prompt rows take the separate pass over what they computed."""
+    engine = _engine(mtp_dir, speculative_config=MTP)
+    engine.draft_policy.batch_drafts = lambda num_decoding: True
+    separate: list[bool] = []
+    run = engine.runner.draft_with_mtp
+
+    def counted(batch, row_drafts):
+        if row_drafts is None:
+            separate.append(batch.is_prefill)
+        return run(batch, row_drafts)
+
+    engine.runner.draft_with_mtp = counted
+    with_device = []
+    after = engine.drafter.after_step
+    engine.drafter.after_step = lambda batch, row_drafts: (with_device.append(row_drafts is not None),
+                                                           after(batch, row_drafts))
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [len(o.token_ids) for o in out] == [GREEDY.max_tokens] * len(PROMPTS)
+    assert separate and all(separate)  # prefill steps only
+    assert sum(with_device) >= GREEDY.max_tokens - 1  # every decode step drafted with its own pass
+    assert engine.draft_policy.stats.num_drafts >= GREEDY.max_tokens // 2
 
 
 def test_mtp_layer_loads_only_when_asked_and_is_refused_where_it_cannot_run(mtp_dir, tiny_model_dirs):

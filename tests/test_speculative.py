@@ -283,7 +283,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tmp_path):
         def propose(self, request_id, prompt_ids, tokens_at, total, k):
             return [d1, d2][:k]
 
-        def after_step(self, batch):
+        def after_step(self, batch, row_drafts):
             pass
 
         def forget(self, request_id):

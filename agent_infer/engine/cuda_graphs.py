@@ -120,8 +120,11 @@ class GraphUnsafe(RuntimeError):
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device, backend):
-        """`backend`: the attention backend, which adds its fields to the captured metadata."""
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device, backend,
+                 draft_layer: bool = False):
+        """`backend`: the attention backend, which adds its fields to the captured metadata.
+        `draft_layer`: each size also gets a graph of the model's draft layer (speculative
+        method mtp) over the step just replayed (`draft`)."""
         self.model = model
         self.device = device
         self.backend = backend
@@ -135,6 +138,13 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # the final hidden states (a draft layer reads them)
         self.pool = None
+        self.draft_layer = draft_layer
+        self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.drafts: dict[int, torch.Tensor] = {}
+        # The tokens a draft pass reads (the replayed step's samples), outside the graph
+        # pool: they are copied in between the two replays.
+        self.draft_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self._replayed = 0  # the size of the last replay, which a draft pass follows
 
     def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:
         return self.backend.prepare(AttentionMetadata(
@@ -155,6 +165,14 @@ class DecodeGraphs:
             hidden = self.model(rows.input_ids, rows.positions)
         return hidden, self.model.compute_logits(hidden)
 
+    def _draft_forward(self, bs: int) -> torch.Tensor:
+        """The draft layer at every row of the step that graph `bs` just replayed: its
+        inputs, metadata and final hidden states are still in the static buffers."""
+        rows = self.rows.device_rows(bs)
+        with forward_context(self._meta(bs, rows)):
+            out = self.model.draft_hidden(self.draft_ids[:bs], self.hidden[bs], rows.positions)
+        return ops.argmax(self.model.compute_logits(out))
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -174,6 +192,15 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
+            if self.draft_layer:
+                # Captured after its step's graph, in the same pool: that graph's outputs,
+                # which it reads, stay live, so nothing it allocates overlaps them.
+                self._draft_forward(bs)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.drafts[bs] = self._draft_forward(bs)
+                self.draft_graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_batch, time.perf_counter() - t0)
 
@@ -197,8 +224,18 @@ class DecodeGraphs:
         [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites."""
         size = self.stage(step, prev_tokens)
         self.graphs[size].replay()
+        self._replayed = size
         n = len(step.input_ids)
         return self.hidden[size][:n], self.logits[size][:n]
+
+    def draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft layer's argmax at each row of the step `run` just replayed, given the
+        token sampled at each row (`tokens`, [rows]); a static buffer the next draft
+        replay of this size overwrites."""
+        size, n = self._replayed, len(tokens)
+        self.draft_ids[:n].copy_(tokens)
+        self.draft_graphs[size].replay()
+        return self.drafts[size][:n]
 
     def stage(self, step, prev_tokens: torch.Tensor | None) -> int:
         """Everything a replay needs that runs outside the graph: the inputs copied into the

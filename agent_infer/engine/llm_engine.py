@@ -435,7 +435,7 @@ class LLMEngine:
             self.stats.trace.record(batch, now, blocked_s=now - t_wait)
         outputs = self._postprocess(batch, result)
         if self.drafter is not None:
-            self.drafter.after_step(batch)
+            self.drafter.after_step(batch, result.drafts)
         if batch.num_draft_tokens:
             self._verified_now = batch
         return outputs

@@ -63,6 +63,10 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int]]] | None = None
     ranks: list[int] | None = None
+    # A draft layer's prediction at every row of a decode step (speculative method mtp),
+    # each as if that row's sampled token is the one that stands: `draft_with_mtp` keeps
+    # the row at each sequence's last known position.
+    drafts: list[int] | None = None
 
 
 @dataclass
@@ -117,7 +121,7 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None
         self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
         # A draft layer (speculative method mtp) reads the last step's inputs and hidden states.
-        self._last: tuple[HostStep, torch.Tensor] | None = None
+        self._last: _LastStep | None = None
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -215,7 +219,7 @@ class ModelRunner:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.config.max_decode_rows, 512), max_blocks, self.device,
-                              self.backend)
+                              self.backend, draft_layer=self.uses_draft_layer)
         try:
             graphs.capture()
         except GraphUnsafe as e:
@@ -299,13 +303,13 @@ class ModelRunner:
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
             hidden, logits = self.graphs.run(step, self._prev_tokens)
             if self.uses_draft_layer:
-                self._last = (step, hidden)  # read before the next replay: MTP steps resolve at once
+                self._last = _LastStep(step, hidden)  # read before the next replay: MTP steps resolve at once
             return logits, None  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         if self.uses_draft_layer:
-            self._last = (step, hidden)
+            self._last = _LastStep(step, hidden, inputs)
         prompt_lp = self._prompt_logprobs(hidden, step) if step.prompt_lp_rows is not None else None
         return self.model.compute_logits(hidden[inputs.sample_indices]), prompt_lp
 
@@ -354,7 +358,22 @@ class ModelRunner:
             logits = process_logits(logits)
         out = self.sampler(logits, sampling)
         self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
-        return InFlight.start(out, prompt_lp, step, self.device)
+        drafts = self._draft_rows(out.tokens) if self.uses_draft_layer and not step.is_prefill else None
+        return InFlight.start(out, prompt_lp, step, self.device, drafts)
+
+    def _draft_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A decode step's draft pass, queued right after its sampler: the draft layer at
+        every row p, given the step's h_p and the token sampled there (t_{p+1} wherever
+        the row stands), through the step's own attention metadata (a replayed graph's
+        twin when the step replayed one). Rows past a rejected draft compute garbage at
+        positions the next step writes again before anything reads them, as the main
+        layers' rejected rows do. Returns the argmax at every row, on the device."""
+        last = self._last
+        if last.inputs is None:
+            return self.graphs.draft(tokens)
+        with forward_context(last.inputs.meta):
+            out = self.model.draft_hidden(tokens, last.hidden, last.inputs.positions)
+        return ops.argmax(self.model.compute_logits(out))
 
     @torch.inference_mode()
     def follow(self, step: HostStep) -> None:
@@ -378,66 +397,90 @@ class ModelRunner:
         return buf[:n]
 
     @torch.inference_mode()
-    def draft_with_mtp(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run the draft layer over what the last step (`batch`, now resolved) computed and
+    def draft_with_mtp(self, batch: ScheduledBatch, row_drafts: list[int] | None) -> list[tuple[Sequence, int]]:
+        """The draft layer over what the last step (`batch`, now resolved) computed and
         kept: position p of a sequence takes the step's hidden state at p and token p + 1.
         Returns (sequence, draft) for each sequence whose last such position predicts
-        its next unknown token."""
+        its next unknown token. A decode step ran the layer over every row with it
+        (`row_drafts`, see `_draft_rows`), so its drafts are read off those rows; a step
+        with prompt rows runs it here, over the kept rows only."""
         assert self._last is not None, "draft_with_mtp follows the step it drafts from"
-        step, hidden = self._last
+        step, hidden = self._last.step, self._last.hidden
         self._last = None
-        rows, ids, kept, starts, lens = [], [], [], [], []
-        for i, seq in enumerate(batch.seqs):
-            first, end = step.token_range(i)
-            start = int(step.positions[first])
-            n = min(end - first, seq.num_tokens - 1 - start)  # rows whose next token is known
-            if seq.is_finished or n <= 0:
-                continue
-            rows.append(np.arange(first, first + n))
-            ids += [seq.token_at(p + 1) for p in range(start, start + n)]
-            kept.append(seq)
-            starts.append(start)
-            lens.append(n)
+        kept = _kept_rows(batch, step)
+        if row_drafts is not None:
+            return [(seq, row_drafts[first + n - 1]) for seq, first, start, n in kept
+                    if start + n == seq.num_tokens - 1]
         if not kept:
             return []
-        tables = block_tables(kept)
-        q_lens = np.asarray(lens, dtype=np.int32)
-        starts_arr = np.asarray(starts, dtype=np.int64)
-        positions, slots, cu = ragged_slots(tables, starts_arr, q_lens, self.block_size)
+        seqs = [seq for seq, _, _, _ in kept]
+        starts = np.asarray([start for _, _, start, _ in kept], dtype=np.int64)
+        q_lens = np.asarray([n for _, _, _, n in kept], dtype=np.int32)
+        ids = [seq.token_at(p + 1) for seq, _, start, n in kept for p in range(start, start + n)]
+        tables = block_tables(seqs)
+        positions, slots, cu = ragged_slots(tables, starts, q_lens, self.block_size)
         # Its K/V is written for every kept position; drafts only where the next token is unknown.
-        want = [k for k, seq in enumerate(kept) if starts[k] + lens[k] == seq.num_tokens - 1]
+        want = [k for k, seq in enumerate(seqs) if starts[k] + q_lens[k] == seq.num_tokens - 1]
         inputs = self.prepare(HostStep(
             is_prefill=True, input_ids=np.asarray(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
-            block_tables=tables, context_lens=(starts_arr + q_lens).astype(np.int32), query_lens=q_lens,
+            block_tables=tables, context_lens=(starts + q_lens).astype(np.int32), query_lens=q_lens,
             query_start_loc=cu, sample_indices=(cu[1:] - 1)[want].astype(np.int64),
         ))
-        rows_dev = torch.from_numpy(np.concatenate(rows)).to(self.device, non_blocking=True)
+        rows = np.concatenate([np.arange(first, first + n) for _, first, _, n in kept])
+        rows_dev = torch.from_numpy(rows).to(self.device, non_blocking=True)
         with forward_context(inputs.meta):
             out = self.model.draft_hidden(inputs.input_ids, hidden[rows_dev], inputs.positions)
         if not want:
             return []
         drafts = self.model.compute_logits(out[inputs.sample_indices]).argmax(dim=-1).tolist()
-        return [(kept[k], t) for k, t in zip(want, drafts)]
+        return [(seqs[k], t) for k, t in zip(want, drafts)]
 
     def collect(self, inflight: InFlight) -> StepOutput:
         """Wait for a launched step; its results on the host (the step's one sync)."""
         return inflight.wait()
 
 
+@dataclass
+class _LastStep:
+    """What a draft layer reads of the step it follows: the step, its final hidden states
+    (a replayed graph's buffer, or the eager pass's), and the eager pass's inputs (None
+    when it replayed a graph)."""
+
+    step: HostStep
+    hidden: torch.Tensor
+    inputs: PreparedInputs | None = None
+
+
+def _kept_rows(batch: ScheduledBatch, step: HostStep) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, first row, its position, n) for each unfinished sequence of `batch` whose
+    first n rows of `step` now have their next token known (the rest were rejected
+    drafts, or the last row, whose next token is not yet known)."""
+    kept = []
+    for i, seq in enumerate(batch.seqs):
+        first, end = step.token_range(i)
+        start = int(step.positions[first])
+        n = min(end - first, seq.num_tokens - 1 - start)
+        if not seq.is_finished and n > 0:
+            kept.append((seq, first, start, n))
+    return kept
+
+
 class InFlight:
-    """A launched step's sampler output (and prompt logprobs), being copied to pinned host
-    memory."""
+    """A launched step's sampler output (prompt logprobs, a draft layer's row drafts),
+    being copied to pinned host memory."""
 
     def __init__(
         self, host: SamplerOutput | None, prompt: PromptLogprobs | None = None,
-        prompt_counts: np.ndarray | None = None, event=None,
+        prompt_counts: np.ndarray | None = None, event=None, drafts: torch.Tensor | None = None,
     ):
         self.host, self.prompt, self.prompt_counts, self.event = host, prompt, prompt_counts, event
+        self.drafts = drafts
 
     @staticmethod
-    def start(out: SamplerOutput | None, prompt: PromptLogprobs | None, step: HostStep, device: torch.device) -> InFlight:
+    def start(out: SamplerOutput | None, prompt: PromptLogprobs | None, step: HostStep, device: torch.device,
+              drafts: torch.Tensor | None = None) -> InFlight:
         if device.type != "cuda" or (out is None and prompt is None):
-            return InFlight(out, prompt, step.prompt_lp_counts)  # nothing to wait for
+            return InFlight(out, prompt, step.prompt_lp_counts, drafts=drafts)  # nothing to wait for
 
         def copy(t):
             return None if t is None else t.to("cpu", non_blocking=True)
@@ -448,9 +491,10 @@ class InFlight:
         if prompt is not None:
             prompt = PromptLogprobs(copy(prompt.logprobs), copy(prompt.top_ids), copy(prompt.top_logprobs),
                                     copy(prompt.ranks))
+        drafts = copy(drafts)
         event = torch.cuda.Event()
         event.record()
-        return InFlight(host, prompt, step.prompt_lp_counts, event)
+        return InFlight(host, prompt, step.prompt_lp_counts, event, drafts)
 
     def wait(self) -> StepOutput:
         if self.event is not None:
@@ -458,6 +502,8 @@ class InFlight:
         result = StepOutput(tokens=[]) if self.host is None else to_host(self.host)
         if self.prompt is not None:
             result.prompt_logprobs = _split_prompt_logprobs(self.prompt, self.prompt_counts)
+        if self.drafts is not None:
+            result.drafts = self.drafts.tolist()
         return result
 
 

@@ -64,7 +64,7 @@ class NgramDrafter:
             h = self._history[request_id] = TokenHistory(prompt)
         return propose_ngram(h.sync(tokens_at, total), k, self.min_n, self.max_n)
 
-    def after_step(self, batch) -> None:
+    def after_step(self, batch, row_drafts: list[int] | None) -> None:
         """Nothing to do once a step is read back: drafts come from the tokens alone."""
 
     def forget(self, request_id: str) -> None:

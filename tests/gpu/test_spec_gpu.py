@@ -35,3 +35,35 @@ def test_verify_steps_in_graphs_equal_eager_and_stay_close_to_transformers(name,
     assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]], "graphs and eager differ"
     matched = _matched_with_transformers(path, prompts, {"spec": outs[False], "plain": plain}, name)
     print(f"{name} with drafts: tokens matched before first (tolerated) difference: {matched}")
+
+
+def test_mtp_draft_passes_in_graphs_equal_eager(tmp_path):
+    """DeepSeek-V3's MTP layer as the drafter: a decode step's draft pass replays a graph
+    of its own right after the step's graph (the same static metadata and hidden states);
+    its drafts and the tokens equal an eager engine's, and the drafts are the reference's
+    often enough to be accepted."""
+    from tests.deepseek_models import write_deepseek_model
+    from tests.test_mtp import MTP, PROMPTS, add_mtp_layer
+
+    path = add_mtp_layer(write_deepseek_model("v3", str(tmp_path / "m")))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        eng = _engine(path, eager=eager, speculative_config=MTP)
+        assert (eng.runner.graphs is None) == eager
+        assert eager or eng.runner.graphs.draft_graphs
+        eng.draft_policy.batch_drafts = lambda num_decoding: True
+        drafts = []
+        after = eng.drafter.after_step
+
+        def log(batch, row_drafts, after=after, drafts=drafts):
+            after(batch, row_drafts)
+            drafts.append(row_drafts)
+
+        eng.drafter.after_step = log
+        outs = eng.generate(PROMPTS, params)
+        runs[eager] = ([o.token_ids for o in outs], drafts, eng.draft_policy.stats)
+    (tokens, drafts, stats), (eager_tokens, eager_drafts, _) = runs[False], runs[True]
+    assert tokens == eager_tokens, "graphs and eager differ"
+    assert drafts == eager_drafts and sum(d is not None for d in drafts) >= params.max_tokens - 1
+    assert stats.num_drafts > 20 and stats.num_accepted_tokens > 0, stats
