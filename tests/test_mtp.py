@@ -19,7 +19,7 @@ from tests.hf_reference import load_hf_model
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9], [100, 20, 30], list(range(40, 75))]
+PROMPTS = [[5, 6, 7, 8, 9], [100, 20, 30], list(range(40, 75)), list(range(200, 217))]  # 17: a chunk of 8 ends one short
 
 
 def add_mtp_layer(path: str, seed: int = 5) -> str:
@@ -92,9 +92,14 @@ def reference_drafts(path: str, tokens: list[int]) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir):
-    plain = _engine(mtp_dir).generate(PROMPTS, GREEDY)
-    engine = _engine(mtp_dir, speculative_config=MTP)
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}, {"max_num_batched_tokens": 8, "mixed_batches": True}],
+                         ids=["whole", "chunked", "chunked-mixed"])
+def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir, kw):
+    """Chunked, prompts are prefilled 8 tokens a step (steps that sample nothing, chunks
+    whose next token is the next chunk's first; mixed, beside decode rows): the draft
+    layer's K/V of every prompt row is what its later drafts attend to."""
+    plain = _engine(mtp_dir, **kw).generate(PROMPTS, GREEDY)
+    engine = _engine(mtp_dir, speculative_config=MTP, **kw)
     assert not engine.async_scheduling  # the draft layer runs on each step's tokens
     engine.draft_policy.batch_drafts = lambda num_decoding: True
     drafts: list[tuple[str, int, int]] = []  # (request, its token count, draft)
@@ -131,30 +136,44 @@ def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir
     assert checked >= len(PROMPTS) * 10
 
 
-def test_decode_steps_draft_on_the_device_within_the_step(mtp_dir):
-    """A decode step's draft pass runs right after its sampler, over the step's own rows
-    and attention metadata (no pass of its own, no second read-back): only steps with
-    prompt rows take the separate pass over what they computed."""
+def test_every_step_drafts_within_itself(mtp_dir):
+    """The draft layer runs right after each step's sampler, over the step's own rows and
+    attention metadata, and its drafts come back with the step's tokens (no pass of its
+    own, no second read-back): every step that samples hands the drafter its drafts."""
     engine = _engine(mtp_dir, speculative_config=MTP)
     engine.draft_policy.batch_drafts = lambda num_decoding: True
-    separate: list[bool] = []
-    run = engine.runner.draft_with_mtp
-
-    def counted(batch, row_drafts):
-        if row_drafts is None:
-            separate.append(batch.is_prefill)
-        return run(batch, row_drafts)
-
-    engine.runner.draft_with_mtp = counted
-    with_device = []
+    got: list[tuple[bool, bool]] = []  # (the step samples, it came with drafts)
     after = engine.drafter.after_step
-    engine.drafter.after_step = lambda batch, row_drafts: (with_device.append(row_drafts is not None),
-                                                           after(batch, row_drafts))
+
+    def log(batch, row_drafts):
+        got.append((any(batch.samples), row_drafts is not None))
+        after(batch, row_drafts)
+
+    engine.drafter.after_step = log
     out = engine.generate(PROMPTS, GREEDY)
     assert [len(o.token_ids) for o in out] == [GREEDY.max_tokens] * len(PROMPTS)
-    assert separate and all(separate)  # prefill steps only
-    assert sum(with_device) >= GREEDY.max_tokens - 1  # every decode step drafted with its own pass
+    assert len(got) >= GREEDY.max_tokens // 2 and all(samples == drafted for samples, drafted in got)
     assert engine.draft_policy.stats.num_drafts >= GREEDY.max_tokens // 2
+
+
+def test_a_chunk_one_token_short_of_its_prompt_beside_decode_rows(mtp_dir):
+    """A mixed step whose chunk stops one token before its prompt ends: its last row's next
+    token is known but it samples nothing, so no draft comes from it (the next step computes
+    that token, then drafts), and both requests get plain decoding's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for spec in (None, MTP):
+        engine = _engine(mtp_dir, speculative_config=spec, max_num_batched_tokens=8, mixed_batches=True)
+        engine.draft_policy.batch_drafts = lambda num_decoding: True
+        engine.add_request([5, 6, 7], params, request_id="a")
+        engine.step()  # its prefill: it decodes from here on
+        # 6 of its 7 tokens beside a's verify row (its draft came with a's prefill), then 1.
+        engine.add_request(list(range(100, 107)), params, request_id="b")
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        outs.append(done)
+    assert outs[1] == outs[0] and len(outs[0]) == 2
 
 
 def test_mtp_layer_loads_only_when_asked_and_is_refused_where_it_cannot_run(mtp_dir, tiny_model_dirs):

@@ -45,6 +45,9 @@ class HostStep:
     # The first attention row of each batch sequence, and the end: sequence i's input
     # tokens are query_start_loc[seq_rows[i]] .. query_start_loc[seq_rows[i + 1]].
     seq_rows: np.ndarray | None = None  # [batch sequences + 1] int64
+    # A draft layer's input tokens (speculative method mtp) at each row, t_{p+1}, in a step
+    # with prompt rows (a decode step's are its sampled tokens): ModelRunner.build_step.
+    next_ids: np.ndarray | None = None  # [T] int64
 
     def token_range(self, i: int) -> tuple[int, int]:
         """Input token rows of batch sequence i."""

@@ -25,13 +25,12 @@ from agent_infer.attention.metadata import AttentionMetadata, forward_context, l
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.distributed.state import ParallelState, broadcast_from_first
 from agent_infer.engine.cuda_graphs import DecodeGraphs, GraphUnsafe
-from agent_infer.engine.host_step import HostStep, block_tables, build_host_step
+from agent_infer.engine.host_step import HostStep, build_host_step
 from agent_infer.engine.sampler import Sampler, SamplerOutput, SamplingBatch, token_ranks
 from agent_infer.engine.scheduler import ScheduledBatch
 from agent_infer.engine.structs import Sequence
 from agent_infer.kernels import ops
 from agent_infer.kvcache.pool import KVMemoryPool, bytes_per_token
-from agent_infer.kvcache.slots import ragged_slots
 from agent_infer.loader.weights import iter_weights
 from agent_infer.quantization.fp8 import dequantized, is_fp8
 from agent_infer.models.registry import resolve_model_class
@@ -63,9 +62,9 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int]]] | None = None
     ranks: list[int] | None = None
-    # A draft layer's prediction at every row of a decode step (speculative method mtp),
-    # each as if that row's sampled token is the one that stands: `draft_with_mtp` keeps
-    # the row at each sequence's last known position.
+    # A draft layer's prediction at every sampling row (speculative method mtp), each as
+    # if that row's sampled token is the one that stands: `draft_with_mtp` keeps the row
+    # at each sequence's last position that stands.
     drafts: list[int] | None = None
 
 
@@ -120,8 +119,10 @@ class ModelRunner:
         # received by broadcast), read by the next step's placeholder inputs.
         self._prev_tokens: torch.Tensor | None = None
         self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
-        # A draft layer (speculative method mtp) reads the last step's inputs and hidden states.
+        # A draft layer (speculative method mtp) reads the last step's inputs and hidden
+        # states, and its drafts are read off the rows of the step it followed.
         self._last: _LastStep | None = None
+        self._drafted: HostStep | None = None
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -263,7 +264,10 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
 
     def build_step(self, batch: ScheduledBatch) -> HostStep:
-        return build_host_step(batch, self.block_size)
+        step = build_host_step(batch, self.block_size)
+        if self.uses_draft_layer and step.is_prefill:
+            step.next_ids = _next_ids(batch, step)
+        return step
 
     def prepare(self, step: HostStep) -> PreparedInputs:
         dev = self.device
@@ -352,28 +356,45 @@ class ModelRunner:
         logit bias: agent_infer/structured), so its host work overlaps the forward pass."""
         logits, prompt_lp = self.execute(step)
         if not sampling_seqs:  # the workers skip the broadcast too: S = 0 in the step
+            if self.uses_draft_layer:
+                self._draft_pass(None)  # the draft layer's K/V of the chunks' rows
             return InFlight.start(None, prompt_lp, step, self.device)
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device, drafts)
         if process_logits is not None:
             logits = process_logits(logits)
         out = self.sampler(logits, sampling)
         self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
-        drafts = self._draft_rows(out.tokens) if self.uses_draft_layer and not step.is_prefill else None
+        drafts = self._draft_pass(out.tokens) if self.uses_draft_layer else None
         return InFlight.start(out, prompt_lp, step, self.device, drafts)
 
-    def _draft_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A decode step's draft pass, queued right after its sampler: the draft layer at
-        every row p, given the step's h_p and the token sampled there (t_{p+1} wherever
-        the row stands), through the step's own attention metadata (a replayed graph's
-        twin when the step replayed one). Rows past a rejected draft compute garbage at
-        positions the next step writes again before anything reads them, as the main
-        layers' rejected rows do. Returns the argmax at every row, on the device."""
-        last = self._last
-        if last.inputs is None:
-            return self.graphs.draft(tokens)
-        with forward_context(last.inputs.meta):
-            out = self.model.draft_hidden(tokens, last.hidden, last.inputs.positions)
-        return ops.argmax(self.model.compute_logits(out))
+    def _draft_pass(self, sampled: torch.Tensor | None) -> torch.Tensor | None:
+        """The draft layer (speculative method mtp) over every row of the step just run,
+        queued right after its sampler: row p takes the step's h_p and t_{p+1}, the token
+        sampled at p where p samples (on the device: wherever the row stands, that is
+        what follows it) and the prompt's next token elsewhere (`HostStep.next_ids`),
+        through the step's own attention metadata (a decode step that replayed a graph
+        replays the draft layer's twin of it). That writes the layer's K/V at every
+        row; rows past a rejected draft write garbage at positions the next step writes
+        again before anything reads them, as the main layers' rejected rows do. Returns
+        the argmax at every sampling row, on the device (None when none samples);
+        `draft_with_mtp` keeps the rows that stand."""
+        last, self._last = self._last, None
+        self._drafted = last.step
+        if last.inputs is None:  # (a replayed decode step: its rows all sample)
+            return self.graphs.draft(sampled)
+        inputs = last.inputs
+        if not last.step.is_prefill:  # every row samples
+            ids = sampled
+        else:
+            assert last.step.next_ids is not None, "build_step gives a step with prompt rows its next_ids"
+            ids = torch.from_numpy(last.step.next_ids).to(self.device, non_blocking=True)
+            if sampled is not None:
+                ids[inputs.sample_indices] = sampled
+        with forward_context(inputs.meta):
+            out = self.model.draft_hidden(ids, last.hidden, inputs.positions)
+        if sampled is None:
+            return None
+        return ops.argmax(self.model.compute_logits(out[inputs.sample_indices]))
 
     @torch.inference_mode()
     def follow(self, step: HostStep) -> None:
@@ -396,44 +417,19 @@ class ModelRunner:
             self._received_tokens = buf
         return buf[:n]
 
-    @torch.inference_mode()
-    def draft_with_mtp(self, batch: ScheduledBatch, row_drafts: list[int] | None) -> list[tuple[Sequence, int]]:
-        """The draft layer over what the last step (`batch`, now resolved) computed and
-        kept: position p of a sequence takes the step's hidden state at p and token p + 1.
-        Returns (sequence, draft) for each sequence whose last such position predicts
-        its next unknown token. A decode step ran the layer over every row with it
-        (`row_drafts`, see `_draft_rows`), so its drafts are read off those rows; a step
-        with prompt rows runs it here, over the kept rows only."""
-        assert self._last is not None, "draft_with_mtp follows the step it drafts from"
-        step, hidden = self._last.step, self._last.hidden
-        self._last = None
-        kept = _kept_rows(batch, step)
-        if row_drafts is not None:
-            return [(seq, row_drafts[first + n - 1]) for seq, first, start, n in kept
-                    if start + n == seq.num_tokens - 1]
-        if not kept:
+    def draft_with_mtp(self, batch: ScheduledBatch, drafts: list[int] | None) -> list[tuple[Sequence, int]]:
+        """(sequence, draft) for each sequence of `batch` (the step `_draft_pass` followed,
+        now resolved) whose last row that stands predicts its next unknown token: the
+        draft layer's argmax there (`drafts`, one per sampling row)."""
+        step, self._drafted = self._drafted, None
+        assert step is not None, "draft_with_mtp follows the step it drafts from"
+        if drafts is None:
             return []
-        seqs = [seq for seq, _, _, _ in kept]
-        starts = np.asarray([start for _, _, start, _ in kept], dtype=np.int64)
-        q_lens = np.asarray([n for _, _, _, n in kept], dtype=np.int32)
-        ids = [seq.token_at(p + 1) for seq, _, start, n in kept for p in range(start, start + n)]
-        tables = block_tables(seqs)
-        positions, slots, cu = ragged_slots(tables, starts, q_lens, self.block_size)
-        # Its K/V is written for every kept position; drafts only where the next token is unknown.
-        want = [k for k, seq in enumerate(seqs) if starts[k] + q_lens[k] == seq.num_tokens - 1]
-        inputs = self.prepare(HostStep(
-            is_prefill=True, input_ids=np.asarray(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
-            block_tables=tables, context_lens=(starts + q_lens).astype(np.int32), query_lens=q_lens,
-            query_start_loc=cu, sample_indices=(cu[1:] - 1)[want].astype(np.int64),
-        ))
-        rows = np.concatenate([np.arange(first, first + n) for _, first, _, n in kept])
-        rows_dev = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        with forward_context(inputs.meta):
-            out = self.model.draft_hidden(inputs.input_ids, hidden[rows_dev], inputs.positions)
-        if not want:
-            return []
-        drafts = self.model.compute_logits(out[inputs.sample_indices]).argmax(dim=-1).tolist()
-        return [(seqs[k], t) for k, t in zip(want, drafts)]
+        # A row that stands last but did not sample ends a chunk one token short of its
+        # prompt: the next step computes that token, and drafts after it.
+        sample_of_row = {int(r): i for i, r in enumerate(step.sample_indices)}
+        return [(seq, drafts[sample_of_row[first + n - 1]]) for seq, first, start, n in _kept_rows(batch, step)
+                if start + n == seq.num_tokens - 1 and first + n - 1 in sample_of_row]
 
     def collect(self, inflight: InFlight) -> StepOutput:
         """Wait for a launched step; its results on the host (the step's one sync)."""
@@ -449,6 +445,21 @@ class _LastStep:
     step: HostStep
     hidden: torch.Tensor
     inputs: PreparedInputs | None = None
+
+
+def _next_ids(batch: ScheduledBatch, step: HostStep) -> np.ndarray:
+    """t_{p+1} at each input row p of a step with prompt rows, where the host knows it
+    (the prompt's, or a token resolved before); rows where it is still to be sampled get
+    a placeholder 0, which the draft pass replaces with the sampled token."""
+    out = np.zeros(len(step.input_ids), dtype=np.int64)
+    for i, seq in enumerate(batch.seqs):
+        first, end = step.token_range(i)
+        if end > first:
+            out[first : end - 1] = step.input_ids[first + 1 : end]
+            p = int(step.positions[end - 1]) + 1
+            if p < seq.num_tokens:
+                out[end - 1] = seq.token_at(p)
+    return out
 
 
 def _kept_rows(batch: ScheduledBatch, step: HostStep) -> list[tuple[Sequence, int, int, int]]:

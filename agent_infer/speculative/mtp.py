@@ -1,14 +1,13 @@
 """Drafts from the checkpoint's multi-token-prediction layer (DeepSeek-V3's).
 
-The MTP layer runs over the positions each step computed and kept (prompt chunks,
-decode rows, a verify row's accepted run): that writes its own K/V for them, and at a
-sequence's last position it predicts the token after the next one, the draft for the
-coming step. A decode step runs it on the device right after its sampler, over all its
-rows, with the step's own attention metadata (and CUDA graph), each row given the token
-sampled there; the read-back then keeps each sequence's last accepted row. A step with
-prompt rows runs it once read back, over the rows kept. Either way a step's drafts are
-known only once it is read back, so steps resolve one at a time with MTP (no overlap of
-the next launch with this read-back).
+The MTP layer runs over every row of each step, right after its sampler, with the
+step's own attention metadata (and, for a decode step, a CUDA graph beside the step's):
+row p gets the token sampled there, or the prompt's next token where p does not sample.
+That writes its own K/V for them, and at a sequence's last position that stands (a verify
+row's last accepted one) it predicts the token after the next one, the draft for the
+coming step, read back with the step's tokens. The drafts are known only once the step
+is read back, so steps resolve one at a time with MTP (no overlap of the next launch with
+this read-back).
 """
 
 from __future__ import annotations
