@@ -185,7 +185,7 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: Triton compilation, cuBLAS handles, autotuning
             torch.cuda.synchronize(self.device)
             if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
-                self._check_no_sync(bs)
+                self._check_no_sync(lambda: self._forward(bs))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.hidden[bs], self.logits[bs] = self._forward(bs)
@@ -197,6 +197,8 @@ class DecodeGraphs:
                 # which it reads, stay live, so nothing it allocates overlaps them.
                 self._draft_forward(bs)
                 torch.cuda.synchronize(self.device)
+                if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
+                    self._check_no_sync(lambda: self._draft_forward(bs))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.drafts[bs] = self._draft_forward(bs)
@@ -204,13 +206,13 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_batch, time.perf_counter() - t0)
 
-    def _check_no_sync(self, bs: int) -> None:
-        """Run the warmed-up step again with host syncs turned into errors: a step that
+    def _check_no_sync(self, forward) -> None:
+        """Run the warmed-up `forward` again with host syncs turned into errors: a step that
         reads a value on the host would fail (or replay a stale value) in a graph."""
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            self._forward(bs)
+            forward()
         except RuntimeError as e:
             raise GraphUnsafe(str(e).splitlines()[0]) from e
         finally:
