@@ -8,7 +8,8 @@
           batch 1 and 8 with and without prompt lookup, acceptance per draft position,
           and whether the greedy texts are identical.
   mtp     DeepSeek-V3's MTP layer: a plain step, a verify step with its draft (and the
-          draft layer's own pass) on --random-weights deepseek-v3-small.
+          draft layer's own pass), and a step of MTP mode with drafting off (the draft
+          layer's pass alone) on --random-weights deepseek-v3-small.
 
 Prints a table last; --output-json keeps the figures. Runs on CPU too (slowly).
 """
@@ -200,10 +201,16 @@ def cmd_mtp(args) -> tuple[list[tuple], dict]:
     t_plain = statistics.median(time_steps(plain, args.prompt_len, args.steps) for _ in range(args.repeats))
     t_spec = statistics.median(time_steps(spec, args.prompt_len, args.steps) for _ in range(args.repeats))
     s = spec.draft_policy.stats
+    drafts = s.num_drafts
+    # What MTP mode costs where the policy drafts nothing: its steps still run the draft
+    # layer (its K/V must stay whole) and are read back one at a time.
+    spec.draft_policy.batch_drafts = lambda num_decoding: False
+    t_off = statistics.median(time_steps(spec, args.prompt_len, args.steps) for _ in range(args.repeats))
     rows = [("step", "ms", "x plain"), ("plain decode step", t_plain * 1e3, 1.0),
             ("verify step + MTP draft pass", t_spec * 1e3, t_spec / t_plain),
+            ("MTP mode, drafting off: step + draft pass", t_off * 1e3, t_off / t_plain),
             ("break-even acceptance", t_spec / t_plain - 1, "")]
-    return rows, {"model": path, "plain_s": t_plain, "verify_s": t_spec, "drafts": s.num_drafts}
+    return rows, {"model": path, "plain_s": t_plain, "verify_s": t_spec, "mtp_no_drafts_s": t_off, "drafts": drafts}
 
 
 def main() -> int:
