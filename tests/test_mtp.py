@@ -18,6 +18,9 @@ from tests.deepseek_models import write_deepseek_model
 from tests.hf_reference import load_hf_model
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
+# Its first 32 tokens (two blocks) are PROMPTS[2]'s: its draft layer reads their K/V
+# from the prefix cache, as the other request's draft passes wrote it.
+SHARED = list(range(40, 75)) + [3, 4]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [100, 20, 30], list(range(40, 75)), list(range(200, 217))]  # 17: a chunk of 8 ends one short
 
@@ -97,8 +100,10 @@ def reference_drafts(path: str, tokens: list[int]) -> list[int]:
 def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir, kw):
     """Chunked, prompts are prefilled 8 tokens a step (steps that sample nothing, chunks
     whose next token is the next chunk's first; mixed, beside decode rows): the draft
-    layer's K/V of every prompt row is what its later drafts attend to."""
-    plain = _engine(mtp_dir, **kw).generate(PROMPTS, GREEDY)
+    layer's K/V of every prompt row is what its later drafts attend to, also where a
+    prompt's first blocks come from the prefix cache."""
+    prompts = PROMPTS + [SHARED]
+    plain = _engine(mtp_dir, **kw).generate(prompts, GREEDY)
     engine = _engine(mtp_dir, speculative_config=MTP, **kw)
     assert not engine.async_scheduling  # the draft layer runs on each step's tokens
     engine.draft_policy.batch_drafts = lambda num_decoding: True
@@ -120,7 +125,8 @@ def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir
         return [out[total - len(prompt)]] if total % 2 else mtp
 
     engine.drafter.propose = mixed
-    spec = engine.generate(PROMPTS, GREEDY)
+    spec = engine.generate(prompts, GREEDY)
+    assert engine.stats.prompt_tokens <= sum(map(len, prompts)) - 32  # SHARED's two blocks were hits
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = engine.draft_policy.stats
     assert stats.num_drafts > 20 and stats.num_draft_tokens == stats.num_drafts  # one token each
@@ -133,7 +139,7 @@ def test_mtp_drafts_are_the_reference_and_tokens_those_of_plain_decoding(mtp_dir
         for _, total, draft in {(r, t, d) for r, t, d in drafts if r == rid}:
             assert draft == ref[total - 2], (rid, total)  # drafted at position total - 2, for token total
             checked += 1
-    assert checked >= len(PROMPTS) * 10
+    assert checked >= len(prompts) * 10
 
 
 def test_every_step_drafts_within_itself(mtp_dir):
