@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch import library as custom_ops
 
 from agent_infer.config import ConfigError
 from agent_infer.distributed.state import ParallelState, all_gather_last_dim
@@ -134,8 +135,7 @@ _LINEAR = __name__.split(".")[0] + "::linear"
 # The engine's linear path as an operator torch.compile keeps whole (the model around
 # it is compiled on a GPU: models/transformers_backend.py): one node in the graph, where
 # tracing into its launchers would break it.
-@torch.library.custom_op(_LINEAR, mutates_args=(),
-                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+@custom_ops.custom_op(_LINEAR, mutates_args=(), schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return ops.linear(x, weight, bias)
 
