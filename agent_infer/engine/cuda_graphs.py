@@ -143,7 +143,7 @@ class DecodeGraphs:
         self.drafts: dict[int, torch.Tensor] = {}
         # The tokens a draft pass reads (the replayed step's samples), outside the graph
         # pool: they are copied in between the two replays.
-        self.draft_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.draft_ids = torch.zeros(n, dtype=torch.int64, device=device) if draft_layer else None
         self._replayed = 0  # the size of the last replay, which a draft pass follows
 
     def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:

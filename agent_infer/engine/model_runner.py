@@ -307,7 +307,7 @@ class ModelRunner:
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
             hidden, logits = self.graphs.run(step, self._prev_tokens)
             if self.uses_draft_layer:
-                self._last = _LastStep(step, hidden)  # read before the next replay: MTP steps resolve at once
+                self._last = _LastStep(step)  # the draft graph reads the step's buffers before the next replay
             return logits, None  # every decode row samples
         inputs = self.prepare(step)
         with forward_context(inputs.meta):
@@ -438,12 +438,11 @@ class ModelRunner:
 
 @dataclass
 class _LastStep:
-    """What a draft layer reads of the step it follows: the step, its final hidden states
-    (a replayed graph's buffer, or the eager pass's), and the eager pass's inputs (None
-    when it replayed a graph)."""
+    """What a draft layer reads of the step it follows: the step, and for an eager pass its
+    final hidden states and inputs (a replayed graph keeps both in its static buffers)."""
 
     step: HostStep
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None = None
     inputs: PreparedInputs | None = None
 
 

@@ -251,8 +251,8 @@ class RoutedExperts(nn.Module):
         that holds every expert (no partial sums to reduce first): at one token the
         experts' last launch does the add + norm too (ops.fused_moe_add_rms_norm)."""
         assert self.expert_map is None, "the experts' sum is partial on this rank: reduce it first"
-        if self.num_shared and x.shape[0] > FUSED_SHARED_MAX_TOKENS:
-            return ops.fused_add_rms_norm(self.forward_shared_dense(x, weights, ids), residual, norm.weight, norm.eps)
+        if x.shape[0] != 1:
+            return ops.fused_add_rms_norm(self(x, weights, ids), residual, norm.weight, norm.eps)
         return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                           self.done_counter, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
