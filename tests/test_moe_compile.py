@@ -95,24 +95,6 @@ def test_moe_gemm_direct_layout_compiles_without_spills(block_m, gemm, tile):
     _check_gemm(block_m, gemm, tile, direct=True)
 
 
-@pytest.mark.parametrize("block_m,tile", [(m, t) for m, g, t in DIRECT_TILES if g == "down"], ids=str)
-def test_moe_down_with_the_add_norm_keeps_its_residency(block_m, tile):
-    """One token's down projection with the last program's slot sum + residual add +
-    RMSNorm (`fused_moe_add_rms_norm`, D = 2048, 8 slots): it takes the release/acquire
-    counter and reads the other programs' rows past L1, spills nothing, and costs the
-    GEMM part no resident program per SM."""
-    from tests.test_kernel_compile import _registers_per_thread
-
-    resident = {}
-    for add_norm in (False, True):
-        kernel = _check_gemm(block_m, "down", tile, direct=True, add_norm=add_norm)
-        regs, _ = _registers_per_thread(kernel)
-        resident[add_norm] = 65536 // (regs * 32 * tile.num_warps)
-    ptx = kernel.asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
-    assert resident[True] == resident[False], f"programs per SM without / with the add + norm: {resident}"
-
-
 FP8_TILES = sorted(set(GEMM_TILES + ROWS_TILES) | set(DIRECT_TILES), key=str)
 
 
@@ -135,9 +117,7 @@ WORD_TILES = sorted({(g, t, k % t.block_k == 0) for (i, d), c in _WORD_CONFIGS
 
 @pytest.mark.parametrize("gemm,tile,even_k", WORD_TILES, ids=str)
 def test_moe_gemm_fp8_word_rows_compile_without_spills(gemm, tile, even_k):
-    """(One token's: GEMM 2 also with the fused add + norm.)"""
-    for add_norm in (False, True) if gemm == "down" else (False,):
-        _check_gemm(1, gemm, tile, direct=True, fp8=True, even_k=even_k, add_norm=add_norm)
+    _check_gemm(1, gemm, tile, direct=True, fp8=True, even_k=even_k)
 
 
 def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> list[tuple[str, str]]:
@@ -150,30 +130,17 @@ def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> lis
         return [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("h_ptr", f"*{dtype}")] + rows + [
             ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "top_k", "num_slots", "num_experts", "num_tiles_n",
                                                         "sxm", "swe", "swn", "shm", "sse")]
-    add_norm = [("out_ptr", f"*{dtype}"), ("res_ptr", f"*{dtype}"), ("nw_ptr", f"*{dtype}"), ("count_ptr", "*i32"),
-                ("eps", "fp32")]
     return [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("y_ptr", f"*{dtype}")] + rows + [
-        ("topw_ptr", "*fp32"), ("s_ptr", "*fp32")] + add_norm + [
-        (n, "i32") for n in ("N", "K", "num_slots", "num_experts", "num_tiles_n", "shm", "swe", "swn", "sym", "sse")]
+        ("topw_ptr", "*fp32"), ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "num_slots", "num_experts",
+                                                                           "num_tiles_n", "shm", "swe", "swn", "sym",
+                                                                           "sse")]
 
 
-def _down_constexprs(add_norm: bool, hidden: int = 2048, slots: int = 8) -> dict:
-    """GEMM 2's own constexprs: the fused add + norm's (at `hidden` features, `slots`
-    slots of one token) or none."""
-    from agent_infer.kernels.triton.fused_moe import _SUM_TILE
-
-    return {"ADD_NORM": add_norm, "BLOCK_H": hidden if add_norm else 1, "BLOCK_J": slots,
-            "BLOCK_S": _SUM_TILE // slots}
-
-
-def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False, even_k: bool = True,
-                add_norm: bool = False):
+def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False, even_k: bool = True) -> None:
     from agent_infer.kernels.triton import fused_moe as moe
 
     common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": even_k, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
               "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, "SCALED": fp8}
-    if gemm == "down":
-        common |= _down_constexprs(add_norm)
     fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
     # e4m3 experts at one slot a block arrive as int32 words (fused_moe._as_words).
     args = _gemm_args(gemm, weight=("i32" if block_m == 1 else "fp8e4nv") if fp8 else None)
@@ -181,12 +148,11 @@ def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = F
     aligned = {name for name, ty in args if ty.startswith("*")} | {"N", "K", "sxm", "swe", "swn", "shm", "sym"}
     kernel = _compile(fn, args, common, aligned, tile.num_warps, tile.num_stages)
     what = f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}{' fp8' if fp8 else ''}" \
-           f"{'' if even_k else ' masked K'}{' add+norm' if add_norm else ''}"
+           f"{'' if even_k else ' masked K'}"
     # fp8 experts in tensor-core tiles: the bf16 table's tiles, not yet retuned for them;
     # three GEMM-1 tiles spill a few registers converting the e4m3 tiles (up to 16 B),
     # none more. The word rows spill nothing.
     _check_no_spills(kernel, what, max_stack=16 if fp8 and block_m > 1 else 0)
-    return kernel
 
 
 @pytest.mark.parametrize("block_e,chunk,block_m", [(64, 8, 16), (64, 128, 16), (64, 128, 1), (256, 32, 128)])
@@ -288,9 +254,9 @@ def test_moe_variants_compile(dtype, precision, block_m, even_k):
     constexprs = {"HAS_MAP": True, "DIRECT": block_m == 1, "EVEN_K": even_k, "BLOCK_M": block_m,
                   "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False,
                   "SCALED": False}
-    for fn, args, own in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype), {}),
-                          (moe._moe_down_kernel, _gemm_args("down", dtype), _down_constexprs(False))):
-        kernel = _compile(fn, args, constexprs | own, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,
+    for fn, args in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype)),
+                     (moe._moe_down_kernel, _gemm_args("down", dtype))):
+        kernel = _compile(fn, args, constexprs, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,
                           tile.num_stages)
         _check_fits(kernel, f"{fn.__name__} {dtype} block_m={block_m}")
     args = [("y_ptr", f"*{dtype}"), ("ids_ptr", "*i64"), ("map_ptr", "*i32"), ("out_ptr", f"*{dtype}"),
