@@ -717,8 +717,8 @@ else:
         (torch.float32, "default", False), (torch.float32, "rows", False), (torch.bfloat16, "rows-even", False),
         (torch.float16, "dot16", False), (torch.bfloat16, "rows", True), (torch.float32, "default", True)], ids=str)
     def test_fused_moe_add_norm(dtype, config, fp8):
-        """One token with the sum, residual add and RMSNorm in the down projection's last
-        program: FMA rows and tl.dot tiles, e4m3 experts, three calls on one counter."""
+        """One token with the slots' sum, residual add and RMSNorm in one launch: FMA rows
+        and tl.dot tiles, e4m3 experts, three calls in a row."""
         moe.check_fused_moe_add_norm(DEV, dtype, 7, 3, 48, 40, config=MOE_CONFIGS[config], fp8=fp8)
 
     @pytest.mark.parametrize("dtype", ALL)

@@ -324,18 +324,17 @@ def fused_moe(
 
 def fused_moe_add_rms_norm(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) with every expert
-    local: (normed, residual). On a GPU at one token the down projection's last program
-    sums, adds and normalises (`counter`: int32 [1], zero between calls), so neither the
-    sum nor the norm has a launch of its own."""
+    local: (normed, residual). On a GPU at one token the slots' sum, the add and the norm
+    are one launch after the two GEMMs."""
     if _use_triton(x) and x.shape[0] == 1 and residual.is_contiguous() and residual.dtype == x.dtype:
         from agent_infer.kernels.triton import fused_moe as moe
 
         if x.shape[1] <= moe.ADD_NORM_MAX_FEATURES:
-            return moe.fused_moe_add_rms_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_weight, eps, counter,
+            return moe.fused_moe_add_rms_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_weight, eps,
                                               w13_scale=w13_scale, w2_scale=w2_scale)
     y = fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
     return fused_add_rms_norm(y, residual, norm_weight, eps)

@@ -154,8 +154,6 @@ class RoutedExperts(nn.Module):
         self.fp8: Fp8Config | None = None
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
-        # The one-token add + norm's last-program counter (forward_add_norm).
-        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
         # Global expert id -> local index, -1 where another rank holds it (EP over ranks).
         if placement == "ep" and world > 1:
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
@@ -249,12 +247,12 @@ class RoutedExperts(nn.Module):
                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(y + residual), y + residual) for y = forward(x, weights, ids), on a rank
         that holds every expert (no partial sums to reduce first): at one token the
-        experts' last launch does the add + norm too (ops.fused_moe_add_rms_norm)."""
+        slots' sum does the add + norm too (ops.fused_moe_add_rms_norm)."""
         assert self.expert_map is None, "the experts' sum is partial on this rank: reduce it first"
         if x.shape[0] != 1:
             return ops.fused_add_rms_norm(self(x, weights, ids), residual, norm.weight, norm.eps)
         return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
-                                          self.done_counter, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+                                          w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
     def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with the shared experts as dense GEMMs (the prefill form): one GEMM
@@ -318,7 +316,7 @@ class MoE(nn.Module):
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
         experts' partial sums on this rank, reduced once over the group with the add + norm
-        (on one rank with the shared experts joined, the experts' own last launch does it)."""
+        (on one rank with the shared experts joined, the slots. sum does it)."""
         weights, ids = self.gate(x)
         if self.tp.world_size == 1:  # every expert local, the shared ones joined
             return self.experts.forward_add_norm(x, weights, ids, residual, norm)

@@ -57,9 +57,8 @@ def test_fused_moe(shape, tokens, dtype):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["v2-lite", "qwen3-30b-a3b"])
 def test_fused_moe_add_norm(shape, fp8, graph):
-    """One token with the slot sum, residual add and RMSNorm in the down projection's last
-    program, in the tuned batch-1 tiles, eager and replayed in a CUDA graph with new
-    routing (the counter re-armed every time)."""
+    """One token with the slots' sum, residual add and RMSNorm in one launch after the
+    tuned batch-1 tiles' GEMMs, eager and replayed in a CUDA graph with new routing."""
     experts, top_k, hidden, inter, _ = SHAPES[shape]
     mc.check_fused_moe_add_norm(DEV, torch.bfloat16, experts, top_k, hidden, inter, fp8=fp8, graph=graph, calls=4,
                                 weights=_weights(shape, torch.bfloat16))

@@ -26,9 +26,9 @@ data-dependent sizes):
 4. A deterministic sum over the k slots of each token (fp32, fixed order) instead of
    atomics: greedy tokens must not depend on which program ran first.
 
-`fused_moe_add_rms_norm` (one token, every expert local) folds 4 and the residual add +
-RMSNorm that follows the MoE into GEMM 2: its last program to finish (an atomic counter,
-as in the batch-1 GEMV's add + norm) sums the slots and normalises, two launches in all.
+`fused_moe_add_rms_norm` (one token, every expert local) folds the residual add +
+RMSNorm that follows the MoE into 4: one program per token sums its slots, adds and
+normalises, three launches in all.
 
 fp32 accumulation throughout; bf16, fp16 and fp32 inputs (fp32 dots in IEEE precision).
 BLOCK_M = 1 switches both GEMMs to FMA rows (one slot per block, no padding, a
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
-from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
+from agent_infer.kernels.triton.norm import add_rms_norm_row
 from agent_infer.kernels.triton.utils import dot_precision, pdl_begin
 
 # The one-hot tiles of the align kernels hold at most this many int32 elements
@@ -64,8 +64,8 @@ _ALIGN_TILE = 8192
 ONE_PROGRAM_SLOTS = 64
 
 
-# The fused add + norm's last program holds the whole row in registers (at most this many
-# features), and sums the slots over tiles of this many elements.
+# The fused sum + add + norm holds a token's whole row in registers (at most this many
+# features), and sums its slots over tiles of this many elements.
 ADD_NORM_MAX_FEATURES = 16384
 _SUM_TILE = 4096
 
@@ -418,70 +418,43 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_down_kernel(
     h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr, s_ptr,
-    out_ptr, res_ptr, nw_ptr, count_ptr, eps,
     N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym, sse,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
-    ADD_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
-    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1.
-
-    ADD_NORM (one token, direct layout, no expert map): the last program to finish also
-    does what `_moe_sum_kernel` and the residual add + RMSNorm after it would, out <-
-    rms_norm(sum + residual) * weight and residual <- sum + residual, and re-arms
-    `count_ptr` (int32, zero between calls): two dependent launches fewer a layer."""
+    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1."""
     pdl_begin(PDL)
     pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
-    if not ADD_NORM:  # (with ADD_NORM every program must reach the counter)
-        if e < 0:
-            return
-    if e >= 0:
-        if SCALED and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
-            h_row = h_ptr + tl.max(pos, axis=0).to(tl.int64) * shm
-            acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False, False,
-                               BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1, EVEN_K)[None, :]
-        else:
-            w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
-            acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, PRECISION)
-            if SCALED:
-                acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
-        weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
-        mask = valid[:, None] & (n < N)[None, :]
-        y = acc * weight[:, None]
-        tl.store(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if ADD_NORM:
-        if last_to_arrive(count_ptr):
-            tl.debug_barrier()
-            # The token's sum, a chunk of columns at a time, into out (rounded as the sum
-            # kernel's output is); then the whole row back for the add + norm.
-            for c in range(0, N, BLOCK_S):
-                cn = c + tl.arange(0, BLOCK_S)
-                total = _slot_sum(y_ptr, ids_ptr, map_ptr, 0, num_slots, num_experts, sym, cn, cn < N, HAS_MAP,
-                                  BLOCK_J)
-                tl.store(out_ptr + cn, total.to(out_ptr.dtype.element_ty), mask=cn < N)
-            tl.debug_barrier()  # this program's own stores, made visible to all its threads
-            cols = tl.arange(0, BLOCK_H)
-            in_row = cols < N
-            summed = tl.load(out_ptr + cols, mask=in_row, other=0.0)
-            add_rms_norm_row(summed, cols, in_row, res_ptr, nw_ptr, out_ptr, N, eps)
-            tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
+    if e < 0:
+        return
+    if SCALED and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
+        h_row = h_ptr + tl.max(pos, axis=0).to(tl.int64) * shm
+        acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False, False,
+                           BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1, EVEN_K)[None, :]
+    else:
+        w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
+        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
+                                BLOCK_K, PRECISION)
+        if SCALED:
+            acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
+    weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
+    mask = valid[:, None] & (n < N)[None, :]
+    y = acc * weight[:, None]
+    tl.store(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _slot_sum(y_ptr, ids_ptr, map_ptr, t, top_k, num_experts, sym, n, n_in, HAS_MAP: tl.constexpr,
               BLOCK_J: tl.constexpr):
     """sum over j of y[t * top_k + j, n] in fp32, over the slots whose expert is local
-    (the others were never written). Loaded .cg: a caller in the launch that wrote y
-    reads other SMs' stores, which this SM's L1 does not see."""
+    (the others were never written)."""
     slot = t * top_k + tl.arange(0, BLOCK_J)
     live = _local_experts(ids_ptr, map_ptr, slot, (t + 1) * top_k, num_experts, HAS_MAP) >= 0
-    y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], mask=live[:, None] & n_in[None, :], other=0.0,
-                cache_modifier=".cg")
+    y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], mask=live[:, None] & n_in[None, :], other=0.0)
     return tl.sum(y.to(tl.float32), axis=0)
 
 
@@ -496,6 +469,28 @@ def _moe_sum_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     total = _slot_sum(y_ptr, ids_ptr, map_ptr, t, top_k, num_experts, sym, n, n < N, HAS_MAP, BLOCK_J)
     tl.store(out_ptr + t.to(tl.int64) * som + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _moe_sum_add_norm_kernel(
+    y_ptr, ids_ptr, out_ptr, res_ptr, nw_ptr, eps, N, top_k, num_experts, sym,
+    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per token t, every expert local: s = the sum of its slots of y (rounded
+    to the activation dtype, as `_moe_sum_kernel`'s output is), then residual[t] <- s +
+    residual[t] and out[t] <- rms_norm(residual[t]) * weight, as the add + norm kernel
+    rounds. The sum goes through out a tile at a time and comes back as one row."""
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    for c in range(0, N, BLOCK_S):
+        cn = c + tl.arange(0, BLOCK_S)
+        total = _slot_sum(y_ptr, ids_ptr, ids_ptr, t, top_k, num_experts, sym, cn, cn < N, False, BLOCK_J)
+        tl.store(out_ptr + t * N + cn, total.to(out_ptr.dtype.element_ty), mask=cn < N)
+    tl.debug_barrier()  # the tiles' stores, visible to every thread of the program
+    cols = tl.arange(0, BLOCK_H)
+    in_row = cols < N
+    summed = tl.load(out_ptr + t * N + cols, mask=in_row, other=0.0)
+    add_rms_norm_row(summed, cols, in_row, res_ptr + t * N, nw_ptr, out_ptr + t * N, N, eps)
 
 
 def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -578,13 +573,11 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
 
 def down_weighted(
     h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
-    w2_scale: torch.Tensor | None = None, add_norm: AddNorm | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
     (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
-    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row). `add_norm` (one
-    token, direct layout, no expert map): the same launch also sums the slots and applies
-    the residual add + RMSNorm (`AddNorm`)."""
+    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row)."""
     num_slots = topk_weights.numel()
     inter = h.shape[1]
     d = w2.shape[1]
@@ -593,37 +586,14 @@ def down_weighted(
     scaled = w2_scale is not None
     bm = layout.block_m
     w = _as_words(w2, bm)
-    if add_norm is not None:
-        assert layout.direct and layout.expert_map is None and num_slots == layout.ids.numel(), \
-            "the fused add + norm takes one token's direct layout with every expert local"
-        assert d <= ADD_NORM_MAX_FEATURES, f"{d} features > {ADD_NORM_MAX_FEATURES}"
-    a = add_norm or AddNorm(y, y, y, y, 0.0)
-    block_j = triton.next_power_of_2(num_slots)
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
         h, w, y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
-        a.out, a.residual, a.norm_weight, a.counter, a.eps,
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), SCALED=scaled, ADD_NORM=add_norm is not None,
-        BLOCK_H=triton.next_power_of_2(d) if add_norm is not None else 1, BLOCK_J=block_j,
-        BLOCK_S=min(triton.next_power_of_2(d), max(16, _SUM_TILE // block_j)), **_gemm_opts(tile),
+        PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
     )
     return y
-
-
-@dataclass(frozen=True)
-class AddNorm:
-    """The residual add + RMSNorm that follows the MoE, fused into its last launch:
-    out [1, D] <- rms_norm(moe + residual) * norm_weight, residual [1, D] <- moe +
-    residual (in place), counter an int32 [1] zero between calls (its address may be
-    captured in a CUDA graph; one per call site that can be in flight at once)."""
-
-    out: torch.Tensor
-    residual: torch.Tensor
-    norm_weight: torch.Tensor
-    counter: torch.Tensor
-    eps: float
 
 
 def sum_topk(
@@ -640,6 +610,26 @@ def sum_topk(
         y.stride(0), out.stride(0),
         HAS_MAP=expert_map is not None, BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=block_n, num_warps=4,
         **PLAIN_LAUNCH,
+    )
+    return out
+
+
+def sum_add_rms_norm(
+    y: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, residual: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    """fused_add_rms_norm(sum_topk(y, ...), residual, norm_weight, eps) with every expert
+    local, one launch: returns out [T, D]; residual [T, D] (contiguous) is updated in place."""
+    num_tokens, top_k = topk_ids.shape
+    d = y.shape[1]
+    assert d <= ADD_NORM_MAX_FEATURES, f"{d} features > {ADD_NORM_MAX_FEATURES}"
+    out = torch.empty(num_tokens, d, dtype=y.dtype, device=y.device)
+    block_j = triton.next_power_of_2(top_k)
+    block_h = triton.next_power_of_2(d)
+    _moe_sum_add_norm_kernel[(num_tokens,)](
+        y, topk_ids.reshape(-1), out, residual, norm_weight, eps, d, top_k, num_local_experts, y.stride(0),
+        BLOCK_J=block_j, BLOCK_S=min(block_h, max(16, _SUM_TILE // block_j)), BLOCK_H=block_h,
+        num_warps=4 if block_h <= 4096 else 8, **PLAIN_LAUNCH,
     )
     return out
 
@@ -673,32 +663,28 @@ def fused_moe(
 
 def fused_moe_add_rms_norm(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) for one token x
-    [1, D] with every expert local (no expert map), in two launches: the down
-    projection's last program sums the slots, adds and normalises (`AddNorm`). Returns
-    (normed [1, D], residual), residual updated in place; `counter` an int32 [1], zero
-    between calls. Arguments otherwise as `fused_moe`'s."""
+    [1, D] with every expert local (no expert map), in three launches: the two GEMMs,
+    then the slots' sum with the add + norm (`sum_add_rms_norm`). Returns (normed [1, D],
+    residual), residual updated in place. Arguments otherwise as `fused_moe`'s."""
     d = x.shape[1]
     assert x.shape[0] == 1, f"the fused add + norm takes one token, got {x.shape[0]}"
     assert residual.shape == (1, d) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (d,) and norm_weight.is_contiguous()
-    assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
-    out = torch.empty(1, d, dtype=x.dtype, device=x.device)
-    _gemms(x, w13, w2, topk_weights, topk_ids, None, config, True, w13_scale, w2_scale,
-           AddNorm(out, residual, norm_weight, counter, eps))
-    return out, residual
+    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, None, config, True, w13_scale, w2_scale)
+    return sum_add_rms_norm(y, ids, w13.shape[0], residual, norm_weight, eps), residual
 
 
 def _gemms(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None, config: MoeConfig | None, direct: bool | None,
-    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, add_norm: AddNorm | None = None,
+    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inputs checked, the configuration and slot layout chosen, then GEMM 1 and GEMM
-    2 (with `add_norm`, the add + norm in its last program): (y [T * k, D], the ids)."""
+    2: (y [T * k, D], the ids)."""
     num_experts, two_i, _ = w13.shape
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
     top_k = topk_ids.shape[1]
@@ -708,7 +694,7 @@ def _gemms(
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
     h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
-    return down_weighted(h, w2, weights, layout, cfg.down, w2_scale, add_norm), ids
+    return down_weighted(h, w2, weights, layout, cfg.down, w2_scale), ids
 
 
 def _check_inputs(
