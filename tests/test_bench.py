@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,10 +20,10 @@ from agent_infer.bench.cli import add_bench_parser
 from agent_infer.bench.hf_baseline import left_pad
 from agent_infer.bench.monitor import GpuMonitor, GpuSeries, parse_smi_line
 from agent_infer.bench.offline import (
-    LatencyRun, fresh_prompts, format_table, json_text, latency_rows, nano_vllm_workload, run_throughput,
-    summarise_latency, uniform_workload,
+    LatencyRun, fresh_prompts, format_table, json_text, latency_rows, nano_vllm_workload, roofline_bandwidth,
+    run_throughput, summarise_latency, uniform_workload,
 )
-from agent_infer.bench.roofline import decode_roofline, decode_weight_params
+from agent_infer.bench.roofline import decode_roofline, decode_weight_params, gpu_bandwidth_tbs
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
 from agent_infer.arguments import add_engine_args
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
@@ -233,6 +234,21 @@ def test_roofline_qwen3_8b_figure(tmp_path):
     # all weights minus the embedding table (untied: the LM head is its own tensor)
     total = sum(math.prod(s) for _, s in rw.tensor_shapes(rw.PRESETS["qwen3-8b"]))
     assert decode_weight_params(cfg) == total - cfg.vocab_size * cfg.hidden_size
+
+
+def test_roofline_bandwidth_is_the_gpus_own():
+    """A GPU model with a stored copy rate takes it without measuring (the same roofline
+    every run); any other GPU is measured; a CPU has none unless given."""
+    def never():
+        raise AssertionError("a stored model must not be measured")
+
+    assert gpu_bandwidth_tbs("NVIDIA H200", never)[0] == 4.26
+    tbs, source = gpu_bandwidth_tbs("NVIDIA H100 80GB HBM3", lambda: 3.0149)
+    assert tbs == 3.01 and "H100 80GB HBM3" in source
+    assert gpu_bandwidth_tbs("NVIDIA H2000", lambda: 1.5)[0] == 1.5  # a whole word, not a prefix
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert roofline_bandwidth(SimpleNamespace(bandwidth_tbs=None), cpu)[0] is None
+    assert roofline_bandwidth(SimpleNamespace(bandwidth_tbs=0.02), cpu) == (0.02, "--bandwidth-tbs")
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3-0.6b", "qwen2-7b", "llama3-8b"])
@@ -581,7 +597,7 @@ def test_bench_registers_latency_throughput_and_serve():
     assert set(sub.choices) == {"latency", "throughput", "serve"}
     args = parser.parse_args(["bench", "latency", "--random-weights", "qwen3-8b"])
     assert (args.input_len, args.output_len, args.batch_size, args.max_num_seqs) == (512, 256, 1, None)
-    assert args.bandwidth_tbs is None and callable(args.handler)  # 4.26 on a GPU, no roofline on a CPU
+    assert args.bandwidth_tbs is None and callable(args.handler)  # the GPU's own rate, no roofline on a CPU
     args = parser.parse_args(["bench", "throughput"])
     assert (args.num_seqs, args.min_len, args.max_len, args.temperature, args.max_num_seqs) == (256, 100, 1024, 0.6, None)  # None: the engine's 256
     assert (args.workload, args.rounds, args.num_warmup) == ("nano-vllm", 3, 0)

@@ -48,8 +48,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-steps", type=_positive, default=10, help="steps traced by --profile, per trace")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write every figure and the set-up as JSON")
     g.add_argument("--bandwidth-tbs", type=float, default=None,
-                   help="memory bandwidth for the roofline, TB/s per device (default on a GPU: 4.26, measured "
-                        "on an H200; on a CPU there is no roofline unless this gives the machine's)")
+                   help="memory bandwidth for the roofline, TB/s per device (default on a GPU: its model's "
+                        "measured copy rate, 4.26 on an H200, or the copy rate measured before the run on "
+                        "another; on a CPU there is no roofline unless this gives the machine's)")
     g.add_argument("--monitor-interval-ms", type=float, default=100.0, help="GPU memory/utilisation sampling period")
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from agent_infer.bench.monitor import GpuMonitor, format_monitor
-from agent_infer.bench.roofline import DEFAULT_BANDWIDTH_TBS, decode_roofline
+from agent_infer.bench.roofline import copy_rate_tbs, decode_roofline, gpu_bandwidth_tbs
 from agent_infer.bench.step_trace import format_step_summary, summarise_step_trace, trace_for_json
 from agent_infer.bench.table import render_table
 from agent_infer.bench.workloads import (  # noqa: F401 - re-exported for existing callers
@@ -209,6 +209,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         hf = run_with_hf_model(setup.config.model, setup.device, setup.dtype,
                                lambda m: hf_latency(m, prompts, n_out, args.hf_iters, log=_say))
 
+    bandwidth, bandwidth_source = roofline_bandwidth(args, setup)  # before the engine takes the memory
     engine, init_s = build_engine(setup)
     try:
         if n_in + n_out > engine.max_model_len:
@@ -219,16 +220,17 @@ def cmd_latency(args: argparse.Namespace) -> int:
         # The cache a decode step reads: every sequence's context, at its mean length over the run.
         tp = setup.config.tensor_parallel_size
         cache_bytes = round(B * (n_in + n_out / 2) * engine.runner.cache_bytes_per_token() * tp)
-        # A GPU's bandwidth says nothing of a CPU's: there, a roofline only with the machine's own.
-        bandwidth = args.bandwidth_tbs or (DEFAULT_BANDWIDTH_TBS if setup.device.type == "cuda" else None)
         roofline = latency_roofline(setup, bandwidth, results, B, cache_bytes) if bandwidth else None
+        if roofline:
+            roofline["bandwidth_source"] = bandwidth_source
         payload = report_payload("latency", args, setup, engine, init_s, results, hf, roofline, monitor)
         save_json(args, payload)  # before profiling: a crash there must not lose the figures
         payload["profile"] = maybe_profile(args, engine, fresh(), params, "latency")
         title = (f"latency: {model_label(setup)}, batch {B}, {n_in} -> {n_out} tokens, {mode_label(setup)}, "
                  f"median of {args.num_iters}\nroofline: " + (
                      f"{roofline['bytes_per_token'] / 1e9:.3f} GB of weights read per decode step at "
-                     f"{roofline['bandwidth_tbs']} TB/s x {roofline['tp']} device(s)" if roofline else
+                     f"{roofline['bandwidth_tbs']} TB/s x {roofline['tp']} device(s) ({bandwidth_source})"
+                     if roofline else
                      "none on a CPU without --bandwidth-tbs"))
         finish(args, title, latency_rows(results, hf, roofline, monitor, B, n_in), payload)
     finally:
@@ -252,6 +254,17 @@ def time_latency(engine, fresh, params: SamplingParams, warmup: int, iters: int,
     if short:
         raise RuntimeError(f"some sequences generated {short[0]} tokens instead of {n_out}")
     return runs, mon.summary()
+
+
+def roofline_bandwidth(args: argparse.Namespace, setup: Setup) -> tuple[float | None, str]:
+    """The roofline's TB/s per device and its source: --bandwidth-tbs, else on a GPU its
+    model's stored copy rate or one measured now; on a CPU none (a GPU's figure says
+    nothing of it)."""
+    if args.bandwidth_tbs:
+        return args.bandwidth_tbs, "--bandwidth-tbs"
+    if setup.device.type != "cuda":
+        return None, ""
+    return gpu_bandwidth_tbs(torch.cuda.get_device_name(setup.device), lambda: copy_rate_tbs(setup.device))
 
 
 def latency_roofline(setup: Setup, bandwidth_tbs: float, results: dict, batch: int, cache_bytes: int) -> dict:

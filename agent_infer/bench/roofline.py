@@ -3,6 +3,8 @@ most bandwidth / bytes of weights read per token."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,7 +12,38 @@ import torch
 from agent_infer.config import ModelConfig
 from agent_infer.quantization.fp8 import Fp8Config
 
-DEFAULT_BANDWIDTH_TBS = 4.26  # H200 device-to-device copy, measured
+# Device-to-device copy rates (bytes read + written over a large copy's time), measured
+# once per GPU model: a roofline on that model is the same from run to run. A GPU not
+# listed is measured at the start of the run (`copy_rate_tbs`).
+MEASURED_COPY_TBS = {"H200": 4.26}
+
+
+def gpu_bandwidth_tbs(device_name: str, measure: Callable[[], float]) -> tuple[float, str]:
+    """(TB/s, where the figure comes from) for the roofline on the GPU `device_name`: the
+    stored rate of its model, else `measure()`."""
+    for model, tbs in MEASURED_COPY_TBS.items():
+        if re.search(rf"\b{model}\b", device_name):
+            return tbs, f"the {model}'s measured copy rate"
+    return round(measure(), 2), f"the copy rate measured on this {device_name} before the run"
+
+
+def copy_rate_tbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """A device-to-device copy of `nbytes` (far past any L2), best of `repeats` timed by
+    CUDA events: (read + written bytes) / time, in TB/s. Needs 2 x nbytes free."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy pays for the kernel's load
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best / 1e12
 
 
 def decode_weight_params(cfg: ModelConfig, batch: int = 1) -> float:
@@ -93,7 +126,7 @@ def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config, batch: int = 1) -> tup
 
 
 def decode_roofline(
-    cfg: ModelConfig, dtype_bytes: int, bandwidth_tbs: float = DEFAULT_BANDWIDTH_TBS, tp: int = 1, batch: int = 1,
+    cfg: ModelConfig, dtype_bytes: int, bandwidth_tbs: float, tp: int = 1, batch: int = 1,
     quant: Fp8Config | None = None,
 ) -> Roofline:
     """The roofline of decode steps of `batch` sequences (which experts they read depends
