@@ -191,8 +191,38 @@ cmd_setup() {
 # ---- the figures ---------------------------------------------------------------------
 
 # bench NAME TIMEOUT_S ARGS...: one `agent-infer bench` run (a fresh process) into $FIG/NAME.json.
+# room_for NAME: when the random checkpoint NAME is still to be written and the disk has no
+# room for it, other random checkpoints go, largest first, until it has (the MoE shapes take 31-61 GB
+# of a 64 GB disk: two of them do not fit at once; the next sub-command that needs one
+# writes it again).
+room_for() {
+  python3 - "$1" <<'PY'
+import os, shutil, sys
+from agent_infer.bench.random_weights import checkpoint_bytes, get_preset, random_model_dir, random_model_ready
+
+name = sys.argv[1]
+if not random_model_ready(name):
+    need = checkpoint_bytes(get_preset(name)) + (1 << 30)
+    root = os.path.dirname(random_model_dir(name))
+    os.makedirs(root, exist_ok=True)
+    def size(d):
+        return sum(os.path.getsize(os.path.join(w, f)) for w, _, fs in os.walk(d) for f in fs)
+    others = sorted(((size(os.path.join(root, d)), os.path.join(root, d)) for d in os.listdir(root) if d != name),
+                    reverse=True)
+    if shutil.disk_usage(root).free + sum(n for n, _ in others) < need:
+        others = []  # no room even without them: leave them, and the write says how much is missing
+    for _, other in others:
+        if shutil.disk_usage(root).free >= need:
+            break
+        print(f"room for {name}: removing {other}", flush=True)
+        shutil.rmtree(other, ignore_errors=True)
+PY
+}
+
 bench() {
   local name=$1 limit=$2; shift 2
+  local a prev=
+  for a in "$@"; do [ "$prev" = --random-weights ] && room_for "$a"; prev=$a; done
   timeout "$limit" python3 -m agent_infer.cli -v bench "$@" --output-json "$FIG/$name.json" > "$FIG/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc  $(grep -E 'decode tok/s|output tok/s' "$FIG/$name.log" | head -1 | cut -c1-150)"
