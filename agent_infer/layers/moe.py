@@ -316,7 +316,7 @@ class MoE(nn.Module):
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
         experts' partial sums on this rank, reduced once over the group with the add + norm
-        (on one rank with the shared experts joined, the slots. sum does it)."""
+        (on one rank with the shared experts joined, the slots' sum does it)."""
         weights, ids = self.gate(x)
         if self.tp.world_size == 1:  # every expert local, the shared ones joined
             return self.experts.forward_add_norm(x, weights, ids, residual, norm)
