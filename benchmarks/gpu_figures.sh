@@ -100,8 +100,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      32 x 8k), kernel (the MLA decode kernel's latent read rate by batch and
                      context, with split-count and tile sweeps), profile (a PDL-off batch-1
                      profile at 32k: the decode kernel against its split merge)
-  moe                the Qwen3-30B-A3B shape: batch 1 with transformers in the same process,
-                     then nano-vllm's workload (two rounds, empty Triton cache)
+  moe [PART...]      the Qwen3-30B-A3B shape; parts: lat (batch 1 with transformers in the same
+                     process), thr (nano-vllm's workload, two rounds, empty Triton cache), both by
+                     default; profile (a PDL-off batch-1 profile: each kernel's own time)
   backend [PART...]  the Llama-3-8B shape natively and through --model-impl transformers:
                      batch 1 and nano-vllm's workload; parts lat-native, lat-transformers,
                      thr-native, thr-transformers (all by default: more than one call's time)
@@ -587,10 +588,21 @@ cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by c
   table "$FIG"/ds_ctx_*.json
 }
 
-cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16): batch 1 with transformers, the workload
-  TRITON_CACHE_DIR=$(mktemp -d) bench moe_lat 400 latency --random-weights qwen3-30b-a3b --num-iters 3 --compare-hf
-  TRITON_CACHE_DIR=$(mktemp -d) bench moe_thr 300 throughput --random-weights qwen3-30b-a3b --rounds 2
-  table "$FIG"/moe_lat.json "$FIG"/moe_thr.json
+cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16)
+  local part parts=${*:-lat thr} files=()
+  for part in $parts; do
+    case $part in
+      lat)     TRITON_CACHE_DIR=$(mktemp -d) bench moe_lat 400 latency --random-weights qwen3-30b-a3b --num-iters 3 \
+                 --compare-hf; files+=("$FIG/moe_lat.json") ;;
+      thr)     TRITON_CACHE_DIR=$(mktemp -d) bench moe_thr 300 throughput --random-weights qwen3-30b-a3b --rounds 2
+               files+=("$FIG/moe_thr.json") ;;
+      profile) AGENT_INFER_PDL=0 bench moe_prof_nopdl 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
+                 --profile "$FIG/moe_prof_nopdl"
+               grep -A17 '^profile' "$FIG/moe_prof_nopdl.log" | cut -c1-160 ;;
+      *)       echo "unknown moe part: $part"; return 2 ;;
+    esac
+  done
+  [ ${#files[@]} = 0 ] || table "${files[@]}"
 }
 
 cmd_backend() {  # the Llama-3-8B shape natively and through the transformers backend: batch 1, the workload
