@@ -144,7 +144,6 @@ class DecodeGraphs:
         # The tokens a draft pass reads (the replayed step's samples), outside the graph
         # pool: they are copied in between the two replays.
         self.draft_ids = torch.zeros(n, dtype=torch.int64, device=device) if draft_layer else None
-        self._replayed = 0  # the size of the last replay, which a draft pass follows
 
     def _meta(self, bs: int, rows: RowInputs) -> AttentionMetadata:
         return self.backend.prepare(AttentionMetadata(
@@ -182,29 +181,28 @@ class DecodeGraphs:
             rows.slots.fill_(-1)  # every row a padding row: the warm-up pass stores nothing
             rows.context_lens.fill_(1)
             rows.order.copy_(torch.arange(bs, dtype=torch.int32, device=self.device))
-            self._forward(bs)  # warm-up: Triton compilation, cuBLAS handles, autotuning
-            torch.cuda.synchronize(self.device)
-            if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
-                self._check_no_sync(lambda: self._forward(bs))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[bs], self.logits[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], (self.hidden[bs], self.logits[bs]) = self._capture(bs, lambda: self._forward(bs))
             if self.draft_layer:
                 # Captured after its step's graph, in the same pool: that graph's outputs,
                 # which it reads, stay live, so nothing it allocates overlaps them.
-                self._draft_forward(bs)
-                torch.cuda.synchronize(self.device)
-                if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
-                    self._check_no_sync(lambda: self._draft_forward(bs))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.drafts[bs] = self._draft_forward(bs)
-                self.draft_graphs[bs] = graph
+                self.draft_graphs[bs], self.drafts[bs] = self._capture(bs, lambda: self._draft_forward(bs))
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_batch, time.perf_counter() - t0)
+
+    def _capture(self, bs: int, forward) -> tuple[torch.cuda.CUDAGraph, object]:
+        """(the graph, its outputs) of `forward` for size `bs` in the shared pool, after a
+        warm-up (Triton compilation, cuBLAS handles, autotuning) and, at the largest size,
+        the host-sync check."""
+        forward()
+        torch.cuda.synchronize(self.device)
+        if bs == self.sizes[-1] and self.model.graphs_after_sync_check:
+            self._check_no_sync(forward)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
 
     def _check_no_sync(self, forward) -> None:
         """Run the warmed-up `forward` again with host syncs turned into errors: a step that
@@ -226,7 +224,6 @@ class DecodeGraphs:
         [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites."""
         size = self.stage(step, prev_tokens)
         self.graphs[size].replay()
-        self._replayed = size
         n = len(step.input_ids)
         return self.hidden[size][:n], self.logits[size][:n]
 
@@ -234,17 +231,22 @@ class DecodeGraphs:
         """The draft layer's argmax at each row of the step `run` just replayed, given the
         token sampled at each row (`tokens`, [rows]); a static buffer the next draft
         replay of this size overwrites."""
-        size, n = self._replayed, len(tokens)
+        n = len(tokens)
+        size = self._size_for(n)
         self.draft_ids[:n].copy_(tokens)
         self.draft_graphs[size].replay()
         return self.drafts[size][:n]
+
+    def _size_for(self, rows: int) -> int:
+        """The smallest captured size that holds `rows`."""
+        return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
     def stage(self, step, prev_tokens: torch.Tensor | None) -> int:
         """Everything a replay needs that runs outside the graph: the inputs copied into the
         static buffers of the graph size that fits `step`, and placeholder inputs resolved
         to their tokens in `prev_tokens` (the previous step's samples, still on the
         device). Returns that graph size."""
-        size = self.sizes[bisect.bisect_left(self.sizes, len(step.input_ids))]
+        size = self._size_for(len(step.input_ids))
         rows = self.rows.load(step, size)
         if step.prev_index is not None:
             ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
