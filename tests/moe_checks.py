@@ -146,9 +146,10 @@ def check_fused_moe(
 def check_fused_moe_add_norm(
     device, dtype: torch.dtype, num_experts: int, top_k: int, hidden: int, inter: int, *, config=None,
     fp8: bool = False, calls: int = 3, graph: bool = False, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tokens: int = 1,
 ) -> None:
-    """fused_moe_add_rms_norm (one token, the slots' sum + residual add + RMSNorm in one
-    launch) against the reference MoE then the reference add + norm, and against the
+    """fused_moe_add_rms_norm (`tokens` tokens, the slots' sum + residual add + RMSNorm in
+    one launch) against the reference MoE then the reference add + norm, and against the
     unfused kernels (fused_moe, then the add + norm kernel): several calls in a row, the
     residual updated in place. `graph`: the calls are replays of one CUDA graph with new x and
     routing (CUDA only). `fp8` as in check_fused_moe."""
@@ -164,9 +165,9 @@ def check_fused_moe_add_norm(
         w13, w2 = w13.view(num_experts, 2 * inter, hidden), w2.view(num_experts, hidden, inter)
         scales = {"w13_scale": s13.view(num_experts, 2 * inter), "w2_scale": s2.view(num_experts, hidden)}
     norm_w = (1.0 + 0.1 * dev_randn(hidden, dtype=torch.float32, device=device, seed=51)).to(dtype)
-    x = dev_randn(1, hidden, dtype=dtype, device=device, seed=52)
-    topw, ids = make_routing(1, num_experts, top_k, device, seed=53)
-    residual = dev_randn(1, hidden, dtype=dtype, device=device, seed=54)
+    x = dev_randn(tokens, hidden, dtype=dtype, device=device, seed=52)
+    topw, ids = make_routing(tokens, num_experts, top_k, device, seed=53)
+    residual = dev_randn(tokens, hidden, dtype=dtype, device=device, seed=54)
     before = residual.clone()
 
     def run():
@@ -177,11 +178,12 @@ def check_fused_moe_add_norm(
         replay = cuda_graph.replay
         torch.cuda.synchronize()
         residual.copy_(before)  # the warm-up call added to it
-    what = f"fused_moe + add + norm {dtype} E={num_experts} k={top_k} D={hidden} I={inter} fp8={fp8} {config}"
+    what = (f"fused_moe + add + norm {dtype} T={tokens} E={num_experts} k={top_k} D={hidden} I={inter} fp8={fp8} "
+            f"{config}")
     for call in range(calls):
         if call:
-            x.copy_(dev_randn(1, hidden, dtype=dtype, device=device, seed=60 + call))
-            new_w, new_ids = make_routing(1, num_experts, top_k, device, seed=70 + call)
+            x.copy_(dev_randn(tokens, hidden, dtype=dtype, device=device, seed=60 + call))
+            new_w, new_ids = make_routing(tokens, num_experts, top_k, device, seed=70 + call)
             topw.copy_(new_w)
             ids.copy_(new_ids)
         before = residual.clone()
@@ -198,7 +200,7 @@ def check_fused_moe_add_norm(
             else:
                 out, res = run()
         assert res.data_ptr() == residual.data_ptr(), f"{what}: the residual must be updated in place"
-        assert out.shape == (1, hidden) and out.dtype == dtype, what
+        assert out.shape == (tokens, hidden) and out.dtype == dtype, what
         label = f"{what} call {call}"
         assert_close(residual.float(), ref_res.float(), label + " residual", dtype)
         assert_close(out.float(), ref_out.float(), label + " normed", dtype)

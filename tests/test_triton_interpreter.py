@@ -721,6 +721,11 @@ else:
         and tl.dot tiles, e4m3 experts, three calls in a row."""
         moe.check_fused_moe_add_norm(DEV, dtype, 7, 3, 48, 40, config=MOE_CONFIGS[config], fp8=fp8)
 
+    @pytest.mark.parametrize("tokens", [2, 9])
+    def test_fused_moe_add_norm_tokens(tokens):
+        """Several tokens (aligned slots, a program per token for the sum + add + norm)."""
+        moe.check_fused_moe_add_norm(DEV, torch.float32, 7, 3, 48, 40, config=MOE_CONFIGS["default"], tokens=tokens)
+
     @pytest.mark.parametrize("dtype", ALL)
     def test_fused_moe_rows_all_dtypes(dtype):
         """The FMA rows path has no tl.dot, so bf16 runs in the interpreter too."""

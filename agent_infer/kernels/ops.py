@@ -328,9 +328,9 @@ def fused_moe_add_rms_norm(
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) with every expert
-    local: (normed, residual). On a GPU at one token the slots' sum, the add and the norm
-    are one launch after the two GEMMs."""
-    if _use_triton(x) and x.shape[0] == 1 and residual.is_contiguous() and residual.dtype == x.dtype:
+    local: (normed, residual). On a GPU the slots' sum, the add and the norm are one
+    launch after the two GEMMs."""
+    if _use_triton(x) and residual.is_contiguous() and residual.dtype == x.dtype:
         from agent_infer.kernels.triton import fused_moe as moe
 
         if x.shape[1] <= moe.ADD_NORM_MAX_FEATURES:

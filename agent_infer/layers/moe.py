@@ -246,10 +246,11 @@ class RoutedExperts(nn.Module):
     def forward_add_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(y + residual), y + residual) for y = forward(x, weights, ids), on a rank
-        that holds every expert (no partial sums to reduce first): at one token the
-        slots' sum does the add + norm too (ops.fused_moe_add_rms_norm)."""
+        that holds every expert (no partial sums to reduce first): where the fused MoE
+        takes every expert (see forward), the slots' sum does the add + norm too
+        (ops.fused_moe_add_rms_norm)."""
         assert self.expert_map is None, "the experts' sum is partial on this rank: reduce it first"
-        if x.shape[0] != 1:
+        if self.num_shared and x.shape[0] > FUSED_SHARED_MAX_TOKENS:
             return ops.fused_add_rms_norm(self(x, weights, ids), residual, norm.weight, norm.eps)
         return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                           w13_scale=self.w13_scale, w2_scale=self.w2_scale)

@@ -5,7 +5,7 @@ bf16, fp16, fp32; T from batch-1 decode to prefill. Then the whole layer capture
 CUDA graph and replayed with new routing, run-to-run bit identity, moe_align at prefill
 sizes on both of its paths, every configuration of the TUNED table at its bucket, and the
 batch-1 router (one launch) against reference.moe_route at the released models' shapes,
-and one token's MoE with the residual add + RMSNorm in its last launch.
+and the MoE with the residual add + RMSNorm in its last launch, at one token and at several.
 
 Run on the GPU machine: python -m pytest -q tests/gpu/test_fused_moe.py   (~2-3 min)
 """
@@ -56,12 +56,14 @@ def test_fused_moe(shape, tokens, dtype):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["v2-lite", "qwen3-30b-a3b"])
-def test_fused_moe_add_norm(shape, fp8, graph):
-    """One token with the slots' sum, residual add and RMSNorm in one launch after the
-    tuned batch-1 tiles' GEMMs, eager and replayed in a CUDA graph with new routing."""
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_fused_moe_add_norm(shape, fp8, graph, tokens):
+    """The slots' sum, residual add and RMSNorm in one launch after the tuned tiles'
+    GEMMs (one token: its own slot layout; more: aligned), eager and replayed in a CUDA
+    graph with new routing."""
     experts, top_k, hidden, inter, _ = SHAPES[shape]
     mc.check_fused_moe_add_norm(DEV, torch.bfloat16, experts, top_k, hidden, inter, fp8=fp8, graph=graph, calls=4,
-                                weights=_weights(shape, torch.bfloat16))
+                                weights=_weights(shape, torch.bfloat16), tokens=tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 2048])

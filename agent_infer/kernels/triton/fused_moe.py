@@ -672,15 +672,17 @@ def fused_moe_add_rms_norm(
     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) for one token x
-    [1, D] with every expert local (no expert map), in three launches: the two GEMMs,
-    then the slots' sum with the add + norm (`sum_add_rms_norm`). Returns (normed [1, D],
-    residual), residual updated in place. Arguments otherwise as `fused_moe`'s."""
-    d = x.shape[1]
-    assert x.shape[0] == 1, f"the fused add + norm takes one token, got {x.shape[0]}"
-    assert residual.shape == (1, d) and residual.is_contiguous() and residual.dtype == x.dtype
+    """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) for x [T, D] with
+    every expert local (no expert map): the GEMMs (after the alignment where T > 1), then
+    the slots' sum with the add + norm in one launch (`sum_add_rms_norm`). Returns
+    (normed [T, D], residual), residual updated in place. Arguments otherwise as
+    `fused_moe`'s."""
+    num_tokens, d = x.shape
+    assert residual.shape == (num_tokens, d) and residual.is_contiguous() and residual.dtype == x.dtype
     assert norm_weight.shape == (d,) and norm_weight.is_contiguous()
-    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, None, config, True, w13_scale, w2_scale)
+    if num_tokens == 0:
+        return torch.empty_like(x), residual
+    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, None, config, None, w13_scale, w2_scale)
     return sum_add_rms_norm(y, ids, w13.shape[0], residual, norm_weight, eps), residual
 
 
