@@ -194,25 +194,6 @@ def test_moe_sum_compiles_without_spills():
     _check_no_spills(kernel, "sum over k")
 
 
-@pytest.mark.parametrize("hidden", [2048, 7168, 16384])
-def test_moe_sum_add_norm_compiles_without_spills(hidden):
-    """One token's slot sum + residual add + RMSNorm (`sum_add_rms_norm`) holds the whole
-    row in registers: V2-Lite's and Qwen3-30B-A3B's 2048 features, V3's 7168, and the
-    largest it takes, 8 slots, with the warps `sum_add_rms_norm` gives each."""
-    import triton
-
-    from agent_infer.kernels.triton import fused_moe as moe
-
-    args = [("y_ptr", "*bf16"), ("ids_ptr", "*i32"), ("out_ptr", "*bf16"), ("res_ptr", "*bf16"), ("nw_ptr", "*bf16"),
-            ("eps", "fp32"), ("N", "i32"), ("top_k", "i32"), ("num_experts", "i32"), ("sym", "i32")]
-    block_h = triton.next_power_of_2(hidden)
-    constexprs = {"BLOCK_J": 8, "BLOCK_S": min(block_h, moe._SUM_TILE // 8), "BLOCK_H": block_h, "PDL": False}
-    kernel = _compile(moe._moe_sum_add_norm_kernel, args, constexprs,
-                      {"y_ptr", "ids_ptr", "out_ptr", "res_ptr", "nw_ptr", "N", "sym"},
-                      moe.sum_add_norm_warps(block_h), 1)
-    _check_no_spills(kernel, f"sum + add + norm D={hidden}")
-
-
 @pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden", [
     ("softmax", 64, 1, 1, 6, 2048),  # V2-Lite
     ("softmax", 160, 8, 3, 6, 5120),  # V2

@@ -713,19 +713,6 @@ else:
         moe.check_fused_moe(DEV, torch.float32, tokens, 7, 3, 48, 40, local=local, config=MOE_CONFIGS[config],
                            repeat=True, direct=direct)
 
-    @pytest.mark.parametrize("dtype,config,fp8", [
-        (torch.float32, "default", False), (torch.float32, "rows", False), (torch.bfloat16, "rows-even", False),
-        (torch.float16, "dot16", False), (torch.bfloat16, "rows", True), (torch.float32, "default", True)], ids=str)
-    def test_fused_moe_add_norm(dtype, config, fp8):
-        """One token with the slots' sum, residual add and RMSNorm in one launch: FMA rows
-        and tl.dot tiles, e4m3 experts, three calls in a row."""
-        moe.check_fused_moe_add_norm(DEV, dtype, 7, 3, 48, 40, config=MOE_CONFIGS[config], fp8=fp8)
-
-    @pytest.mark.parametrize("tokens", [2, 9])
-    def test_fused_moe_add_norm_tokens(tokens):
-        """Several tokens (aligned slots, a program per token for the sum + add + norm)."""
-        moe.check_fused_moe_add_norm(DEV, torch.float32, 7, 3, 48, 40, config=MOE_CONFIGS["default"], tokens=tokens)
-
     @pytest.mark.parametrize("dtype", ALL)
     def test_fused_moe_rows_all_dtypes(dtype):
         """The FMA rows path has no tl.dot, so bf16 runs in the interpreter too."""

@@ -322,24 +322,6 @@ def fused_moe(
     return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale))
 
 
-def fused_moe_add_rms_norm(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) with every expert
-    local: (normed, residual). On a GPU the slots' sum, the add and the norm are one
-    launch after the two GEMMs."""
-    if _use_triton(x) and residual.is_contiguous() and residual.dtype == x.dtype:
-        from agent_infer.kernels.triton import fused_moe as moe
-
-        if x.shape[1] <= moe.ADD_NORM_MAX_FEATURES:
-            return moe.fused_moe_add_rms_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_weight, eps,
-                                              w13_scale=w13_scale, w2_scale=w2_scale)
-    y = fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
-    return fused_add_rms_norm(y, residual, norm_weight, eps)
-
-
 def moe_route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, counter: torch.Tensor, num_shared: int = 0,

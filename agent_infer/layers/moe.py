@@ -243,18 +243,6 @@ class RoutedExperts(nn.Module):
                                  w2_scale=self.w2_scale)
         return self.forward_shared_dense(x, weights, ids)
 
-    def forward_add_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
-                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(y + residual), y + residual) for y = forward(x, weights, ids), on a rank
-        that holds every expert (no partial sums to reduce first): where the fused MoE
-        takes every expert (see forward), the slots' sum does the add + norm too
-        (ops.fused_moe_add_rms_norm)."""
-        assert self.expert_map is None, "the experts' sum is partial on this rank: reduce it first"
-        if self.num_shared and x.shape[0] > FUSED_SHARED_MAX_TOKENS:
-            return ops.fused_add_rms_norm(self(x, weights, ids), residual, norm.weight, norm.eps)
-        return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
-                                          w13_scale=self.w13_scale, w2_scale=self.w2_scale)
-
     def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with the shared experts as dense GEMMs (the prefill form): one GEMM
         for their gate and up rows (adjacent in w13), SiLU-and-mul per expert, a batched
@@ -316,11 +304,8 @@ class MoE(nn.Module):
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
-        experts' partial sums on this rank, reduced once over the group with the add + norm
-        (on one rank with the shared experts joined, the slots' sum does it)."""
+        experts' partial sums on this rank, reduced once over the group with the add + norm."""
         weights, ids = self.gate(x)
-        if self.tp.world_size == 1:  # every expert local, the shared ones joined
-            return self.experts.forward_add_norm(x, weights, ids, residual, norm)
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts.down_proj.partial(self.shared_experts(x))

@@ -26,10 +26,6 @@ data-dependent sizes):
 4. A deterministic sum over the k slots of each token (fp32, fixed order) instead of
    atomics: greedy tokens must not depend on which program ran first.
 
-`fused_moe_add_rms_norm` (one token, every expert local) folds the residual add +
-RMSNorm that follows the MoE into 4: one program per token sums its slots, adds and
-normalises, three launches in all.
-
 fp32 accumulation throughout; bf16, fp16 and fp32 inputs (fp32 dots in IEEE precision).
 BLOCK_M = 1 switches both GEMMs to FMA rows (one slot per block, no padding, a
 [BLOCK_N, BLOCK_K] fp32 accumulator reduced once), the GEMV form of the batch-1 case;
@@ -48,7 +44,6 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
-from agent_infer.kernels.triton.norm import add_rms_norm_row
 from agent_infer.kernels.triton.utils import dot_precision, pdl_begin
 
 # The one-hot tiles of the align kernels hold at most this many int32 elements
@@ -62,12 +57,6 @@ _ALIGN_TILE = 8192
 # kernels: 10.8 / 15.8 µs at 16 slots, 19.4 / 29.9 at 32, 36.6 / 37.9 at 64, 45.5 / 26.7
 # at 128, 59.5 / 20.3 at 256.
 ONE_PROGRAM_SLOTS = 64
-
-
-# The fused sum + add + norm holds a token's whole row in registers (at most this many
-# features), and sums its slots over tiles of this many elements.
-ADD_NORM_MAX_FEATURES = 16384
-_SUM_TILE = 4096
 
 
 # Every launch here is plain, not a programmatic dependent one (utils.launch_opts):
@@ -448,49 +437,21 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _slot_sum(y_ptr, ids_ptr, map_ptr, t, top_k, num_experts, sym, n, n_in, HAS_MAP: tl.constexpr,
-              BLOCK_J: tl.constexpr):
-    """sum over j of y[t * top_k + j, n] in fp32, over the slots whose expert is local
-    (the others were never written)."""
-    slot = t * top_k + tl.arange(0, BLOCK_J)
-    live = _local_experts(ids_ptr, map_ptr, slot, (t + 1) * top_k, num_experts, HAS_MAP) >= 0
-    y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], mask=live[:, None] & n_in[None, :], other=0.0)
-    return tl.sum(y.to(tl.float32), axis=0)
-
-
-@triton.jit
 def _moe_sum_kernel(
     y_ptr, ids_ptr, map_ptr, out_ptr, N, top_k, num_experts, sym, som,
     HAS_MAP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[t] = the sum of y over the slots of token t whose expert is local, in fp32."""
+    """out[t] = sum over j of y[t * top_k + j], in fp32 and a fixed order, over the slots
+    whose expert is local (the others were never written)."""
     pdl_begin(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = _slot_sum(y_ptr, ids_ptr, map_ptr, t, top_k, num_experts, sym, n, n < N, HAS_MAP, BLOCK_J)
-    tl.store(out_ptr + t.to(tl.int64) * som + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
-@triton.jit
-def _moe_sum_add_norm_kernel(
-    y_ptr, ids_ptr, out_ptr, res_ptr, nw_ptr, eps, N, top_k, num_experts, sym,
-    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per token t, every expert local: s = the sum of its slots of y (rounded
-    to the activation dtype, as `_moe_sum_kernel`'s output is), then residual[t] <- s +
-    residual[t] and out[t] <- rms_norm(residual[t]) * weight, as the add + norm kernel
-    rounds. The sum goes through out a tile at a time and comes back as one row."""
-    pdl_begin(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    for c in range(0, N, BLOCK_S):
-        cn = c + tl.arange(0, BLOCK_S)
-        total = _slot_sum(y_ptr, ids_ptr, ids_ptr, t, top_k, num_experts, sym, cn, cn < N, False, BLOCK_J)
-        tl.store(out_ptr + t * N + cn, total.to(out_ptr.dtype.element_ty), mask=cn < N)
-    tl.debug_barrier()  # the tiles' stores, visible to every thread of the program
-    cols = tl.arange(0, BLOCK_H)
-    in_row = cols < N
-    summed = tl.load(out_ptr + t * N + cols, mask=in_row, other=0.0)
-    add_rms_norm_row(summed, cols, in_row, res_ptr + t * N, nw_ptr, out_ptr + t * N, N, eps)
+    n_in = n < N
+    slot = t * top_k + tl.arange(0, BLOCK_J)
+    live = _local_experts(ids_ptr, map_ptr, slot, (t + 1) * top_k, num_experts, HAS_MAP) >= 0
+    y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * sym + n[None, :], mask=live[:, None] & n_in[None, :], other=0.0)
+    total = tl.sum(y.to(tl.float32), axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * som + n, total.to(out_ptr.dtype.element_ty), mask=n_in)
 
 
 def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -614,32 +575,6 @@ def sum_topk(
     return out
 
 
-def sum_add_rms_norm(
-    y: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, residual: torch.Tensor,
-    norm_weight: torch.Tensor, eps: float,
-) -> torch.Tensor:
-    """fused_add_rms_norm(sum_topk(y, ...), residual, norm_weight, eps) with every expert
-    local, one launch: returns out [T, D]; residual [T, D] (contiguous) is updated in place."""
-    num_tokens, top_k = topk_ids.shape
-    d = y.shape[1]
-    assert d <= ADD_NORM_MAX_FEATURES, f"{d} features > {ADD_NORM_MAX_FEATURES}"
-    out = torch.empty(num_tokens, d, dtype=y.dtype, device=y.device)
-    block_j = triton.next_power_of_2(top_k)
-    block_h = triton.next_power_of_2(d)
-    _moe_sum_add_norm_kernel[(num_tokens,)](
-        y, topk_ids.reshape(-1), out, residual, norm_weight, eps, d, top_k, num_local_experts, y.stride(0),
-        BLOCK_J=block_j, BLOCK_S=min(block_h, max(16, _SUM_TILE // block_j)), BLOCK_H=block_h,
-        num_warps=sum_add_norm_warps(block_h), **PLAIN_LAUNCH,
-    )
-    return out
-
-
-def sum_add_norm_warps(block_h: int) -> int:
-    """Warps of `_moe_sum_add_norm_kernel`, which holds a row of `block_h` features whole:
-    4 up to 4,096 (32 values a thread), 8 beyond (no spills at 16,384: test_moe_compile)."""
-    return 4 if block_h <= 4096 else 8
-
-
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, config: MoeConfig | None = None, out: torch.Tensor | None = None,
@@ -658,59 +593,6 @@ def fused_moe(
     is: the weights' values are converted exactly to x's dtype in the GEMMs, to fp32 in
     the FMA rows)."""
     num_tokens, d = x.shape
-    if out is None:
-        out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
-    assert out.shape == (num_tokens, d) and out.dtype == x.dtype and out.stride(1) == 1
-    if num_tokens == 0:
-        return out
-    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, expert_map, config, direct, w13_scale, w2_scale)
-    return sum_topk(y, ids, expert_map, w13.shape[0], out)
-
-
-def fused_moe_add_rms_norm(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_add_rms_norm(fused_moe(x, ...), residual, norm_weight, eps) for x [T, D] with
-    every expert local (no expert map): the GEMMs (after the alignment where T > 1), then
-    the slots' sum with the add + norm in one launch (`sum_add_rms_norm`). Returns
-    (normed [T, D], residual), residual updated in place. Arguments otherwise as
-    `fused_moe`'s."""
-    num_tokens, d = x.shape
-    assert residual.shape == (num_tokens, d) and residual.is_contiguous() and residual.dtype == x.dtype
-    assert norm_weight.shape == (d,) and norm_weight.is_contiguous()
-    if num_tokens == 0:
-        return torch.empty_like(x), residual
-    y, ids = _gemms(x, w13, w2, topk_weights, topk_ids, None, config, None, w13_scale, w2_scale)
-    return sum_add_rms_norm(y, ids, w13.shape[0], residual, norm_weight, eps), residual
-
-
-def _gemms(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None, config: MoeConfig | None, direct: bool | None,
-    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inputs checked, the configuration and slot layout chosen, then GEMM 1 and GEMM
-    2: (y [T * k, D], the ids)."""
-    num_experts, two_i, _ = w13.shape
-    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
-    top_k = topk_ids.shape[1]
-    cfg = config or get_config(num_experts, two_i // 2, x.shape[1], x.shape[0], top_k,
-                               expert_map.numel() if expert_map is not None else num_experts, fp8)
-    weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
-    ids = topk_ids.contiguous()
-    layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
-    return down_weighted(h, w2, weights, layout, cfg.down, w2_scale), ids
-
-
-def _check_inputs(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-) -> bool:
-    """Asserts the shapes, dtypes and layouts `fused_moe` documents; True for e4m3 experts."""
-    num_tokens, d = x.shape
     num_experts, two_i, d_w = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
@@ -724,6 +606,18 @@ def _check_inputs(
         assert w13_scale.shape == (num_experts, two_i) and w2_scale.shape == (num_experts, d)
         assert w13_scale.stride(1) == 1 and w2_scale.stride(1) == 1 and w13_scale.dtype == w2_scale.dtype == torch.float32
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "last dims must be contiguous"
+    if out is None:
+        out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, d) and out.dtype == x.dtype and out.stride(1) == 1
+    if num_tokens == 0:
+        return out
     if expert_map is not None:
         assert expert_map.dim() == 1 and not expert_map.is_floating_point()
-    return fp8
+    cfg = config or get_config(num_experts, inter, d, num_tokens, top_k,
+                               expert_map.numel() if expert_map is not None else num_experts, fp8)
+    weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
+    ids = topk_ids.contiguous()
+    layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
+    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale)
+    return sum_topk(y, ids, expert_map, num_experts, out)
