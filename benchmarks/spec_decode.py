@@ -6,7 +6,9 @@
   agent   the agent-like workload on the default model's real weights: source files of
           this repository given in the prompt and asked back with one change. Tokens/s at
           batch 1 and 8 with and without prompt lookup, acceptance per draft position,
-          and whether the greedy texts are identical.
+          and whether the greedy texts are identical. The engines live side by side and
+          take each group of prompts in turn, so a drift in the host's pace falls on all
+          of them; --compare-chain adds one that never chains verify steps.
   mtp     DeepSeek-V3's MTP layer: a plain step, a verify step with its draft (and the
           draft layer's own pass), and a step of MTP mode with drafting off (the draft
           layer's pass alone) on --random-weights deepseek-v3-small.
@@ -126,57 +128,80 @@ def agent_prompts(eng: LLMEngine, n: int, max_chars: int) -> list[list[int]]:
     return prompts
 
 
-def run_agent(eng: LLMEngine, prompts, batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+def run_agent(engines: list[LLMEngine], prompts, batch: int, max_tokens: int) -> list[tuple[float, list[list[int]]]]:
+    """Each group of `batch` prompts through every engine in turn, the order rotating from
+    group to group: (tok/s, token ids per prompt) for each engine."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    outs, tokens, wall = [], 0, 0.0
-    for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        got = eng.generate(prompts[i : i + batch], params)
-        wall += time.perf_counter() - t0
-        tokens += sum(len(o.token_ids) for o in got)
-        outs += [o.token_ids for o in got]
-    return tokens / wall, outs
+    n = len(engines)
+    outs, tokens, wall = [[] for _ in engines], [0] * n, [0.0] * n
+    for g, i in enumerate(range(0, len(prompts), batch)):
+        for e in [(g + j) % n for j in range(n)]:
+            t0 = time.perf_counter()
+            got = engines[e].generate(prompts[i : i + batch], params)
+            wall[e] += time.perf_counter() - t0
+            tokens[e] += sum(len(o.token_ids) for o in got)
+            outs[e] += [o.token_ids for o in got]
+    return [(tokens[e] / wall[e], outs[e]) for e in range(n)]
 
 
 def cmd_agent(args) -> tuple[list[tuple], dict]:
     path = model_path(args)
     plain = engine(args, path, max_num_seqs=8)
-    spec = engine(args, path, max_num_seqs=8,
-                  speculative_config={**NGRAM, "num_speculative_tokens": args.num_speculative_tokens})
+    config = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
+    specs = {"spec": engine(args, path, max_num_seqs=8, speculative_config=config)}
+    if args.compare_chain:
+        import agent_infer.engine.llm_engine as llm_engine
+
+        chain_steps, llm_engine.CHAIN_STEPS = llm_engine.CHAIN_STEPS, 0  # read when an engine is built
+        specs["spec, no chaining"] = engine(args, path, max_num_seqs=8, speculative_config=config)
+        llm_engine.CHAIN_STEPS = chain_steps
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
-    run_agent(plain, prompts[:1], 1, 16)  # warm-up
-    run_agent(spec, prompts[:1], 1, 16)
-    if args.force_drafting:
-        force_drafting(spec)
-    spec.draft_policy.stats.__init__()
+    for eng in [plain, *specs.values()]:
+        run_agent([eng], prompts[:1], 1, 16)  # warm-up
+    for spec in specs.values():
+        if args.force_drafting:
+            force_drafting(spec)
+        spec.draft_policy.stats.__init__()
     # "plain = first": plain decoding's text at this batch size against its text at the
     # first one, the variation that batch shapes alone give (bf16 rounding differs with the
     # number of rows; speculation's verify rows are such a change too).
-    rows = [("batch", "tok/s plain", "tok/s spec", "speed-up", "identical", "plain = first")]
+    head = ["batch", "tok/s plain"]
+    for name in specs:
+        head += [f"tok/s {name}", "speed-up", "identical"]
+    rows = [tuple(head + ["plain = first"])]
     payload, first = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens}, None
     step_rows = []
     for batch in args.batches:
-        rate_p, out_p = run_agent(plain, prompts, batch, args.max_tokens)
-        spec.stats.start_trace()
-        rate_s, out_s = run_agent(spec, prompts, batch, args.max_tokens)
-        steps = step_kinds(spec.stats.stop_trace())
+        engines = [plain, *specs.values()]
+        for eng in engines:
+            eng.stats.start_trace()
+        (rate_p, out_p), *spec_runs = run_agent(engines, prompts, batch, args.max_tokens)
+        steps = {name: step_kinds(eng.stats.stop_trace()) for name, eng in zip(["plain", *specs], engines)}
         first = first or out_p
-        same = sum(a == b for a, b in zip(out_p, out_s))
         stable = sum(a == b for a, b in zip(out_p, first))
-        rows.append((batch, rate_p, rate_s, rate_s / rate_p, f"{same}/{len(prompts)}", f"{stable}/{len(prompts)}"))
-        payload[f"batch_{batch}"] = {"plain_tok_s": rate_p, "spec_tok_s": rate_s, "identical": same,
-                                     "plain_same_as_first_batch": stable, "spec_steps": steps}
-        step_rows += [(f"batch {batch}, spec: {kind} steps", f"{d['steps']}", f"{d['mean_ms']:.3f} ms",
-                       f"blocked {d['blocked_ms']:.3f} ms", "", "") for kind, d in steps.items() if d["steps"]]
-    s = spec.draft_policy.stats
-    per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
-    payload["acceptance_per_position"] = per_pos
-    payload["tokens_per_verify_row"] = s.mean_acceptance_length
-    payload["chained_rows"], payload["void_rows"] = s.num_chained_rows, s.num_void_rows
-    rows.append(("acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", "", "", ""))
-    rows.append(("tokens per verify row", s.mean_acceptance_length, "", "", "", ""))
-    rows.append(("chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "", "", ""))
-    return rows + step_rows, payload
+        row, result = [batch, rate_p], {"plain_tok_s": rate_p, "plain_same_as_first_batch": stable}
+        for name, (rate_s, out_s) in zip(specs, spec_runs):
+            same = sum(a == b for a, b in zip(out_p, out_s))
+            row += [rate_s, rate_s / rate_p, f"{same}/{len(prompts)}"]
+            key = name.replace(", ", "_").replace(" ", "_")
+            result |= {f"{key}_tok_s": rate_s, f"{key}_identical": same}
+        rows.append(tuple(row + [f"{stable}/{len(prompts)}"]))
+        result["steps"] = steps
+        payload[f"batch_{batch}"] = result
+        step_rows += [(f"batch {batch}, {name}: {kind} steps", f"{d['steps']}", f"{d['mean_ms']:.3f} ms",
+                       f"blocked {d['blocked_ms']:.3f} ms") for name, kinds in steps.items()
+                      for kind, d in kinds.items() if d["steps"]]
+    for name, spec in specs.items():
+        s = spec.draft_policy.stats
+        per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
+        key = name.replace(", ", "_").replace(" ", "_")
+        payload[key] = {"acceptance_per_position": per_pos, "tokens_per_verify_row": s.mean_acceptance_length,
+                        "chained_rows": s.num_chained_rows, "void_rows": s.num_void_rows}
+        step_rows += [(f"{name}: acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", ""),
+                      (f"{name}: tokens per verify row", s.mean_acceptance_length, "", ""),
+                      (f"{name}: chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "")]
+    width = len(rows[0])
+    return rows + [tuple(list(r) + [""] * (width - len(r))) for r in step_rows], payload
 
 
 def step_kinds(trace) -> dict[str, dict]:
@@ -233,6 +258,8 @@ def main() -> int:
     p.add_argument("--force-drafting", action="store_true",
                    help="agent: draft at every step whatever the policy measures (acceptance figures on a CPU, "
                         "where a verify step costs more than it saves)")
+    p.add_argument("--compare-chain", action="store_true",
+                   help="agent: a third engine beside the two, speculating without chained verify steps")
     p.add_argument("--chain-steps", type=int, default=None,
                    help="agent: verify steps prompt lookup may chain onto one in flight (0: none; default: the "
                         "engine's), to measure what chaining gives")
