@@ -40,10 +40,17 @@ _ROWS_TILE = 8192  # fp32 weight values a program loads per K step (64 per threa
 
 
 @triton.jit
-def _argmax_first(v, idx, BIG: tl.constexpr):
-    """Index of the first maximum of v (lanes with -inf never win over finite ones)."""
+def _max_first(v, idx, BIG: tl.constexpr):
+    """(the maximum of v, the index of its first occurrence); lanes with -inf never win
+    over finite ones."""
     m = tl.max(v, axis=0)
-    return tl.min(tl.where(v == m, idx, BIG), axis=0)
+    return m, tl.min(tl.where(v == m, idx, BIG), axis=0)
+
+
+@triton.jit
+def _argmax_first(v, idx, BIG: tl.constexpr):
+    """Index of the first maximum of v."""
+    return _max_first(v, idx, BIG)[1]
 
 
 @triton.jit
@@ -89,8 +96,13 @@ def _route(
     out_w = tl.zeros([BLOCK_TOPK], tl.float32)
     out_i = tl.zeros([BLOCK_TOPK], tl.int32)
     for j in tl.static_range(TOP_K):
-        pick = _argmax_first(choice, e, BLOCK_E)
-        out_w = tl.where(j_idx == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), out_w)
+        # Each block-wide reduction is a round through shared memory on the last program's
+        # serial path. Softmax chooses by the score itself, so the max is the pick's weight;
+        # sigmoid chooses by score + bias, so its weight is gathered.
+        best, pick = _max_first(choice, e, BLOCK_E)
+        if SIGMOID:
+            best = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)
+        out_w = tl.where(j_idx == j, best, out_w)
         out_i = tl.where(j_idx == j, pick, out_i)
         choice = tl.where(e == pick, float("-inf"), choice)
     if NORM:
