@@ -27,6 +27,7 @@ from agent_infer.core.config import CoreConfig
 from agent_infer.core.engine_core import EngineCore
 from agent_infer.core.protocol import CoreInfo
 from agent_infer.core.spawn import LOG_FORMAT, ChildFailed, read_spec, report_status, start_child, wait_status
+from agent_infer.core.watch import signal_on_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,11 @@ def leave_a_cpu_to_the_loop(config: EngineConfig) -> None:
 def core_main() -> None:
     """The core process's entry (`python -m agent_infer.core`)."""
     spec, status_fd = read_spec()
+    # A parent gone while the model loads takes the load with it (SIGTERM's default action
+    # until the core installs its handlers; after that the core stops as for any SIGTERM).
+    signal_on_parent_death(signal.SIGTERM)
+    if os.getppid() != spec.parent_pid:  # it went before the line above could see it
+        sys.exit(1)
     logging.basicConfig(level=getattr(logging, spec.log_level.upper()), format=LOG_FORMAT)
     logging.getLogger("agent_infer").setLevel(getattr(logging, spec.log_level.upper()))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -142,8 +148,7 @@ def core_main() -> None:
         report_status(status_fd, "error", f"the engine core could not start ({type(e).__name__}: {e})")
         sys.exit(1)
     core.install_signal_handlers()
-    report_status(status_fd, "ready", core.info())
-    code = core.run()
+    code = core.run() if report_status(status_fd, "ready", core.info()) else 1  # else: nobody to serve
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,8 +5,10 @@
       |- front end x N (agent_infer.server.frontend: HTTP, templates, text; one port)
 
 The front ends share the listening socket, so the kernel spreads connections over them;
-each talks to the core over ZMQ. The children run in sessions of their own, so a
-terminal's Ctrl-C reaches the supervisor only, and it decides the order:
+each talks to the core over ZMQ. They start with the core and import their modules while
+it loads; what they serve (the core's facts and address) reaches them once it is up. The
+children run in sessions of their own, so a terminal's Ctrl-C reaches the supervisor
+only, and it decides the order:
 
 * SIGTERM / SIGINT: every front end drains (no new requests, those in flight finish for
   up to --shutdown-timeout, the rest are ended with an abort), then the core stops;
@@ -26,12 +28,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
-from agent_infer.core.spawn import ChildFailed, start_child, wait_status
+from agent_infer.core.spawn import ChildFailed, prestart_child, wait_status
 from agent_infer.core.watch import ProcessWatch
 from agent_infer.server.app import FrontEndSpec
 
@@ -63,6 +66,16 @@ class _FrontEnd:
     watch: ProcessWatch
 
 
+@dataclass
+class _Starting:
+    """A front-end process waiting for its spec (`send`), and its status pipe."""
+
+    index: int
+    proc: subprocess.Popen
+    status: int
+    send: Callable[[object], None]
+
+
 class Supervisor:
     def __init__(self, options: ServeOptions):
         self.options = options
@@ -80,9 +93,15 @@ class Supervisor:
         # Until every process is up, SIGTERM aborts the start as Ctrl-C does.
         signal.signal(signal.SIGTERM, _interrupt)
         try:
-            core = CoreProcess.start(engine_config, core_config, log_level=opts.log_level)
+            pending = self._prestart_front_ends(sock)
             try:
-                front_ends = self._start_front_ends(FrontEndSpec(core.info, core.address, **spec_fields), sock)
+                core = CoreProcess.start(engine_config, core_config, log_level=opts.log_level)
+            except BaseException:
+                _kill([fe.proc for fe in pending])
+                raise
+            try:
+                front_ends = self._start_front_ends(pending, FrontEndSpec(core.info, core.address, **spec_fields),
+                                                    sock)
             except BaseException:
                 core.stop(timeout_s=10)
                 raise
@@ -96,23 +115,31 @@ class Supervisor:
 
     # ---- starting -------------------------------------------------------------------------------
 
-    def _start_front_ends(self, spec: FrontEndSpec, sock: socket.socket) -> list[_FrontEnd]:
-        started = []
-        for index in range(self.options.api_server_count):
-            settings = (replace(spec, name=str(index)), sock.fileno(), index, self.options.shutdown_timeout_s,
-                        self.options.log_level)
-            proc, status = start_child("agent_infer.server.frontend", settings, pass_fds=(sock.fileno(),))
-            started.append((index, proc, status))
+    def _prestart_front_ends(self, sock: socket.socket) -> list[_Starting]:
+        """The front-end processes, started before the core so that their imports overlap
+        its loading; each waits for its spec."""
+        pending = []
+        try:
+            for index in range(self.options.api_server_count):
+                pending.append(_Starting(index, *prestart_child("agent_infer.server.frontend",
+                                                                 pass_fds=(sock.fileno(),))))
+        except BaseException:
+            _kill([fe.proc for fe in pending])
+            raise
+        return pending
+
+    def _start_front_ends(self, pending: list[_Starting], spec: FrontEndSpec, sock: socket.socket) -> list[_FrontEnd]:
+        """Each waiting front end gets its spec; returns them once every one is ready."""
+        for fe in pending:
+            fe.send((replace(spec, name=str(fe.index)), sock.fileno(), fe.index, self.options.shutdown_timeout_s,
+                     self.options.log_level))
         front_ends = []
         try:
-            for index, proc, status in started:
-                wait_status(proc, status, f"front end {index}")
-                front_ends.append(_FrontEnd(index, proc, ProcessWatch.of(proc.pid)))
+            for fe in pending:
+                wait_status(fe.proc, fe.status, f"front end {fe.index}")
+                front_ends.append(_FrontEnd(fe.index, fe.proc, ProcessWatch.of(fe.proc.pid)))
         except BaseException as e:
-            for _, proc, _ in started:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
+            _kill([fe.proc for fe in pending])
             if isinstance(e, ChildFailed):
                 raise ConfigError(str(e)) from None  # one line, like the core's own failures
             raise
@@ -200,6 +227,14 @@ class Supervisor:
 
 def _interrupt(sig, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -1,8 +1,9 @@
 """`agent-infer serve` as a process tree (supervisor, engine core, front ends), from outside:
 the core is another process than the HTTP server, SIGTERM drains, a killed core turns
 into 503s and a non-zero exit, two front ends share the port and the metrics, one front
-end dying leaves the other serving, and neither a 10 MB prompt nor a slow template
-stalls /health."""
+end dying leaves the other serving, neither a 10 MB prompt nor a slow template stalls
+/health, and the front ends started beside a loading core never outlive a start that
+fails or a supervisor that is killed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 
 import httpx
@@ -232,3 +234,74 @@ def test_bad_serve_flags_are_one_line_errors(flags):
                        timeout=120)
     assert r.returncode in (1, 2), r.stderr
     assert r.stderr.count("\n") == 1 and "agent-infer: error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """Live processes whose environment holds AGENT_INFER_TEST_TAG=tag: pid -> command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"AGENT_INFER_TEST_TAG={tag}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # exited, not yet reaped
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _none_left(tag: str, timeout: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _serve_tagged(tag: str, *flags: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", AGENT_INFER_TEST_TAG=tag)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent_infer.server.cli", "--port", "0", "--device", "cpu", "--dtype", "float32",
+         "--kv-cache-gib", "0.05", "--api-server-count", "2", *flags],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+
+
+def test_a_core_that_fails_to_start_leaves_no_front_end_behind(default_model_dir):
+    """The front ends start beside the core; the core refuses the configuration (a
+    context past the model's positions): one line, exit code 1, and no process left."""
+    tag = uuid.uuid4().hex
+    proc = _serve_tagged(tag, "--max-model-len", "100000")
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1, err
+    assert err.count("\n") == 1 and "exceeds the model's max_position_embeddings" in err and "Traceback" not in err
+    assert not _none_left(tag, 10)
+
+
+def test_a_supervisor_killed_while_the_core_loads_leaves_nothing_behind(default_model_dir):
+    """SIGKILL to the supervisor once its front ends are up and waiting for the core: the
+    front ends (their spec never comes) and the core (its parent gone) all exit."""
+    tag = uuid.uuid4().hex
+    proc = _serve_tagged(tag, "--max-model-len", "512")
+    try:
+        deadline = time.monotonic() + 60
+        while sum("agent_infer.server.frontend" in c for c in _tagged(tag).values()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.02)
+        assert proc.poll() is None  # the core is still loading: the server is not up
+        proc.kill()
+        proc.wait(10)
+        left = _none_left(tag, 30)
+    finally:
+        for pid in _tagged(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert not left, left
+    err = proc.stderr.read()
+    assert "serving" not in err and "Traceback" not in err, err  # killed before it was up; nothing crashed
