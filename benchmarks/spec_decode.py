@@ -183,7 +183,7 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         for name, (rate_s, out_s) in zip(specs, spec_runs):
             same = sum(a == b for a, b in zip(out_p, out_s))
             row += [rate_s, rate_s / rate_p, f"{same}/{len(prompts)}"]
-            key = name.replace(", ", "_").replace(" ", "_")
+            key = _json_key(name)
             result |= {f"{key}_tok_s": rate_s, f"{key}_identical": same}
         rows.append(tuple(row + [f"{stable}/{len(prompts)}"]))
         result["steps"] = steps
@@ -194,14 +194,19 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     for name, spec in specs.items():
         s = spec.draft_policy.stats
         per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
-        key = name.replace(", ", "_").replace(" ", "_")
-        payload[key] = {"acceptance_per_position": per_pos, "tokens_per_verify_row": s.mean_acceptance_length,
-                        "chained_rows": s.num_chained_rows, "void_rows": s.num_void_rows}
+        payload[_json_key(name)] = {"acceptance_per_position": per_pos,
+                                    "tokens_per_verify_row": s.mean_acceptance_length,
+                                    "chained_rows": s.num_chained_rows, "void_rows": s.num_void_rows}
         step_rows += [(f"{name}: acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", ""),
                       (f"{name}: tokens per verify row", s.mean_acceptance_length, "", ""),
                       (f"{name}: chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "")]
     width = len(rows[0])
     return rows + [tuple(list(r) + [""] * (width - len(r))) for r in step_rows], payload
+
+
+def _json_key(name: str) -> str:
+    """An engine's name ("spec, no chaining") as a JSON key ("spec_no_chaining")."""
+    return name.replace(", ", "_").replace(" ", "_")
 
 
 def step_kinds(trace) -> dict[str, dict]:

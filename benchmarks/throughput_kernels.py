@@ -90,7 +90,7 @@ def read_bandwidth() -> None:
             t = bench(lambda: _read_kernel[(sms * per_sm,)](x, out, x.numel(), BLOCK_E=block, num_warps=8), rep=20)
             print(f"  read  {per_sm} programs/SM, {block} elems: {t:8.1f} us  {nbytes / t / 1e6:6.2f} TB/s", flush=True)
             best = t if best is None else min(best, t)
-    print(f"  copy (read + write, as bench latency's roofline measures it): {copy_rate_tbs(DEV, nbytes):6.2f} TB/s")
+    print(f"  copy (read + write, as bench latency's roofline measures it): {copy_rate_tbs(DEV):6.2f} TB/s")
     print(f"  best read: {nbytes / best / 1e6:.2f} TB/s")
 
 

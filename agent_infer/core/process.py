@@ -26,7 +26,7 @@ from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.core.config import CoreConfig
 from agent_infer.core.engine_core import EngineCore
 from agent_infer.core.protocol import CoreInfo
-from agent_infer.core.spawn import LOG_FORMAT, ChildFailed, read_spec, report_status, start_child, wait_status
+from agent_infer.core.spawn import LOG_FORMAT, ChildFailed, kill, read_spec, report_status, start_child, wait_status
 from agent_infer.core.watch import signal_on_parent_death
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,11 @@ class CoreProcess:
         try:
             info = wait_status(proc, status, "engine core", timeout_s)
         except ChildFailed as e:
-            _kill(proc)
+            kill([proc])
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise ConfigError(str(e)) from None
         except BaseException:  # e.g. Ctrl-C while the model loads
-            _kill(proc)
+            kill([proc])
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
         return cls(proc, info, address, ipc_dir)
@@ -92,15 +92,9 @@ class CoreProcess:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("the engine core did not stop within %.0f s; killing it", timeout_s)
-                _kill(self.proc)
+                kill([self.proc])
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
         return self.proc.returncode
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 def default_engine(config: EngineConfig):

@@ -64,6 +64,15 @@ def prestart_child(module: str, *, pass_fds: tuple[int, ...] = (), new_session: 
     return proc, read_fd, send
 
 
+def kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL to each of `procs` still running, then reap them all."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
 def wait_status(proc: subprocess.Popen, read_fd: int, what: str, timeout_s: float | None = None):
     """The child's ready message; ChildFailed if it exits first, says it failed, or
     (with a timeout) takes too long."""

@@ -32,7 +32,7 @@ class ProcessWatch:
 
     def exited(self) -> bool:
         if not self._exited:
-            self._exited = _fd_ready(self.fd) if self.fd is not None else not _alive(self.pid)
+            self._exited = _fd_ready(self.fd) if self.fd is not None else not alive(self.pid)
         return self._exited
 
     def close(self) -> None:
@@ -45,7 +45,7 @@ def _fd_ready(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
         os.kill(pid, 0)

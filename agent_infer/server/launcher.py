@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from agent_infer.config import ConfigError, EngineConfig
 from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
-from agent_infer.core.spawn import ChildFailed, prestart_child, wait_status
+from agent_infer.core.spawn import ChildFailed, kill, prestart_child, wait_status
 from agent_infer.core.watch import ProcessWatch
 from agent_infer.server.app import FrontEndSpec
 
@@ -97,7 +97,7 @@ class Supervisor:
             try:
                 core = CoreProcess.start(engine_config, core_config, log_level=opts.log_level)
             except BaseException:
-                _kill([fe.proc for fe in pending])
+                kill([fe.proc for fe in pending])
                 raise
             try:
                 front_ends = self._start_front_ends(pending, FrontEndSpec(core.info, core.address, **spec_fields),
@@ -124,7 +124,7 @@ class Supervisor:
                 pending.append(_Starting(index, *prestart_child("agent_infer.server.frontend",
                                                                  pass_fds=(sock.fileno(),))))
         except BaseException:
-            _kill([fe.proc for fe in pending])
+            kill([fe.proc for fe in pending])
             raise
         return pending
 
@@ -139,7 +139,7 @@ class Supervisor:
                 wait_status(fe.proc, fe.status, f"front end {fe.index}")
                 front_ends.append(_FrontEnd(fe.index, fe.proc, ProcessWatch.of(fe.proc.pid)))
         except BaseException as e:
-            _kill([fe.proc for fe in pending])
+            kill([fe.proc for fe in pending])
             if isinstance(e, ChildFailed):
                 raise ConfigError(str(e)) from None  # one line, like the core's own failures
             raise
@@ -227,14 +227,6 @@ class Supervisor:
 
 def _interrupt(sig, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs:
-        proc.wait()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from agent_infer.core.watch import alive
 from tests.server.conftest import parse_metrics
 
 MODEL = "life-model"
@@ -246,9 +247,8 @@ def _tagged(tag: str) -> dict[int, str]:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if f"AGENT_INFER_TEST_TAG={tag}".encode() not in f.read().split(b"\0"):
                     continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue  # exited, not yet reaped
+            if not alive(int(entry)):
+                continue  # exited, not yet reaped
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 found[int(entry)] = f.read().replace(b"\0", b" ").decode()
         except OSError:
