@@ -102,7 +102,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      profile at 32k: the decode kernel against its split merge)
   moe [PART...]      the Qwen3-30B-A3B shape; parts: lat (batch 1 with transformers in the same
                      process), thr (nano-vllm's workload, two rounds, empty Triton cache), both by
-                     default; profile (a PDL-off batch-1 profile: each kernel's own time)
+                     default; profile (a PDL-off batch-1 profile: each kernel's own time),
+                     profile-pdl (the same with PDL on: what each kernel adds to the step)
   backend [PART...]  the Llama-3-8B shape natively and through --model-impl transformers:
                      batch 1 and nano-vllm's workload; parts lat-native, lat-transformers,
                      thr-native, thr-transformers (all by default: more than one call's time)
@@ -600,6 +601,9 @@ cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16)
       profile) AGENT_INFER_PDL=0 bench moe_prof_nopdl 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
                  --profile "$FIG/moe_prof_nopdl"
                grep -A17 '^profile' "$FIG/moe_prof_nopdl.log" | cut -c1-160 ;;
+      profile-pdl) bench moe_prof_pdl 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
+                 --profile "$FIG/moe_prof_pdl"
+               grep -A17 '^profile' "$FIG/moe_prof_pdl.log" | cut -c1-160 ;;
       *)       echo "unknown moe part: $part"; return 2 ;;
     esac
   done

@@ -682,3 +682,34 @@ def test_monitor_falls_back_to_a_streaming_nvidia_smi(monkeypatch, tmp_path):
     g0, g1 = s["gpus"]
     assert g0["peak_memory_gib"] == 4.0 and g0["mean_util_pct"] == 55.0
     assert g1["peak_memory_gib"] == 1.0 and g1["max_util_pct"] is None
+
+
+def _gpu_event(name: str, start: float, end: float, device_type=None):
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, device_type=device_type or DeviceType.CUDA,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_top_kernels_charge_overlapped_launches_only_what_runs_past_their_predecessor():
+    from torch.autograd import DeviceType
+
+    from agent_infer.bench.profiling import top_kernels
+
+    # A kernel launched early (PDL) inside its predecessor's tail, a gap, a kernel wholly
+    # inside another, and a host event that must not count.
+    events = [
+        _gpu_event("gemv", 0.0, 10.0),
+        _gpu_event("attn", 8.0, 14.0),  # 2 us overlapped: exposed 4
+        _gpu_event("gemv", 20.0, 30.0),  # after a gap: exposed 10
+        _gpu_event("tiny", 22.0, 25.0),  # inside the gemv: exposed 0
+        _gpu_event("host", 0.0, 100.0, DeviceType.CPU),
+    ]
+    rows = {r["name"]: r for r in top_kernels(reversed(events))}  # order of arrival must not matter
+    assert set(rows) == {"gemv", "attn", "tiny"}
+    assert rows["gemv"]["total_us"] == 20.0 and rows["gemv"]["exposed_us"] == 20.0 and rows["gemv"]["calls"] == 2
+    assert rows["attn"]["total_us"] == 6.0 and rows["attn"]["exposed_us"] == 4.0
+    assert rows["tiny"]["exposed_us"] == 0.0 and rows["tiny"]["avg_us"] == 3.0
+    # The exposed times add up to the busy span: [0, 14] and [20, 30].
+    assert sum(r["exposed_us"] for r in rows.values()) == 24.0
+    assert [r["name"] for r in top_kernels(events)] == ["gemv", "attn", "tiny"]

@@ -76,7 +76,8 @@ def profile_steps(
     trace = os.path.join(out_dir, f"trace-{tag}.json")
     prof.export_chrome_trace(trace)
     kernels = top_kernels(prof.events())
-    busy_us = sum(k["total_us"] for k in kernels)
+    kernel_us = sum(k["total_us"] for k in kernels)
+    busy_us = sum(k["exposed_us"] for k in kernels)
     return {
         "trace": trace,
         "phase": phase,
@@ -88,23 +89,34 @@ def profile_steps(
         "prompt_tokens_computed": computed,
         "wall_ms": wall * 1e3,
         "wall_ms_per_step": wall * 1e3 / max(steps, 1),
-        "gpu_kernel_ms_per_step": busy_us / 1e3 / max(steps, 1),
+        "gpu_kernel_ms_per_step": kernel_us / 1e3 / max(steps, 1),
+        "gpu_busy_ms_per_step": busy_us / 1e3 / max(steps, 1),
         "top_kernels": kernels[:15],
     }
 
 
 def top_kernels(events) -> list[dict]:
-    """GPU-side events (kernels, memcpy, memset) grouped by name, largest total first."""
+    """GPU-side events (kernels, memcpy, memset) grouped by name, largest total first.
+
+    `exposed_us` is the part of an event's time that no earlier-starting event covers:
+    what it adds to the device's busy span. Under programmatic dependent launch a kernel
+    starts inside its predecessor's tail, so its own duration overstates its cost to the
+    step. The exposed times of all rows add up to the busy span (overlaps counted once)."""
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     total: dict[str, float] = defaultdict(float)
+    exposed: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    for evt in events:
-        if evt.device_type != DeviceType.CUDA:
-            continue
-        total[evt.name] += evt.time_range.end - evt.time_range.start
+    frontier = float("-inf")
+    for evt in gpu:
+        start, end = evt.time_range.start, evt.time_range.end
+        total[evt.name] += end - start
+        exposed[evt.name] += max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
         count[evt.name] += 1
     grand = sum(total.values()) or 1.0
     rows = [
-        {"name": n, "calls": count[n], "total_us": t, "avg_us": t / count[n], "pct": 100.0 * t / grand}
+        {"name": n, "calls": count[n], "total_us": t, "avg_us": t / count[n], "pct": 100.0 * t / grand,
+         "exposed_us": exposed[n], "exposed_avg_us": exposed[n] / count[n]}
         for n, t in total.items()
     ]
     return sorted(rows, key=lambda r: r["total_us"], reverse=True)
@@ -117,14 +129,16 @@ def format_profile(result: dict) -> list[str]:
              f"in the trace)")
     lines = [
         f"profile: {steps} at batch {result['batch']}: "
-        f"{result['wall_ms_per_step']:.3f} ms/step wall, {result['gpu_kernel_ms_per_step']:.3f} ms/step of GPU kernels; "
+        f"{result['wall_ms_per_step']:.3f} ms/step wall, {result['gpu_kernel_ms_per_step']:.3f} ms/step of GPU kernels "
+        f"({result['gpu_busy_ms_per_step']:.3f} ms/step busy: overlaps counted once); "
         f"trace {result['trace']}"
     ]
     if not result["top_kernels"]:
         lines.append("  (no CUDA kernels recorded: CPU run)")
         return lines
-    lines.append(f"  {'total ms':>9} {'%':>6} {'calls':>6} {'avg us':>8}  kernel")
+    lines.append(f"  {'total ms':>9} {'%':>6} {'calls':>6} {'avg us':>8} {'exposed':>8}  kernel")
     for k in result["top_kernels"]:
         name = k["name"] if len(k["name"]) <= 100 else k["name"][:97] + "..."
-        lines.append(f"  {k['total_us'] / 1e3:9.3f} {k['pct']:6.1f} {k['calls']:6d} {k['avg_us']:8.1f}  {name}")
+        lines.append(f"  {k['total_us'] / 1e3:9.3f} {k['pct']:6.1f} {k['calls']:6d} {k['avg_us']:8.1f} "
+                     f"{k['exposed_avg_us']:8.1f}  {name}")
     return lines
