@@ -194,31 +194,34 @@ def test_moe_sum_compiles_without_spills():
     _check_no_spills(kernel, "sum over k")
 
 
-@pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden", [
-    ("softmax", 64, 1, 1, 6, 2048),  # V2-Lite
-    ("softmax", 160, 8, 3, 6, 5120),  # V2
-    ("sigmoid", 256, 8, 4, 8, 7168),  # V3
+@pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden,norm", [
+    ("softmax", 64, 1, 1, 6, 2048, False),  # V2-Lite
+    ("softmax", 128, 1, 1, 8, 2048, True),  # Qwen3-30B-A3B
+    ("softmax", 160, 8, 3, 6, 5120, False),  # V2
+    ("sigmoid", 256, 8, 4, 8, 7168, True),  # V3
 ])
-def test_router_compiles_without_spills(scoring, experts, groups, topk_groups, top_k, hidden):
-    """The batch-1 router at the released models' shapes."""
-    import triton
+def test_router_compiles_without_spills(scoring, experts, groups, topk_groups, top_k, hidden, norm):
+    """The batch-1 router at the released models' shapes; with one warp a program, its
+    routing reduces without a round through shared memory (two barriers order the
+    logits around the counter, each compiled twice)."""
+    import re
 
     from agent_infer.kernels.triton import router
 
-    block_k = 2048
-    while hidden % block_k:
-        block_k //= 2
+    launch = router.m1_launch(hidden)
     args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("logits_ptr", "*fp32"),
             ("weights_ptr", "*fp32"), ("ids_ptr", "*i32"), ("count_ptr", "*i32"), ("E", "i32"), ("K", "i32"),
             ("scaling", "fp32")]
-    constexprs = {"SIGMOID": scoring == "sigmoid", "NORM": scoring == "sigmoid", "GROUPS": groups,
-                  "GROUP_SIZE": experts // groups, "TOPK_GROUPS": topk_groups, "TOP_K": top_k, "SHARED": 2,
-                  "BLOCK_N": router._BLOCK_N, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(experts),
-                  "BLOCK_G": triton.next_power_of_2(groups), "BLOCK_TOPK": triton.next_power_of_2(top_k + 2),
-                  "PDL": True}
+    constexprs = {**router._routing_constexprs(scoring, experts, top_k, groups, topk_groups, norm, 2),
+                  "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "PREFETCH": launch.prefetch, "PDL": True}
     kernel = _compile(router._route_m1_kernel, args, constexprs,
-                      {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"}, 4, 2)
+                      {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"},
+                      launch.num_warps, 2)
     _check_no_spills(kernel, f"router {scoring} E={experts}")
+    barriers = len(re.findall(r"\bbar(?:rier)?\.sync", kernel.asm["ptx"]))
+    print(f"router {scoring} E={experts}: {launch.num_warps} warps, {barriers} barriers")
+    if launch.num_warps == 1:
+        assert barriers <= 4, f"{barriers} barriers in a one-warp router"
 
 
 @pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden", [

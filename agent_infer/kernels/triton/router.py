@@ -20,6 +20,8 @@ experts may resolve the other way, as between any two GEMM implementations."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -30,7 +32,6 @@ from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 # Largest expert count the last program holds in registers (V3 has 256).
 MAX_EXPERTS = 1024
-_BLOCK_N = 2  # logit rows per program: 32-128 programs for 64-256 experts
 # Up to this many tokens, each token's program computes its logits, reading all the
 # router's weights (from L2 after the first tokens); beyond, an fp32 GEMM does and the
 # programs only route. V2-Lite on an H200: 41 µs at 256 tokens the first way (128 MB of
@@ -120,11 +121,11 @@ def _route_m1_kernel(
     SIGMOID: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < E
-    y = row_dot(x_ptr, w_ptr, w_ptr, n, n_mask, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, 2)
+    y = row_dot(x_ptr, w_ptr, w_ptr, n, n_mask, K, K, 0, False, False, PDL, BLOCK_K, tl.float32, PREFETCH)
     tl.store(logits_ptr + n, y, mask=n_mask)
     # The last program routes. A scalar atomic runs in one thread, so its release covers
     # that thread's stores only: the barrier first makes every thread's logits part of it.
@@ -164,6 +165,33 @@ def _route_rows_kernel(
         logits = tl.where(live, y, float("-inf"))
     _route(logits, e, live, bias_ptr, weights_ptr + t * swm, ids_ptr + t * sim, E, scaling, SIGMOID, NORM, GROUPS,
            GROUP_SIZE, TOPK_GROUPS, TOP_K, SHARED, BLOCK_E, BLOCK_G, BLOCK_TOPK)
+
+
+@dataclass(frozen=True)
+class M1Launch:
+    """How `moe_route_m1` launches for a hidden size: BLOCK_N logit rows of BLOCK_K
+    columns a load per program, PREFETCH tiles loaded before the PDL wait."""
+
+    block_n: int
+    block_k: int
+    prefetch: int
+    num_warps: int
+
+
+def m1_launch(hidden: int) -> M1Launch:
+    """One warp a logit row when the whole row is loaded before the PDL wait (at most two
+    tiles of 2,048 columns): the last program's routing then reduces with warp shuffles
+    alone, where four warps take a round through shared memory and a barrier for each
+    of its ~20 reductions in sequence (46 barriers for sm_90 at 128 experts, top 8).
+    Longer rows (V3's 7,168) keep four warps and two rows a program: their loads after
+    the wait are issued by four times as many threads."""
+    block_k = 2048
+    while hidden % block_k:
+        block_k //= 2
+    tiles = hidden // block_k
+    if tiles <= 2:
+        return M1Launch(1, block_k, tiles, 1)
+    return M1Launch(2, block_k, 2, 4)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -226,16 +254,15 @@ def moe_route_m1(
     assert x.shape[0] == 1 and x.is_contiguous()
     assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
     num_experts, k = weight.shape
-    block_k = 2048
-    while k % block_k:
-        block_k //= 2
+    launch = m1_launch(k)
     logits = torch.empty(num_experts, dtype=torch.float32, device=x.device)
     weights = torch.empty(1, top_k + num_shared, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, top_k + num_shared, dtype=torch.int32, device=x.device)
-    _route_m1_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
+    _route_m1_kernel[(triton.cdiv(num_experts, launch.block_n),)](
         x, weight, bias if bias is not None else weight, logits, weights, ids, counter,
         num_experts, k, float(scaling),
         **_routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=2, **launch_opts(x.device),
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PREFETCH=launch.prefetch, num_warps=launch.num_warps,
+        num_stages=2, **launch_opts(x.device),
     )
     return weights, ids
