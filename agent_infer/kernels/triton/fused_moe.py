@@ -41,10 +41,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
-from agent_infer.kernels.triton.utils import dot_precision, pdl_begin
+from agent_infer.kernels.triton.utils import dot_precision, pdl_begin, pdl_enabled
 
 # The one-hot tiles of the align kernels hold at most this many int32 elements
 # ([slots, experts] and [positions, experts]): register-sized for 4-8 warps.
@@ -59,13 +60,15 @@ _ALIGN_TILE = 8192
 ONE_PROGRAM_SLOTS = 64
 
 
-# Every launch here is plain, not a programmatic dependent one (utils.launch_opts):
-# nothing a MoE kernel loads is independent of its predecessor (the routing decides which
-# weights), so an early launch has nothing to prefetch and its waiting programs only hold
-# SM slots the predecessor's last programs need. DeepSeek-V2-Lite at batch 1 on an H200:
-# 390.5 / 390.6 tok/s with these four launches plain against 372.8 with PDL (the rest of
-# the step keeps PDL; all of it plain: 387.7). The kernels keep their `pdl_begin` (a
-# no-op without PDL).
+# Every launch here is plain, not a programmatic dependent one (utils.launch_opts), but
+# GEMM 2's: the routing decides which weights a MoE kernel reads, so a kernel launched
+# early right after the router or the alignment has nothing to prefetch, and its waiting
+# programs only hold SM slots the predecessor's last programs need. DeepSeek-V2-Lite at
+# batch 1 on an H200: 390.5 / 390.6 tok/s with these launches plain against 372.8 with
+# PDL (the rest of the step keeps PDL; all of it plain: 387.7). GEMM 2 follows GEMM 1,
+# not the routing: its programs load their expert's first weight tile while GEMM 1's
+# last programs run (GEMM 1 lets it start at once; docs/PERFORMANCE.md has the figures).
+# The kernels keep their `pdl_begin` (a no-op without PDL).
 PLAIN_LAUNCH = {"PDL": False}
 
 
@@ -320,16 +323,40 @@ def _load_k(ptrs, k_in, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _b_tile(b_rows, k0, kk, k_in, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The weight tile of rows b_rows at columns k0 + kk: [BLOCK_N, BLOCK_K] for the FMA
+    rows (BLOCK_M == 1), else [BLOCK_K, BLOCK_N] for tl.dot."""
+    if BLOCK_M == 1:
+        b = _load_k(b_rows[:, None] + k0 + kk[None, :], k_in[None, :], EVEN_K)
+    else:
+        b = _load_k(b_rows[None, :] + k0 + kk[:, None], k_in[:, None], EVEN_K)
+    return b
+
+
+@triton.jit
+def _accumulate(a, b, acc, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a times the weight tile b (_b_tile's layout); e4m3 weights become a's dtype
+    exactly in the dots (their scales come after the K loop)."""
+    if BLOCK_M == 1:
+        acc = acc + b.to(tl.float32) * a.to(tl.float32)  # a is [1, BLOCK_K]
+    else:
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _grouped_tiles(
     a_rows, a_valid, b_rows, pair_offset, K,
     PAIR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """The K loop of one program: rows a_rows [BLOCK_M] (pointers, masked by a_valid) times
     weight rows b_rows [BLOCK_N] (K contiguous), fp32 [BLOCK_M, BLOCK_N]; with PAIR, also
     times the weight rows pair_offset further on (GEMM 1's up rows), on the same A loads.
     BLOCK_M == 1: FMA rows, [BLOCK_N, BLOCK_K] partial products reduced once at the end.
-    Without PAIR the second result is zeros."""
+    Without PAIR the second result is zeros. PRELOAD: the first weight tile is loaded
+    before the PDL wait (`pdl_begin(PDL)`), which the caller has not passed yet: the
+    weights must not depend on the previous kernel, the rows of a may."""
     kk = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -337,21 +364,25 @@ def _grouped_tiles(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if PRELOAD:
+        k_in = kk < K
+        b = _b_tile(b_rows, 0, kk, k_in, EVEN_K, BLOCK_M)
+        if PAIR:
+            b2 = _b_tile(b_rows + pair_offset, 0, kk, k_in, EVEN_K, BLOCK_M)
+        pdl_begin(PDL)
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_valid[:, None] & k_in[None, :], other=0.0)
+        acc = _accumulate(a, b, acc, BLOCK_M, PRECISION)
+        if PAIR:
+            acc2 = _accumulate(a, b2, acc2, BLOCK_M, PRECISION)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         k_in = (k0 + kk) < K
         a = tl.load(a_rows[:, None] + k0 + kk[None, :], mask=a_valid[:, None] & k_in[None, :], other=0.0)
-        if BLOCK_M == 1:
-            b_ptrs = b_rows[:, None] + k0 + kk[None, :]  # [BLOCK_N, BLOCK_K]
-            af = a.to(tl.float32)  # [1, BLOCK_K]
-            acc += _load_k(b_ptrs, k_in[None, :], EVEN_K).to(tl.float32) * af
-            if PAIR:
-                acc2 += _load_k(b_ptrs + pair_offset, k_in[None, :], EVEN_K).to(tl.float32) * af
-        else:  # e4m3 weights become a's dtype exactly (their scales come after the K loop)
-            b_ptrs = b_rows[None, :] + k0 + kk[:, None]  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a, _load_k(b_ptrs, k_in[:, None], EVEN_K).to(a.dtype), acc, input_precision=PRECISION)
-            if PAIR:
-                acc2 = tl.dot(a, _load_k(b_ptrs + pair_offset, k_in[:, None], EVEN_K).to(a.dtype), acc2,
-                              input_precision=PRECISION)
+        acc = _accumulate(a, _b_tile(b_rows, k0, kk, k_in, EVEN_K, BLOCK_M), acc, BLOCK_M, PRECISION)
+        if PAIR:
+            acc2 = _accumulate(a, _b_tile(b_rows + pair_offset, k0, kk, k_in, EVEN_K, BLOCK_M), acc2, BLOCK_M,
+                               PRECISION)
     if BLOCK_M == 1:
         out, out2 = tl.sum(acc, axis=1)[None, :], tl.sum(acc2, axis=1)[None, :]
     else:
@@ -365,12 +396,15 @@ def _moe_gate_up_kernel(
     N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm, sse,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """h[pos, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for a block of one
     expert's sorted slots (tok = slot // top_k) and BLOCK_N of the N = I columns; gate
     and up are rounded to h's dtype first, as the unfused reference does. SCALED: w is
-    e4m3 with one scale per row, s[e, row] (row stride 1, expert stride sse)."""
+    e4m3 with one scale per row, s[e, row] (row stride 1, expert stride sse). TRIGGER:
+    let the next kernel (GEMM 2, launched as a programmatic dependent) start at once."""
+    if TRIGGER:
+        gdc_launch_dependents()
     pdl_begin(PDL)
     pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
@@ -410,24 +444,30 @@ def _moe_down_kernel(
     N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym, sse,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
-    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1."""
-    pdl_begin(PDL)
+    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1.
+
+    PRELOAD: the block's slots and expert, and its first weight tile, are read before the
+    PDL wait: only h is GEMM 1's output; the routing and the alignment come from kernels
+    before it, which a plain launch of GEMM 1 has let finish."""
+    if not PRELOAD:
+        pdl_begin(PDL)
     pos, slot, valid, e, n = _block_rows(slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, num_slots, num_experts,
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
     if SCALED and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
         h_row = h_ptr + tl.max(pos, axis=0).to(tl.int64) * shm
-        acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False, False,
-                           BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1, EVEN_K)[None, :]
+        acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False,
+                           PDL and PRELOAD, BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1,
+                           EVEN_K)[None, :]
     else:
         w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
         acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PRECISION)
+                                BLOCK_K, PRECISION, PRELOAD, PDL)
         if SCALED:
             acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
@@ -511,10 +551,11 @@ def slot_layout(
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: int, tile: Tile,
-                 w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 w13_scale: torch.Tensor | None = None, trigger: bool = False) -> torch.Tensor:
     """GEMM 1 + SiLU-and-mul over the slots: h [P, I] in x's dtype (P = blocks x
     block_m), row p = silu(gate) * up of the slot at position p (rows of padding
-    positions unwritten). An e4m3 w13 comes with w13_scale [E, 2I] (one per row)."""
+    positions unwritten). An e4m3 w13 comes with w13_scale [E, 2I] (one per row).
+    `trigger`: the next kernel is a programmatic dependent launch, let it start at once."""
     num_tokens, d = x.shape
     inter = w13.shape[1] // 2
     bm = layout.block_m
@@ -527,18 +568,20 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
         inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w.stride(0), w.stride(1),
         h.stride(0), w13_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(x.dtype), SCALED=scaled, **_gemm_opts(tile),
+        PRECISION=dot_precision(x.dtype), SCALED=scaled, TRIGGER=trigger, **_gemm_opts(tile),
     )
     return h
 
 
 def down_weighted(
     h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
-    w2_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None, pdl: bool = False,
 ) -> torch.Tensor:
     """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
     (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
-    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row)."""
+    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row). Each program loads
+    its first weight tile before it reads h; `pdl`: launched as a programmatic dependent
+    of GEMM 1 (whose launch must trigger it), so those loads overlap GEMM 1's end."""
     num_slots = topk_weights.numel()
     inter = h.shape[1]
     d = w2.shape[1]
@@ -552,7 +595,8 @@ def down_weighted(
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), SCALED=scaled, **_gemm_opts(tile),
+        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=True, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else PLAIN_LAUNCH),
     )
     return y
 
@@ -618,6 +662,7 @@ def fused_moe(
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale)
-    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale)
+    pdl = pdl_enabled(x.device)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale, trigger=pdl)
+    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale, pdl=pdl)
     return sum_topk(y, ids, expert_map, num_experts, out)
