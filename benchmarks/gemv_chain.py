@@ -6,10 +6,13 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py                 # Qwen3-8B shapes, TP = 1 and TP = 2 shards
     python benchmarks/gemv_chain.py --no-sweep      # default configs only
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
+    python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
 
-Per shape: 36 GEMVs of that shape (one per layer) in a graph, µs per GEMV and the weight
-read rate. Then the whole per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) x 36
-plus the LM head, ms per step: what the linear layers cost in one decode step.
+Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
+rate; the sweep ranks the configurations by their time with PDL where the GPU has it (as
+the engine launches them). Then the whole per-layer chain (qkv, o, gate_up [+
+SiLU-and-mul], down) over the layers plus the LM head, ms per step: what the linear
+layers cost in one decode step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import itertools
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,18 +34,33 @@ from agent_infer.quantization import fp8 as F8  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16
-LAYERS = 36
-HIDDEN, INTER, Q, KV, VOCAB = 4096, 12288, 4096, 1024, 151936
+VOCAB = 151936
 
 
-def shapes(tp: int) -> dict[str, tuple[int, int]]:
+@dataclass(frozen=True)
+class Shape:
+    """A model's dense decode projections: layers, hidden size, MLP width (0: a MoE, whose
+    experts are not GEMVs), query and KV widths."""
+
+    layers: int
+    hidden: int
+    inter: int
+    q: int
+    kv: int
+
+
+MODELS = {
+    "qwen3-8b": Shape(36, 4096, 12288, 4096, 1024),
+    "qwen3-30b-a3b": Shape(48, 2048, 0, 4096, 512),
+}
+
+
+def shapes(m: Shape, tp: int) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of one rank's shard."""
-    return {
-        "qkv": ((Q + 2 * KV) // tp, HIDDEN),
-        "o": (HIDDEN, Q // tp),
-        "gate_up": (2 * INTER // tp, HIDDEN),
-        "down": (HIDDEN, INTER // tp),
-    }
+    out = {"qkv": ((m.q + 2 * m.kv) // tp, m.hidden), "o": (m.hidden, m.q // tp)}
+    if m.inter:
+        out |= {"gate_up": (2 * m.inter // tp, m.hidden), "down": (m.hidden, m.inter // tp)}
+    return out
 
 
 def graph_time_us(fn, replays: int = 20) -> float:
@@ -91,16 +110,20 @@ def sweep() -> list[RowConfig]:
     if fp8:
         grid = itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (2,), (1, 2))
     else:
-        grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4), (1,))
+        grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4), (1, 2))
     for bn, bk, warps, stages, prefetch in grid:
-        if bn * bk <= 16384:
+        if bn * bk * (1 if fp8 else prefetch) <= 16384:  # bf16: the tiles held before the PDL wait
             out.append(RowConfig(bn, bk, warps, stages, prefetch))
     return out
 
 
-def bench_shape(name: str, n: int, k: int, do_sweep: bool, silu: bool = False) -> RowConfig:
-    """36 GEMVs of [n, k] (with `silu`: gate/up pairs and the fused SiLU-and-mul)."""
-    ws = [Weight(n, k) for _ in range(LAYERS)]
+def pdl_available() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False) -> RowConfig:
+    """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the fused SiLU-and-mul)."""
+    ws = [Weight(n, k) for _ in range(layers)]
     x = torch.randn(1, k, dtype=DT, device=DEV)
     gbytes = ws[0].nbytes / 1e9
     ref = F.linear(x.float(), ws[0].ref.float())
@@ -113,46 +136,50 @@ def bench_shape(name: str, n: int, k: int, do_sweep: bool, silu: bool = False) -
             if silu:
                 silu_and_mul(y)
 
-    t_cublas = graph_time_us(cublas) / LAYERS
+    def chain(cfg: RowConfig, pdl: bool) -> float:
+        return graph_time_us(lambda: [w(x, config=cfg, pdl=pdl, silu_mul=silu) for w in ws]) / layers
+
+    t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
     default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
     configs = [default] + ([c for c in sweep() if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []
     for cfg in configs:
         err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
-        t = graph_time_us(lambda cfg=cfg: [w(x, config=cfg, silu_mul=silu) for w in ws]) / LAYERS
-        timed.append((t, cfg, err))
-    t_def = timed[0][0]
+        t = chain(cfg, False)
+        t_pdl = chain(cfg, True) if pdl_available() else t
+        timed.append((t_pdl, t, cfg, err))
+    t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
-    t_best, best, err = timed[0]
-    t_pdl = graph_time_us(lambda: [w(x, config=best, pdl=True, silu_mul=silu) for w in ws]) / LAYERS
+    t_pdl, t_best, best, err = timed[0]
     tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.prefetch}"  # noqa: E731
     print(
         f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e3:5.2f} TB/s | "
-        f"triton default {t_def:6.1f} | best {t_best:6.1f} us {gbytes / t_best * 1e3:5.2f} TB/s "
-        f"({tag(best)}, err {err:.1e}) | +PDL {t_pdl:6.1f} us {gbytes / t_pdl * 1e3:5.2f} TB/s",
+        f"triton default {t_def:6.1f}, +PDL {t_def_pdl:6.1f} | best with PDL {t_pdl:6.1f} us "
+        f"{gbytes / t_pdl * 1e3:5.2f} TB/s, without {t_best:6.1f} ({tag(best)}, err {err:.1e})",
         flush=True,
     )
     if len(timed) > 1:
-        print("    next: " + " | ".join(f"{tag(c)} {t:.1f}" for t, c, _ in timed[1:6]), flush=True)
+        print("    next: " + " | ".join(f"{tag(c)} {tp:.1f}/{t:.1f}" for tp, t, c, _ in timed[1:6]), flush=True)
     ws.clear()
     torch.cuda.empty_cache()
     return best
 
 
-def bench_chain(tp: int, best: dict[str, RowConfig]) -> None:
-    sh = shapes(tp)
-    layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(LAYERS)]
-    head = torch.randn(VOCAB // tp, HIDDEN, dtype=DT, device=DEV) * HIDDEN**-0.5  # bf16 in every format
-    x = torch.randn(1, HIDDEN, dtype=DT, device=DEV)
-    x_o = torch.randn(1, Q // tp, dtype=DT, device=DEV)
-    total = (sum(w.nbytes for w in layers[0].values()) * LAYERS + head.numel() * 2) / 1e9
+def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
+    sh = shapes(m, tp)
+    layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(m.layers)]
+    head = torch.randn(VOCAB // tp, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5  # bf16 in every format
+    x = torch.randn(1, m.hidden, dtype=DT, device=DEV)
+    x_o = torch.randn(1, m.q // tp, dtype=DT, device=DEV)
+    total = (sum(w.nbytes for w in layers[0].values()) * m.layers + head.numel() * 2) / 1e9
 
     def cublas():
         for w in layers:
             F.linear(x, w["qkv"].ref)
             F.linear(x_o, w["o"].ref)
-            F.linear(silu_and_mul(F.linear(x, w["gate_up"].ref)), w["down"].ref)
+            if m.inter:
+                F.linear(silu_and_mul(F.linear(x, w["gate_up"].ref)), w["down"].ref)
         F.linear(x, head)
 
     def triton_chain(pdl: bool):
@@ -160,14 +187,15 @@ def bench_chain(tp: int, best: dict[str, RowConfig]) -> None:
             for w in layers:
                 w["qkv"](x, config=best["qkv"], pdl=pdl)
                 w["o"](x_o, config=best["o"], pdl=pdl)
-                h = w["gate_up"](x, silu_mul=True, config=best["gate_up_silu"], pdl=pdl)
-                w["down"](h, config=best["down"], pdl=pdl)
+                if m.inter:
+                    h = w["gate_up"](x, silu_mul=True, config=best["gate_up_silu"], pdl=pdl)
+                    w["down"](h, config=best["down"], pdl=pdl)
             linear_m1(x, head, config=best["head"], pdl=pdl)
         return run
 
     t_c = graph_time_us(cublas) / 1e3
     t_t = graph_time_us(triton_chain(False)) / 1e3
-    t_p = graph_time_us(triton_chain(True)) / 1e3
+    t_p = graph_time_us(triton_chain(True)) / 1e3 if pdl_available() else t_t
     print(
         f"TP={tp} chain ({total:.2f} GB/rank): cuBLAS + SiLU kernel {t_c:.3f} ms ({total / t_c:.2f} TB/s) | "
         f"Triton fused SiLU {t_t:.3f} ms ({total / t_t:.2f} TB/s) | Triton + PDL {t_p:.3f} ms ({total / t_p:.2f} TB/s)",
@@ -179,21 +207,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__, f"weights: {args.fp8 or 'bf16'}")
+    m = MODELS[args.model]
+    print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}")
     for tp in args.tp:
         best = {}
         Weight.layout = args.fp8
-        for name, (n, k) in shapes(tp).items():
-            best[name] = bench_shape(f"{name}/tp{tp}", n, k, not args.no_sweep)
-        n, k = shapes(tp)["gate_up"]
-        best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, not args.no_sweep, silu=True)
+        for name, (n, k) in shapes(m, tp).items():
+            best[name] = bench_shape(f"{name}/tp{tp}", n, k, m.layers, not args.no_sweep)
+        if m.inter:
+            n, k = shapes(m, tp)["gate_up"]
+            best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, m.layers, not args.no_sweep, silu=True)
         Weight.layout = None
-        best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, HIDDEN, False)
+        best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, m.hidden, m.layers, False)
         Weight.layout = args.fp8
-        bench_chain(tp, best)
+        bench_chain(m, tp, best)
 
 
 if __name__ == "__main__":
