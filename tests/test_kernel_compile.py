@@ -81,6 +81,23 @@ def test_gemv_add_rms_norm_compiles_for_sm90():
     assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
 
 
+@pytest.mark.parametrize("k", [1536, 2048, 4096, 5120, 7168, 12288])
+def test_bf16_gemv_prefetches_only_tiles_it_reads(k):
+    """The batch-1 GEMV's default launch at the hidden and intermediate sizes of the
+    served models: the tiles loaded before the PDL wait all lie within K (a wholly masked
+    one still holds its registers), and nothing spills."""
+    from agent_infer.kernels.triton.gemv import _gemv_row_kernel, row_config
+
+    cfg = row_config(4096, k, torch.device("cuda"))
+    assert 1 <= cfg.prefetch and cfg.prefetch * cfg.block_k <= k, cfg
+    constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": False, "PDL": True, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "BLOCK_H": 1, "PREFETCH": cfg.prefetch, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1}
+    kernel = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs, num_warps=cfg.num_warps)
+    regs, stack = _registers_per_thread(kernel)
+    print(f"K={k}: {cfg}, {regs} registers")
+    assert stack == 0
+
+
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
 def test_fp8_gemv_compiles_for_sm90(scale, block):
     """The batch-1 GEMV over e4m3 weights (read as int32 words) in its default launch
