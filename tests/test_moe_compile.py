@@ -141,7 +141,7 @@ def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = F
 
     common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": even_k, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
               "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, "SCALED": fp8}
-    common |= {"TRIGGER": True} if gemm == "up" else {"PRELOAD": True}  # as fused_moe launches them under PDL
+    common |= {"TRIGGER": direct} if gemm == "up" else {"PRELOAD": direct}  # as fused_moe launches them under PDL
     fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
     # e4m3 experts at one slot a block arrive as int32 words (fused_moe._as_words).
     args = _gemm_args(gemm, weight=("i32" if block_m == 1 else "fp8e4nv") if fp8 else None)
@@ -259,7 +259,7 @@ def test_moe_variants_compile(dtype, precision, block_m, even_k):
                   "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False,
                   "SCALED": False}
     for fn, args, launch in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype), {"TRIGGER": False}),
-                             (moe._moe_down_kernel, _gemm_args("down", dtype), {"PRELOAD": True})):
+                             (moe._moe_down_kernel, _gemm_args("down", dtype), {"PRELOAD": block_m == 1})):
         kernel = _compile(fn, args, constexprs | launch, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,
                           tile.num_stages)
         _check_fits(kernel, f"{fn.__name__} {dtype} block_m={block_m}")

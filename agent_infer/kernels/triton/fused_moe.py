@@ -61,14 +61,14 @@ ONE_PROGRAM_SLOTS = 64
 
 
 # Every launch here is plain, not a programmatic dependent one (utils.launch_opts), but
-# GEMM 2's: the routing decides which weights a MoE kernel reads, so a kernel launched
-# early right after the router or the alignment has nothing to prefetch, and its waiting
-# programs only hold SM slots the predecessor's last programs need. DeepSeek-V2-Lite at
-# batch 1 on an H200: 390.5 / 390.6 tok/s with these launches plain against 372.8 with
-# PDL (the rest of the step keeps PDL; all of it plain: 387.7). GEMM 2 follows GEMM 1,
-# not the routing: its programs load their expert's first weight tile while GEMM 1's
-# last programs run (GEMM 1 lets it start at once; docs/PERFORMANCE.md has the figures).
-# The kernels keep their `pdl_begin` (a no-op without PDL).
+# one token's GEMM 2: the routing decides which weights a MoE kernel reads, so a kernel
+# launched early right after the router or the alignment has nothing to prefetch, and its
+# waiting programs only hold SM slots the predecessor's last programs need.
+# DeepSeek-V2-Lite at batch 1 on an H200: 390.5 / 390.6 tok/s with these launches plain
+# against 372.8 with PDL (the rest of the step keeps PDL; all of it plain: 387.7). One
+# token's GEMM 2 follows GEMM 1, not the routing: its programs load their expert's first
+# weight tile while GEMM 1's last programs run (GEMM 1 lets it start at once). The
+# kernels keep their `pdl_begin` (a no-op without PDL).
 PLAIN_LAUNCH = {"PDL": False}
 
 
@@ -575,13 +575,15 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
 
 def down_weighted(
     h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
-    w2_scale: torch.Tensor | None = None, pdl: bool = False,
+    w2_scale: torch.Tensor | None = None, preload: bool = False, pdl: bool = False,
 ) -> torch.Tensor:
     """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
     (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
-    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row). Each program loads
-    its first weight tile before it reads h; `pdl`: launched as a programmatic dependent
-    of GEMM 1 (whose launch must trigger it), so those loads overlap GEMM 1's end."""
+    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row). `preload`: each
+    program loads its first weight tile before it reads h; `pdl` (with preload): launched
+    as a programmatic dependent of GEMM 1 (whose launch must trigger it), so those loads
+    overlap GEMM 1's end."""
+    assert preload or not pdl, "a programmatic dependent GEMM 2 must preload: it waits inside the K loop"
     num_slots = topk_weights.numel()
     inter = h.shape[1]
     d = w2.shape[1]
@@ -595,7 +597,7 @@ def down_weighted(
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=True, num_warps=tile.num_warps,
+        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=preload, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else PLAIN_LAUNCH),
     )
     return y
@@ -662,7 +664,10 @@ def fused_moe(
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
-    pdl = pdl_enabled(x.device)
+    # One token's GEMM 2 preloads and starts early. Larger steps keep it plain: the tile
+    # held across the wait costs the large tiles a third more shared memory (98 against
+    # 74 KB at 64 slots a block), a resident program fewer per SM.
+    pdl = layout.direct and pdl_enabled(x.device)
     h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale, trigger=pdl)
-    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale, pdl=pdl)
+    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale, preload=layout.direct, pdl=pdl)
     return sum_topk(y, ids, expert_map, num_experts, out)
