@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
 from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
+from agent_infer.kernels.triton.utils import pdl_enabled  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
 
 DEV = "cuda"
@@ -117,10 +118,6 @@ def sweep() -> list[RowConfig]:
     return out
 
 
-def pdl_available() -> bool:
-    return torch.cuda.get_device_capability()[0] >= 9
-
-
 def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False) -> RowConfig:
     """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the fused SiLU-and-mul)."""
     ws = [Weight(n, k) for _ in range(layers)]
@@ -147,7 +144,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     for cfg in configs:
         err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
         t = chain(cfg, False)
-        t_pdl = chain(cfg, True) if pdl_available() else t
+        t_pdl = chain(cfg, True) if pdl_enabled(torch.device(DEV)) else t
         timed.append((t_pdl, t, cfg, err))
     t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
@@ -195,7 +192,7 @@ def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
 
     t_c = graph_time_us(cublas) / 1e3
     t_t = graph_time_us(triton_chain(False)) / 1e3
-    t_p = graph_time_us(triton_chain(True)) / 1e3 if pdl_available() else t_t
+    t_p = graph_time_us(triton_chain(True)) / 1e3 if pdl_enabled(torch.device(DEV)) else t_t
     print(
         f"TP={tp} chain ({total:.2f} GB/rank): cuBLAS + SiLU kernel {t_c:.3f} ms ({total / t_c:.2f} TB/s) | "
         f"Triton fused SiLU {t_t:.3f} ms ({total / t_t:.2f} TB/s) | Triton + PDL {t_p:.3f} ms ({total / t_p:.2f} TB/s)",

@@ -198,6 +198,7 @@ def test_moe_sum_compiles_without_spills():
 @pytest.mark.parametrize("scoring,experts,groups,topk_groups,top_k,hidden,norm", [
     ("softmax", 64, 1, 1, 6, 2048, False),  # V2-Lite
     ("softmax", 128, 1, 1, 8, 2048, True),  # Qwen3-30B-A3B
+    ("softmax", 128, 1, 1, 8, 4096, True),  # Qwen3-235B-A22B
     ("softmax", 160, 8, 3, 6, 5120, False),  # V2
     ("sigmoid", 256, 8, 4, 8, 7168, True),  # V3
 ])
@@ -218,9 +219,10 @@ def test_router_compiles_without_spills(scoring, experts, groups, topk_groups, t
     kernel = _compile(router._route_m1_kernel, args, constexprs,
                       {"x_ptr", "w_ptr", "bias_ptr", "logits_ptr", "weights_ptr", "ids_ptr", "count_ptr", "K"},
                       launch.num_warps, 2)
-    _check_no_spills(kernel, f"router {scoring} E={experts}")
+    what = f"router {scoring} E={experts} K={hidden}"
+    _check_no_spills(kernel, what)
     barriers = len(re.findall(r"\bbar(?:rier)?\.sync", kernel.asm["ptx"]))
-    print(f"router {scoring} E={experts}: {launch.num_warps} warps, {barriers} barriers")
+    print(f"{what}: {launch.num_warps} warps, {barriers} barriers")
     if launch.num_warps == 1:
         assert barriers <= 4, f"{barriers} barriers in a one-warp router"
 
