@@ -32,6 +32,7 @@ sys.path.insert(0, REPO)
 
 from agent_infer.bench.step_trace import HOST_BOUND_BLOCKED_S, StepBand  # noqa: E402
 from agent_infer.config import EngineConfig  # noqa: E402
+import agent_infer.engine.llm_engine as llm_engine  # noqa: E402
 from agent_infer.engine.llm_engine import LLMEngine  # noqa: E402
 from agent_infer.sampling_params import SamplingParams  # noqa: E402
 
@@ -50,13 +51,21 @@ def model_path(args) -> str:
     return ensure_default_model()
 
 
-def engine(args, path: str, **kw) -> LLMEngine:
+def engine(args, path: str, chain_steps: int | None = None, **kw) -> LLMEngine:
+    """An engine of the benchmark; `chain_steps`: the verify steps prompt lookup may chain
+    onto one in flight (None: the engine's default), fixed when the engine is built."""
     config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **kw)
     if config.resolve_device().type == "cuda":
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
         config = replace(config, kv_cache_bytes=4 << 30)
-    return LLMEngine(config)
+    default = llm_engine.CHAIN_STEPS
+    if chain_steps is not None:
+        llm_engine.CHAIN_STEPS = chain_steps
+    try:
+        return LLMEngine(config)
+    finally:
+        llm_engine.CHAIN_STEPS = default
 
 
 class FixedDrafts:
@@ -148,13 +157,9 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     path = model_path(args)
     plain = engine(args, path, max_num_seqs=8)
     config = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
-    specs = {"spec": engine(args, path, max_num_seqs=8, speculative_config=config)}
+    specs = {"spec": engine(args, path, args.chain_steps, max_num_seqs=8, speculative_config=config)}
     if args.compare_chain:
-        import agent_infer.engine.llm_engine as llm_engine
-
-        chain_steps, llm_engine.CHAIN_STEPS = llm_engine.CHAIN_STEPS, 0  # read when an engine is built
-        specs["spec, no chaining"] = engine(args, path, max_num_seqs=8, speculative_config=config)
-        llm_engine.CHAIN_STEPS = chain_steps
+        specs["spec, no chaining"] = engine(args, path, 0, max_num_seqs=8, speculative_config=config)
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
     for eng in [plain, *specs.values()]:
         run_agent([eng], prompts[:1], 1, 16)  # warm-up
@@ -270,10 +275,6 @@ def main() -> int:
                         "engine's), to measure what chaining gives")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    if args.chain_steps is not None:
-        import agent_infer.engine.llm_engine as llm_engine
-
-        llm_engine.CHAIN_STEPS = args.chain_steps  # read when an engine is built
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
     if args.output_json:
         with open(args.output_json, "w") as f:
