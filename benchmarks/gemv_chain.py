@@ -7,7 +7,6 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --no-sweep      # default configs only
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
-    python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1 --norm-in   # qkv doing its input's add + norm
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate; the sweep ranks the configurations by their time with PDL where the GPU has it (as
@@ -30,8 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
-from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, linear_m1_normed_input, row_config  # noqa: E402
-from agent_infer.kernels.triton.norm import fused_add_rms_norm  # noqa: E402
+from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
 from agent_infer.kernels.triton.utils import pdl_enabled  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
 
@@ -165,43 +163,6 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     return best
 
 
-def bench_normed_input(name: str, n: int, k: int, layers: int) -> None:
-    """A layer's first projection after a MoE: the residual add + RMSNorm kernel, then the
-    GEMV, against the GEMV that does the add + norm itself (`linear_m1_normed_input`) in
-    the sweep's tiles; with PDL, one of each per layer in a graph."""
-    ws = [Weight(n, k) for _ in range(layers)]
-    addend = torch.randn(1, k, dtype=DT, device=DEV)
-    residual = torch.randn(1, k, dtype=DT, device=DEV)
-    g = torch.rand(k, dtype=DT, device=DEV) + 0.5
-    x_ref, _ = fused_add_rms_norm(addend.clone(), residual.clone(), g, 1e-6)
-    ref = F.linear(x_ref.float(), ws[0].ref.float())
-
-    a, r = addend.clone(), residual.clone()  # the in-place kernel's own inputs
-
-    def unfused():
-        for w in ws:
-            x, _ = fused_add_rms_norm(a, r, g, 1e-6)
-            w(x)
-
-    def fused(cfg: RowConfig):
-        return lambda: [linear_m1_normed_input(addend, residual, g, 1e-6, w.w, config=cfg) for w in ws]
-
-    t_unfused = graph_time_us(unfused) / layers
-    default = row_config(n, k, torch.device(DEV), norm_in=True)
-    timed = []
-    for cfg in [default] + [c for c in sweep() if k % c.block_k == 0 and c != default]:
-        err = ((linear_m1_normed_input(addend, residual, g, 1e-6, ws[0].w, config=cfg)[0].float() - ref).norm()
-               / ref.norm()).item()
-        timed.append((graph_time_us(fused(cfg)) / layers, cfg, err))
-    t_default = timed[0][0]
-    timed.sort(key=lambda e: e[0])
-    tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.prefetch}"  # noqa: E731
-    print(f"{name:8s} N={n:6d} K={k:6d} | add + norm kernel, then the GEMV {t_unfused:6.1f} us | "
-          f"the GEMV doing the add + norm: default {t_default:6.1f} ({tag(default)}), best {timed[0][0]:6.1f} "
-          f"({tag(timed[0][1])}, err {timed[0][2]:.1e})", flush=True)
-    print("    next: " + " | ".join(f"{tag(c)} {t:.1f}" for t, c, _ in timed[1:8]), flush=True)
-
-
 def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
     sh = shapes(m, tp)
     layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(m.layers)]
@@ -246,16 +207,9 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
-    ap.add_argument("--norm-in", action="store_true",
-                    help="only the qkv projection doing its input's add + norm against the two kernels (bf16)")
     args = ap.parse_args()
     m = MODELS[args.model]
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}")
-    if args.norm_in:
-        for tp in args.tp:
-            n, k = shapes(m, tp)["qkv"]
-            bench_normed_input(f"qkv/tp{tp}", n, k, m.layers)
-        return
     for tp in args.tp:
         best = {}
         Weight.layout = args.fp8

@@ -119,8 +119,7 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
-                     gemv-moe (the Qwen3-30B-A3B shape's attention projections, tiles swept with PDL;
-                     then qkv doing its input's add + norm against the two kernels),
+                     gemv-moe (the Qwen3-30B-A3B shape's attention projections, tiles swept with PDL),
                      attention (batch-1 decode attention inside its layer's chain, launches swept),
                      fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache),
                      rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too)
@@ -715,8 +714,7 @@ cmd_kernels() {
   for part in $parts; do
     case $part in
       gemv)   kernel_part gemv 300 python3 benchmarks/gemv_chain.py ;;
-      gemv-moe) kernel_part gemv_moe 300 python3 benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1
-                kernel_part gemv_norm_in 200 python3 benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1 --norm-in ;;
+      gemv-moe) kernel_part gemv_moe 300 python3 benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1 ;;
       attention) kernel_part attention 400 python3 benchmarks/attention_chain.py --contexts 512 4096 ;;
       decode) kernel_part decode 300 python3 benchmarks/throughput_kernels.py --only read,decode,splits
               kernel_part residency 120 python3 benchmarks/decode_residency.py ;;

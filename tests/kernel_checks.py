@@ -359,36 +359,6 @@ def check_gemv_m1_add_norm(device, dtype: torch.dtype, n: int, k: int, bias: boo
         residual = res
 
 
-def check_gemv_m1_normed_input(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_mul: bool,
-                               config=None) -> None:
-    """The batch-1 GEMV doing the residual add + RMSNorm before it (each program from the
-    stream's two terms) reads what the add + norm kernel would have written: the new
-    stream equals that kernel's bit for bit, in a new tensor with the old one untouched,
-    and y equals F.linear on that kernel's output within the GEMV's tolerance."""
-    from agent_infer.kernels.triton.gemv import linear_m1_normed_input
-    from agent_infer.kernels.triton.norm import fused_add_rms_norm
-
-    rows = 2 * n if silu_mul else n
-    w = randn(rows, k, dtype=dtype, device=device, seed=41, scale=k**-0.5)
-    b = randn(rows, dtype=dtype, device=device, seed=42) if bias else None
-    norm_w = (1.0 + 0.3 * randn(k, dtype=torch.float32, device=device, seed=43)).to(dtype)
-    addend = randn(1, k, dtype=dtype, device=device, seed=44)
-    residual = randn(1, k, dtype=dtype, device=device, seed=45, scale=4.0)
-    before = residual.clone()
-    x_ref, res_ref = fused_add_rms_norm(addend.clone(), residual.clone(), norm_w, 1e-6)
-    assert_close(res_ref, reference.fused_add_rms_norm(addend, residual, norm_w, 1e-6)[1], "the add + norm kernel")
-    ref = torch.nn.functional.linear(x_ref.float(), w.float(), None if b is None else b.float())
-    if silu_mul:
-        ref = reference.silu_and_mul(ref.to(dtype)).float()
-    with poisoned_empty():
-        out, res = linear_m1_normed_input(addend, residual, norm_w, 1e-6, w, b, silu_mul=silu_mul, config=config)
-    label = f"gemv with the input's add + norm N={n} K={k} silu_mul={silu_mul} {config}"
-    assert torch.equal(residual, before), label + ": the old stream must be left as it was"
-    assert res.data_ptr() != residual.data_ptr() and torch.equal(res, res_ref), label + ": the new stream"
-    assert out.dtype == dtype and out.shape == (1, n)
-    assert_close(out.float(), ref, label, dtype)
-
-
 # ---- skinny GEMM -----------------------------------------------------------------------
 
 

@@ -309,16 +309,6 @@ else:
         kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias, config)
 
     @pytest.mark.parametrize("dtype", ALL)
-    @pytest.mark.parametrize(
-        "n,k,bias,silu_mul,config",
-        [(100, 256, True, False, RowConfig(8, 64)), (33, 192, False, False, RowConfig(2, 64, prefetch=2)),
-         (48, 512, False, True, RowConfig(4, 128, prefetch=2)), (20, 64, True, False, RowConfig(4, 64, prefetch=2)),
-         (64, 128, False, False, None)],
-    )
-    def test_gemv_m1_normed_input(dtype, n, k, bias, silu_mul, config):
-        kc.check_gemv_m1_normed_input(DEV, dtype, n, k, bias, silu_mul, config)
-
-    @pytest.mark.parametrize("dtype", ALL)
     @pytest.mark.parametrize("rows,vocab", [(1, 20000), (3, 8192), (4, 100)])
     def test_argmax(dtype, rows, vocab):
         kc.check_argmax(DEV, dtype, rows, vocab)
@@ -457,40 +447,6 @@ else:
         monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
         assert run() == expected
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
-
-    @pytest.mark.parametrize("family", ["qwen3_moe", "v2_lite"])
-    def test_moe_add_norm_done_by_the_next_projection_on_triton(tmp_path, monkeypatch, family):
-        """At batch 1 a MoE layer leaves its residual add + RMSNorm to the next layer's
-        first projection (its GEMV's programs do it): the greedy tokens equal the torch
-        path's, and that GEMV ran (Qwen3-MoE's qkv, DeepSeek's stacked q / kv_a; a hidden
-        size the GEMV takes)."""
-        from agent_infer.config import EngineConfig
-        from agent_infer.kernels import ops
-        from agent_infer.kernels.triton import gemv
-        from agent_infer.engine.llm_engine import LLMEngine
-        from agent_infer.sampling_params import SamplingParams
-        from tests.deepseek_models import write_deepseek_model
-        from tests.test_sparse_moe import write_sparse_moe
-
-        path = (write_sparse_moe(family, str(tmp_path / family)) if family == "qwen3_moe"
-                else write_deepseek_model(family, str(tmp_path / family), hidden_size=48))
-        prompt = [(5 * i + 2) % 90 + 3 for i in range(21)]
-        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-        def run() -> list[int]:
-            eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=16))
-            try:
-                return eng.generate([prompt], params)[0].token_ids
-            finally:
-                eng.shutdown()
-
-        expected = run()
-        fused = []
-        real = gemv.linear_m1_normed_input
-        monkeypatch.setattr(gemv, "linear_m1_normed_input", lambda *a, **kw: fused.append(1) or real(*a, **kw))
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        assert run() == expected
-        assert fused, "no layer's input add + norm ran in the next projection's GEMV"
 
     def test_deepseek_prefill_in_context_windows_on_triton_matches_torch_path(tmp_path, monkeypatch):
         """Chunked prefill whose context is cut into windows (a 32-row tile) on the Triton

@@ -165,24 +165,6 @@ def linear_add_rms_norm(
     return fused_add_rms_norm(linear(x, weight, bias, scale, block), residual, norm_weight, eps)
 
 
-def add_norm_linear(
-    addend: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(x, weight, bias), addend + residual) for x = rms_norm(addend + residual) *
-    norm_weight: a residual add + RMSNorm and the projection after it. At batch 1 on the
-    GEMV path with a bf16 weight, one launch (the GEMV's programs do the add + norm); else
-    fused_add_rms_norm (in place on its inputs when on Triton), then linear."""
-    if (scale is None and _gemv_ok(addend, weight) and residual.is_contiguous() and residual.dtype == addend.dtype
-            and norm_weight.dtype == addend.dtype):
-        from agent_infer.kernels.triton import gemv
-
-        return gemv.linear_m1_normed_input(addend, residual, norm_weight, eps, weight, bias)
-    x, residual = fused_add_rms_norm(addend, residual, norm_weight, eps)
-    return linear(x, weight, bias, scale, block), residual
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """First index of each row's maximum, [B] int64 (greedy sampling)."""
     if _use_triton(logits) and logits.dim() == 2 and logits.stride(-1) == 1:

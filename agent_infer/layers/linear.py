@@ -21,7 +21,6 @@ from torch import nn
 
 from agent_infer.distributed.state import ParallelState, all_reduce_sum, divide
 from agent_infer.kernels import ops
-from agent_infer.layers.norm import PendingNorm
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 from agent_infer.quantization.fp8 import FP8, Fp8Config, check_block_slice, dequantize, fp8_slice
 
@@ -156,21 +155,6 @@ def stack_weights(*layers: LinearBase) -> StackedWeights | None:
     weight = _cat_into([layer.weight for layer in layers])
     scale = _cat_into([layer.weight_scale for layer in layers]) if fp8 is not None else None
     return StackedWeights(weight, scale, layers[0].block, tuple(layer.weight.shape[0] for layer in layers))
-
-
-def project_input(
-    proj: "ColumnParallelLinear | ReplicatedLinear | StackedWeights", x: torch.Tensor | PendingNorm,
-    residual: torch.Tensor | None,
-) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
-    """(proj(x), the residual stream) for x a decoder layer's input: a tensor, the stream
-    then `residual`; or a `PendingNorm`, whose add + norm runs with the projection
-    (`ops.add_norm_linear`) and yields the stream."""
-    if not isinstance(x, PendingNorm):
-        return proj(x), residual
-    if isinstance(proj, StackedWeights):
-        y, residual = ops.add_norm_linear(*x, proj.weight, None, proj.scale, proj.block)
-        return y.split(proj.splits, dim=-1), residual
-    return ops.add_norm_linear(*x, proj.weight, proj.bias, proj.weight_scale, proj.block)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -42,7 +42,6 @@ from agent_infer.distributed.state import ParallelState
 from agent_infer.kernels import ops
 from agent_infer.layers.linear import all_reduce_add_rms_norm
 from agent_infer.layers.mlp import GatedMLP
-from agent_infer.layers.norm import PendingNorm
 from agent_infer.loader.load import WeightRule
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 from agent_infer.quantization.fp8 import FP8, Fp8Config, dequantize, fp8_slice
@@ -303,31 +302,21 @@ class MoE(nn.Module):
             self.shared_experts.down_proj.quantizable = False
         return False
 
-    def forward_add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer: bool = False,
-    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(moe(x) + residual) and that sum for an RMSNorm `norm`: the routed and shared
-        experts' partial sums on this rank, reduced once over the group with the add + norm.
-        With `defer`, unsharded and for one token: (PendingNorm, None), the add + norm left
-        to the next layer's first projection (at batch 1 its GEMV does it: one launch a
-        layer fewer, after a MoE whose last kernels are short)."""
+        experts' partial sums on this rank, reduced once over the group with the add + norm."""
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts.down_proj.partial(self.shared_experts(x))
-        if defer and self.tp.world_size == 1 and y.shape[0] == 1:
-            return PendingNorm(y, residual, norm.weight, norm.eps), None
         return all_reduce_add_rms_norm(y, residual, norm.weight, norm.eps, self.tp)
 
 
-def mlp_add_norm(
-    mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer: bool = False,
-) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
+def mlp_add_norm(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's MLP, a `MoE` or a `GatedMLP`, with the residual add + RMSNorm
-    after it: (norm(mlp(x) + residual), mlp(x) + residual). `defer`: the next layer's
-    first projection may finish the add + norm (`MoE.forward_add_norm`)."""
+    after it: (norm(mlp(x) + residual), mlp(x) + residual)."""
     if isinstance(mlp, MoE):
-        return mlp.forward_add_norm(x, residual, norm, defer)
+        return mlp.forward_add_norm(x, residual, norm)
     return mlp.down_proj.forward_add_norm(mlp(x), residual, norm)
 
 

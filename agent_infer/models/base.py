@@ -113,11 +113,9 @@ class CausalLM(nn.Module):
 class DecoderStack(nn.Module):
     """The embedding, the decoder layers and the final norm. Each layer takes its input
     already normalised and the residual stream, and returns the next layer's normalised
-    input and the stream (`layer(positions, x, residual, next_norm, defer_norm)`), so every
+    input and the stream (`layer(positions, x, residual, next_norm)`), so every
     row-parallel projection runs with the residual add + RMSNorm after it, and the
-    embedding's all-reduce with the first layer's norm. Every layer but the last may hand
-    its successor that input as a `PendingNorm` (`defer_norm`), for the successor's first
-    projection to finish; the last one's, the final hidden state, is computed."""
+    embedding's all-reduce with the first layer's norm."""
 
     def __init__(self, embed_tokens: VocabParallelEmbedding, layers: nn.ModuleList, norm: RMSNorm):
         super().__init__()
@@ -126,9 +124,8 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens.forward_norm(input_ids, self.layers[0].input_layernorm)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        last = len(self.layers) - 1
-        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
-            x, residual = layer(positions, x, residual, next_norm, defer_norm=i < last)
+        for layer, next_norm in zip(self.layers, norms):
+            x, residual = layer(positions, x, residual, next_norm)
         return x
 
 

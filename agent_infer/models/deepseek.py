@@ -30,12 +30,12 @@ from agent_infer.config import ConfigError, ModelConfig, RopeConfig
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.embedding import VocabParallelEmbedding
 from agent_infer.layers.linear import (
-    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, StackedWeights, project_input, stack_weights,
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, StackedWeights, stack_weights,
 )
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.layers.moe import MoE, RouterConfig, expert_rules, mlp_add_norm
-from agent_infer.layers.norm import PendingNorm, RMSNorm
+from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding, yarn_mscale
 from agent_infer.loader.load import WeightMap, WeightRule
 from agent_infer.models.base import DecoderLM, DecoderStack
@@ -164,23 +164,18 @@ class DeepseekAttention(nn.Module):
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         self.x_proj = stack_weights(first, self.kv_a_proj_with_mqa)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output before o_proj, [tokens, heads x v_head_dim], and the residual
-        stream (`project_input`: x may be pending)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention output before o_proj, [tokens, heads x v_head_dim]."""
         lora = not hasattr(self, "q_proj")
         if self.x_proj is not None:
-            (q, kv_a), residual = project_input(self.x_proj, x, residual)
+            q, kv_a = self.x_proj(x)
         else:
-            if isinstance(x, PendingNorm):
-                x, residual = x.resolve()
             q = self.q_a_proj(x) if lora else self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         if lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        q = q.view(q.shape[0], self.num_heads, self.qk)
-        return self.attn(positions, q, kv_a, self.kv_a_layernorm, self.rotary, self.kv_b_proj.weight), residual
+        q = q.view(x.shape[0], self.num_heads, self.qk)
+        return self.attn(positions, q, kv_a, self.kv_a_layernorm, self.rotary, self.kv_b_proj.weight)
 
 
 def shared_experts_join(f: DeepseekFamilyConfig, tp: ParallelState) -> bool:
@@ -203,14 +198,13 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None,
-        next_norm: RMSNorm, defer_norm: bool = False,
-    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
-        """As the dense decoder layer: x normalised (or pending), residual the stream;
-        returns the next layer's normalised input (pending with `defer_norm`) and the stream."""
-        x, residual = self.self_attn(positions, x, residual)
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the dense decoder layer: x normalised, residual the stream; returns the next
+        layer's normalised input and the stream."""
+        x = self.self_attn(positions, x)
         x, residual = self.self_attn.o_proj.forward_add_norm(x, residual, self.post_attention_layernorm)
-        return mlp_add_norm(self.mlp, x, residual, next_norm, defer_norm)
+        return mlp_add_norm(self.mlp, x, residual, next_norm)
 
 
 class DeepseekModel(DecoderStack):

@@ -18,10 +18,10 @@ from agent_infer.config import ConfigError, ModelConfig, refuse_unread_fields
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.attention import PagedAttention
 from agent_infer.layers.embedding import VocabParallelEmbedding
-from agent_infer.layers.linear import QKVParallelLinear, RowParallelLinear, project_input
+from agent_infer.layers.linear import QKVParallelLinear, RowParallelLinear
 from agent_infer.layers.mlp import GatedMLP
 from agent_infer.layers.moe import mlp_add_norm
-from agent_infer.layers.norm import PendingNorm, RMSNorm
+from agent_infer.layers.norm import RMSNorm
 from agent_infer.layers.rotary import RotaryEmbedding
 from agent_infer.loader.load import WeightMap, WeightRule
 from agent_infer.models.base import DecoderLM, DecoderStack
@@ -81,19 +81,16 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, f.head_dim, f.head_dim**-0.5)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output before o_proj, [tokens, heads x head_dim], and the residual
-        stream (`project_input`: x may be pending)."""
-        qkv, residual = project_input(self.qkv_proj, x, residual)
-        tokens = qkv.shape[0]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention output before o_proj, [tokens, heads x head_dim]."""
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         o = self.attn(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
-        return o.reshape(tokens, self.num_heads * self.head_dim), residual
+        return o.reshape(tokens, self.num_heads * self.head_dim)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,18 +104,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, residual: torch.Tensor | None,
-        next_norm: RMSNorm, defer_norm: bool = False,
-    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input, already normalised (input_layernorm); residual: the
         stream before that norm. Returns the next layer's normalised input (`next_norm`:
         its input_layernorm, or the model's final norm) and the updated stream. Each
-        row-parallel projection is fused with the residual add + norm that follows it.
-        With `defer_norm` that input may come back as a `PendingNorm` (the stream inside
-        it, residual None), which the next layer's qkv projection finishes."""
-        x, residual = self.self_attn(positions, x, residual)
+        row-parallel projection is fused with the residual add + norm that follows it."""
+        x = self.self_attn(positions, x)
         x, residual = self.self_attn.o_proj.forward_add_norm(x, residual, self.post_attention_layernorm)
-        return mlp_add_norm(self.mlp, x, residual, next_norm, defer_norm)
+        return mlp_add_norm(self.mlp, x, residual, next_norm)
 
 
 class LlamaModel(DecoderStack):

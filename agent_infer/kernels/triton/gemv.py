@@ -208,49 +208,10 @@ def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H:
 
 
 @triton.jit
-def _normed_input_rstd(a_ptr, r_ptr, r_out_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """1 / rms of s = a + r over the K features (s rounded to a's dtype first, as the add
-    + norm kernel rounds it). Program 0 also stores s at r_out: the new residual stream,
-    in a tensor of its own, since the other programs still read r."""
-    kk = tl.arange(0, BLOCK_K)
-    limit = tl.where(tl.program_id(0) == 0, K, 0)
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + k0 + kk)
-        s = (a.to(tl.float32) + tl.load(r_ptr + k0 + kk).to(tl.float32)).to(a.dtype)
-        tl.store(r_out_ptr + k0 + kk, s.to(r_out_ptr.dtype.element_ty), mask=k0 + kk < limit)
-        h = s.to(tl.float32)
-        sq += h * h
-    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-
-
-@triton.jit
-def _load(ptr, mask, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(ptr, mask=mask, other=0.0)
-    return tl.load(ptr)
-
-
-@triton.jit
-def _input_tile(x_ptr, xr_ptr, xg_ptr, cols, mask, rstd, NORM_IN: tl.constexpr, MASKED: tl.constexpr):
-    """x[cols] (zeros where not `mask`, with MASKED) in fp32 as a [1, BLOCK_K] row. NORM_IN:
-    x is rms_norm(x + r) * g, computed here from the stream's two terms and `rstd`
-    (`_normed_input_rstd`) with the add + norm kernel's roundings, so the GEMV reads what
-    that kernel would have written."""
-    x = _load(x_ptr + cols, mask, MASKED)
-    if NORM_IN:
-        s = (x.to(tl.float32) + _load(xr_ptr + cols, mask, MASKED).to(tl.float32)).to(x.dtype)
-        h = (s.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-        x = (h * _load(xg_ptr + cols, mask, MASKED).to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)[None, :]
-
-
-@triton.jit
 def row_dot(
     x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr = 1,
-    NORM_IN: tl.constexpr = False, xr_ptr=None, xg_ptr=None, r_out_ptr=None, x_eps=0.0,
 ):
     """The M = 1 dot products of rows `n`: sum_k w[n, k] x[k] (+ b[n]), fp32; with
     SILU_MUL, rows n and n + up_offset are a gate/up pair and the result is silu(gate) *
@@ -262,11 +223,7 @@ def row_dot(
     so the loads overlap that kernel's tail instead of following it. At batch 1 the
     kernels between two GEMVs (all-reduce, norm, attention) are latency-bound and leave
     the memory system idle; a deeper prefetch streams more of the next weights meanwhile,
-    at the price of registers (fewer programs resident).
-
-    NORM_IN: x is the residual add + RMSNorm of the stream's two terms, x_ptr and xr_ptr,
-    with the norm weight xg_ptr (eps x_eps), done here after the wait instead of by a
-    kernel of its own; program 0 writes the new stream to r_out_ptr."""
+    at the price of registers (fewer programs resident)."""
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
     w = tl.load(rows, mask=n_mask[:, None], other=0.0)
@@ -283,20 +240,17 @@ def row_dot(
             wu2 = tl.load(up_rows + BLOCK_K, mask=mask2, other=0.0)
         start = 2 * BLOCK_K
     pdl_begin(PDL)
-    rstd = 0.0
-    if NORM_IN:
-        rstd = _normed_input_rstd(x_ptr, xr_ptr, r_out_ptr, K, x_eps, BLOCK_K)
-    x = _input_tile(x_ptr, xr_ptr, xg_ptr, kk, None, rstd, NORM_IN, False)
+    x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
     acc = w.to(tl.float32) * x
     if SILU_MUL:
         acc_u = wu.to(tl.float32) * x
     if PREFETCH > 1:
-        x2 = _input_tile(x_ptr, xr_ptr, xg_ptr, BLOCK_K + kk, (BLOCK_K + kk) < K, rstd, NORM_IN, True)
+        x2 = tl.load(x_ptr + BLOCK_K + kk, mask=(BLOCK_K + kk) < K, other=0.0).to(tl.float32)[None, :]
         acc += w2.to(tl.float32) * x2
         if SILU_MUL:
             acc_u += wu2.to(tl.float32) * x2
     for k0 in range(start, K, BLOCK_K):
-        x = _input_tile(x_ptr, xr_ptr, xg_ptr, k0 + kk, None, rstd, NORM_IN, False)
+        x = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
         acc += tl.load(rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
         if SILU_MUL:
             acc_u += tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0).to(tl.float32) * x
@@ -309,16 +263,15 @@ def row_dot(
 
 @triton.jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, s_ptr, xr_ptr, xg_ptr, r_out_ptr,
-    N, K, swn, up_offset, eps, s_stride, x_eps,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, NORM_IN: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, s_ptr,
+    N, K, swn, up_offset, eps, s_stride,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr,
     SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
 ):
     """out[n] = row_dot(n) for this program's BLOCK_N rows; with ADD_NORM, the residual
     add + RMSNorm that follows the projection is done by the last program
-    (`_last_program_add_norm`); with NORM_IN (bf16 or fp32 weights), the one that precedes
-    it by every program (`row_dot`). fp8 weights (SCALE 1: per row, 2: per block; w_ptr then
+    (`_last_program_add_norm`). fp8 weights (SCALE 1: per row, 2: per block; w_ptr then
     points at their bytes as int32 words, see gemv_fp8.py): row_dot_e4m3. Block-scaled
     weights: BLOCK_N divides S_ROWS, so the program's rows share one scale row."""
     first = tl.program_id(0) * BLOCK_N
@@ -326,8 +279,7 @@ def _gemv_row_kernel(
     n_mask = n < N
     if SCALE == 0:
         y = row_dot(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
-                    HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH,
-                    NORM_IN, xr_ptr, xg_ptr, r_out_ptr, x_eps)
+                    HAS_BIAS, SILU_MUL, PDL, BLOCK_K, out_ptr.dtype.element_ty, PREFETCH)
     else:
         s_row = first // S_ROWS
         y = row_dot_e4m3(x_ptr, w_ptr, b_ptr, n, n_mask, K, swn, up_offset,
@@ -343,8 +295,7 @@ def _gemv_row_kernel(
 ROW_PREFETCH_TILES = 2
 
 
-def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul: bool = False,
-               norm_in: bool = False) -> RowConfig:
+def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul: bool = False) -> RowConfig:
     """`n` output rows (gate/up pairs with `silu_mul`) over K = `k`. bf16: 4 rows x 2048
     columns per load, two tiles before the PDL wait: the fastest in a sweep over the
     Qwen3-8B shapes at TP = 1 and 2 on an H200 (benchmarks/gemv_chain.py;
@@ -356,14 +307,8 @@ def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul
     one holds enough registers to cost one or two resident programs per SM, and was the
     slower in the same sweep. Outputs of at most 4,096 rows take 8 rows per program
     (half the programs, each streaming twice the rows); the wider ones, and the gate/up
-    pairs whose programs already load two tiles, keep 4.
-
-    With the input's add + norm (`norm_in`) a thread holds the stream's two terms, the
-    norm weight and the normalised tile besides the weight tile: 512 columns a tile, two
-    prefetched, keep its registers near the plain kernel's at 2,048 (for sm_90 64 against
-    128; at 2,048 columns it needs 255 and spills), with as many weight bytes in flight
-    per SM."""
-    block_k = 512 if norm_in else 2048
+    pairs whose programs already load two tiles, keep 4."""
+    block_k = 2048
     while k % block_k:
         block_k //= 2
     if fp8:
@@ -397,13 +342,11 @@ def linear_m1(
 def _launch_row(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n: int, *,
     silu_mul: bool = False, add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    norm_in: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
     config: RowConfig | None = None, pdl: bool | None = None,
     scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> None:
     """One `_gemv_row_kernel` launch writing `out` [1, n]; add_norm = (residual, norm
-    weight, counter, eps) turns on the last program's add + RMSNorm, norm_in = (residual,
-    norm weight, eps, new residual) the input's (x is then the stream's other term)."""
+    weight, counter, eps) turns on the last program's add + RMSNorm."""
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -419,40 +362,16 @@ def _launch_row(
         weight = weight.view(torch.int32)
     opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
-    assert norm_in is None or not fp8, "the input's add + norm is fused with bf16 or fp32 weights only"
-    x_res, x_norm_weight, x_eps, new_residual = norm_in if norm_in is not None else (x, x, 0.0, x)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
-        scale if scale is not None else out, x_res, x_norm_weight, new_residual,
-        n, k, weight.stride(0), n, eps, scale.stride(0) if scale is not None else 0, x_eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None, NORM_IN=norm_in is not None,
+        scale if scale is not None else out,
+        n, k, weight.stride(0), n, eps, scale.stride(0) if scale is not None else 0,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
         BLOCK_H=triton.next_power_of_2(n) if add_norm is not None else 1,
         SCALE=mode, S_ROWS=s_rows, S_COLS=s_cols,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
-
-
-def linear_m1_normed_input(
-    addend: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-    silu_mul: bool = False, config: RowConfig | None = None, pdl: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_m1(x, weight, bias, silu_mul=...) for x = rms_norm(addend + residual) * norm_weight, and
-    addend + residual, in one launch: the add + norm a kernel of its own would do before
-    the projection is done by every program after its PDL wait (the row is a few KB, read
-    while its first weight tiles are in flight). Returns (y [1, N], the new residual [1, K],
-    a new tensor: `residual` is left as it was). Roundings are the add + norm kernel's."""
-    k = addend.shape[-1]
-    assert addend.shape == residual.shape == (1, k) and residual.is_contiguous() and addend.is_contiguous()
-    assert residual.dtype == addend.dtype == norm_weight.dtype and norm_weight.shape == (k,)
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    config = config or row_config(n, k, addend.device, silu_mul=silu_mul, norm_in=True)
-    out = torch.empty((1, n), dtype=addend.dtype, device=addend.device)
-    new_residual = torch.empty_like(residual)
-    _launch_row(addend, weight, bias, out, n, silu_mul=silu_mul, norm_in=(residual, norm_weight, eps, new_residual),
-                config=config, pdl=pdl)
-    return out, new_residual
 
 
 # The last program holds the whole output row in registers: up to this many features.
