@@ -143,11 +143,13 @@ class Chain:
 
 
 def sweep() -> list[Launch]:
+    """Split counts past the default's cap (64) included, each merged in the launch and by
+    the combining kernel."""
     out = [Launch(merge=False), Launch(preload=False), Launch(preload=True)]
-    for splits, (bn, warps, stages) in itertools.product(
-        (4, 8, 16, 32, 64), ((16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)),
+    for splits, (bn, warps, stages), merge in itertools.product(
+        (8, 16, 32, 64, 128), ((32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)), (True, False),
     ):
-        out.append(Launch(splits, DecodeConfig(bn, warps, stages)))
+        out.append(Launch(splits, DecodeConfig(bn, warps, stages), merge=merge))
     return out
 
 
