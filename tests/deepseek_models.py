@@ -39,10 +39,11 @@ DEEPSEEK_SPECS: dict[str, dict] = {
 
 
 def write_deepseek_model(name: str, path: str, seed: int = 0, hub_spelling: bool = False,
-                         initializer_range: float = 0.3) -> str:
+                         initializer_range: float = 0.3, **overrides) -> str:
+    """`overrides`: config fields over the named spec's (e.g. sizes that divide by a TP size)."""
     import transformers
 
-    spec = dict(_BASE, **DEEPSEEK_SPECS[name])
+    spec = {**_BASE, **DEEPSEEK_SPECS[name], **overrides}
     arch, rope = spec.pop("arch"), spec.pop("rope")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(initializer_range=initializer_range, **spec)

@@ -134,16 +134,9 @@ def test_long_chunked_prefill_in_context_windows_equals_transformers(ds_dirs, na
 @pytest.fixture(scope="module")
 def tp_dir(tmp_path_factory) -> str:
     """6 heads, 6 experts, sizes that divide by 2 and 3."""
-    from tests import deepseek_models as dm
-
-    spec = dict(dm.DEEPSEEK_SPECS["v3"], num_attention_heads=6, num_key_value_heads=6, hidden_size=48,
-                intermediate_size=48, moe_intermediate_size=24, n_routed_experts=6, n_group=3, topk_group=2,
-                num_experts_per_tok=2)
-    dm.DEEPSEEK_SPECS["v3_tp"] = spec
-    try:
-        return write_deepseek_model("v3_tp", str(tmp_path_factory.mktemp("ds_tp") / "v3"))
-    finally:
-        del dm.DEEPSEEK_SPECS["v3_tp"]
+    return write_deepseek_model("v3", str(tmp_path_factory.mktemp("ds_tp") / "v3"), num_attention_heads=6,
+                                num_key_value_heads=6, hidden_size=48, intermediate_size=48, moe_intermediate_size=24,
+                                n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=2)
 
 
 def _run(path: str, tp: int, placement: str = "ep"):

@@ -77,16 +77,9 @@ def _deepseek_v3(path: str) -> str:
     published checkpoints store them. Every projection a rank splits, or that is merged
     with another, spans whole blocks of BLOCK at TP 1 and 2, as the published shapes do
     with 128 x 128; the hidden size (42) leaves partial blocks of columns."""
-    from tests import deepseek_models as dm
-
-    dm.DEEPSEEK_SPECS["v3_fp8"] = dict(dm.DEEPSEEK_SPECS["v3"], num_attention_heads=4, num_key_value_heads=4,
-                                       n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=2,
-                                       qk_nope_head_dim=24, v_head_dim=12, intermediate_size=64,
-                                       moe_intermediate_size=32)
-    try:
-        return write_deepseek_model("v3_fp8", path, hub_spelling=True)
-    finally:
-        del dm.DEEPSEEK_SPECS["v3_fp8"]
+    return write_deepseek_model("v3", path, hub_spelling=True, num_attention_heads=4, num_key_value_heads=4,
+                                n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=2,
+                                qk_nope_head_dim=24, v_head_dim=12, intermediate_size=64, moe_intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
