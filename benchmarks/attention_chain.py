@@ -77,7 +77,6 @@ class Launch:
 class Layer:
     def __init__(self, m: Model, blocks: int, ctx: int):
         q_w, kv_w = m.heads * m.head_dim, m.kv_heads * m.head_dim
-        self.m = m
         self.w_qkv = torch.randn(q_w + 2 * kv_w, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5
         self.w_o = torch.randn(m.hidden, q_w, dtype=DT, device=DEV) * q_w**-0.5
         self.q_norm = torch.rand(m.head_dim, dtype=DT, device=DEV) + 0.5
@@ -105,8 +104,7 @@ class Chain:
         self.residual = torch.randn(1, m.hidden, dtype=DT, device=DEV)
         self.positions = torch.full((1,), ctx, dtype=torch.long, device=DEV)
         self.lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=DEV)
-        cos_sin = torch.randn(ctx + 1, m.head_dim, dtype=torch.float32, device=DEV)
-        self.cos_sin = cos_sin
+        self.cos_sin = torch.randn(ctx + 1, m.head_dim, dtype=torch.float32, device=DEV)  # any values time alike
         self.scale = m.head_dim**-0.5
 
     def attention(self, layer: Layer, qkv: torch.Tensor, launch: Launch | None) -> torch.Tensor:
