@@ -87,10 +87,12 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      all-reduce kernel's timing and the server with --tp 2
   profile [TP]       PDL-off kernel profiles: batch-1 decode at TP (default 1; at TP > 1 with
                      both all-reduces), and at TP = 1 the throughput workload's decode and prefill
-  ab BASE_TAR        a base tree (git archive) against this one, alternating, fresh processes:
+  ab BASE_TAR [TAR...] a base tree (git archive) against this one, alternating, fresh processes:
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
                      throughput", AB_TP="1", BASE_COMMIT=base) on the Qwen3-8B shape, or on
-                     another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...)
+                     another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...);
+                     each further tar is a variant tree run beside them, named by its file
+                     (no underscores), so one call on one checkpoint compares several changes
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
                      prefill profiles), then a PDL-off batch-1 profile (each kernel's own
@@ -675,17 +677,33 @@ cmd_structured() {
 }
 
 # Base and head alternate, each run a fresh process, the base first in odd rounds and last
-# in even ones: the first run after start-up has repeatedly been the slowest.
+# in even ones: the first run after start-up has repeatedly been the slowest. Variant trees
+# run between them, in the same alternating order.
 cmd_ab() {
   local tar=${1:-}
   [ -f "$tar" ] || { echo "ab needs the base tree: git archive -o .carry_ab/base.tar <commit>, carried"; return 1; }
-  local base=/tmp/ab_base r v tp dir commit part model
+  shift
+  local r v tp dir commit part model order variants=""
   if [ -n "${AB_PRESET:-}" ]; then model="--random-weights $AB_PRESET"; else m8 || return 1; model="--model $M8"; fi
-  rm -rf $base && mkdir -p $base && tar -xf "$tar" -C $base || return 1
+  for v in $(for t in "$@"; do basename "$t" .tar; done); do
+    case $v in
+      *_*) echo "ab: variant name $v has an underscore (the table splits names on them)"; return 1 ;;
+      base|head) echo "ab: a variant cannot be named $v"; return 1 ;;
+    esac
+  done
+  rm -f "$FIG"/ab_*.json "$FIG"/ab_*.log  # the table reads every ab_*.json: this call's only
+  rm -rf /tmp/ab_trees && mkdir -p /tmp/ab_trees/base && tar -xf "$tar" -C /tmp/ab_trees/base || return 1
+  for t in "$@"; do
+    v=$(basename "$t" .tar) && mkdir -p "/tmp/ab_trees/$v" && tar -xf "$t" -C "/tmp/ab_trees/$v" || return 1
+    variants="$variants $v"
+  done
   for part in ${AB_PARTS:-latency throughput}; do
     for r in $(seq "${AB_ROUNDS:-2}"); do
-      for v in $( [ $((r % 2)) = 1 ] && echo base head || echo head base ); do
-        if [ $v = base ]; then dir=$base commit=${BASE_COMMIT:-base}; else dir=$PWD commit=$AGENT_INFER_GIT_COMMIT; fi
+      order="base $variants head"
+      [ $((r % 2)) = 0 ] && order=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
+      for v in $order; do
+        if [ $v = head ]; then dir=$PWD commit=$AGENT_INFER_GIT_COMMIT
+        else dir=/tmp/ab_trees/$v commit=$([ $v = base ] && echo "${BASE_COMMIT:-base}" || echo "$v"); fi
         if [ "$part" = latency ]; then
           for tp in ${AB_TP:-1}; do
             (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
@@ -815,12 +833,15 @@ elif mode == "--ab":
         if "results" in d:
             key, variant = name.rsplit("_", 2)[0].replace("ab_", ""), name.rsplit("_", 2)[1]
             groups.setdefault(key, {}).setdefault(variant, []).append(figure(d))
-    print("| part | base | head | head against base (means) |")
+    print("| part | tree | runs | against base (means) |")
     print("|---|---|---|---|")
     for key, v in groups.items():
-        b, h = v.get("base", []), v.get("head", [])
-        delta = f"{100 * (statistics.mean(h) / statistics.mean(b) - 1):+.1f} %" if b and h else "-"
-        print(f"| {key} | {' / '.join(f'{x:,.1f}' for x in b)} | {' / '.join(f'{x:,.1f}' for x in h)} | {delta} |")
+        b = v.get("base", [])
+        for tree in ["base"] + sorted(t for t in v if t not in ("base", "head")) + ["head"]:
+            runs_of = v.get(tree, [])
+            delta = (f"{100 * (statistics.mean(runs_of) / statistics.mean(b) - 1):+.1f} %"
+                     if b and runs_of and tree != "base" else "-")
+            print(f"| {key} | {tree} | {' / '.join(f'{x:,.1f}' for x in runs_of)} | {delta} |")
 else:
     for name, d in runs:
         commit = (d.get("git") or {}).get("commit", "-")
