@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
-from agent_infer.kernels.triton.utils import dot_precision, pdl_begin, pdl_enabled
+from agent_infer.kernels.triton.utils import dot_precision, pdl_begin, pdl_enabled, pdl_opts
 
 # The one-hot tiles of the align kernels hold at most this many int32 elements
 # ([slots, experts] and [positions, experts]): register-sized for 4-8 warps.
@@ -69,7 +69,7 @@ ONE_PROGRAM_SLOTS = 64
 # token's GEMM 2 follows GEMM 1, not the routing: its programs load their expert's first
 # weight tile while GEMM 1's last programs run (GEMM 1 lets it start at once). The
 # kernels keep their `pdl_begin` (a no-op without PDL).
-PLAIN_LAUNCH = {"PDL": False}
+PLAIN_LAUNCH = pdl_opts(False)
 
 
 # ---- moe_align -------------------------------------------------------------------------
@@ -504,8 +504,8 @@ def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
     return w.view(torch.int32)
 
 
-def _gemm_opts(tile: Tile) -> dict:
-    return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **PLAIN_LAUNCH}
+def _gemm_opts(tile: Tile, pdl: bool = False) -> dict:
+    return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **pdl_opts(pdl)}
 
 
 @dataclass(frozen=True)
@@ -597,8 +597,7 @@ def down_weighted(
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
         w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=preload, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else PLAIN_LAUNCH),
+        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=preload, **_gemm_opts(tile, pdl),
     )
     return y
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
-from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
+from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin, pdl_opts
 
 MAX_M = 64
 
@@ -295,6 +295,15 @@ def _gemv_row_kernel(
 ROW_PREFETCH_TILES = 2
 
 
+def row_block_k(k: int) -> int:
+    """The M = 1 kernels' column tile for K: 2,048, or the largest power of two below it
+    that divides K."""
+    block_k = 2048
+    while k % block_k:
+        block_k //= 2
+    return block_k
+
+
 def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul: bool = False) -> RowConfig:
     """`n` output rows (gate/up pairs with `silu_mul`) over K = `k`. bf16: 4 rows x 2048
     columns per load, two tiles before the PDL wait: the fastest in a sweep over the
@@ -308,9 +317,7 @@ def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul
     slower in the same sweep. Outputs of at most 4,096 rows take 8 rows per program
     (half the programs, each streaming twice the rows); the wider ones, and the gate/up
     pairs whose programs already load two tiles, keep 4."""
-    block_k = 2048
-    while k % block_k:
-        block_k //= 2
+    block_k = row_block_k(k)
     if fp8:
         return RowConfig(8 if n <= 4096 and not silu_mul else 4, block_k, prefetch=1)
     # A row of one tile (K = 2,048: Qwen3-30B-A3B's and V2-Lite's hidden size) prefetches
@@ -360,7 +367,7 @@ def _launch_row(
     if fp8:  # its bytes as int32 words, four e4m3 values each (gemv_fp8.py)
         assert weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
         weight = weight.view(torch.int32)
-    opts = launch_opts(x.device) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+    opts = launch_opts(x.device) if pdl is None else pdl_opts(pdl)
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv import row_dot
+from agent_infer.kernels.triton.gemv import row_block_k, row_dot
 from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 # Largest expert count the last program holds in registers (V3 has 256).
@@ -185,9 +185,7 @@ def m1_launch(hidden: int) -> M1Launch:
     of its ~20 reductions in sequence (46 barriers for sm_90 at 128 experts, top 8).
     Longer rows (V3's 7,168) keep four warps and two rows a program: their loads after
     the wait are issued by four times as many threads."""
-    block_k = 2048
-    while hidden % block_k:
-        block_k //= 2
+    block_k = row_block_k(hidden)
     tiles = hidden // block_k
     if tiles <= 2:
         return M1Launch(1, block_k, tiles, 1)

@@ -75,10 +75,16 @@ def pdl_enabled(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_opts(pdl: bool) -> dict:
+    """Keyword arguments for a kernel launch whose kernel takes a `PDL` constexpr: launched
+    as a programmatic dependent of the previous kernel (`pdl`), or plainly."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def launch_opts(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch whose kernel takes a `PDL` constexpr and
-    calls `pdl_begin(PDL)` before its first read of a predecessor's output."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+    """`pdl_opts` for a kernel that calls `pdl_begin(PDL)` before its first read of a
+    predecessor's output: a programmatic dependent launch wherever the GPU has it."""
+    return pdl_opts(pdl_enabled(device))
 
 
 @triton.jit
