@@ -602,12 +602,12 @@ cmd_moe() {  # the Qwen3-30B-A3B shape (random weights, bf16)
                  --compare-hf; files+=("$FIG/moe_lat.json") ;;
       thr)     TRITON_CACHE_DIR=$(mktemp -d) bench moe_thr 300 throughput --random-weights qwen3-30b-a3b --rounds 2
                files+=("$FIG/moe_thr.json") ;;
-      profile) AGENT_INFER_PDL=0 bench moe_prof_nopdl 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
-                 --profile "$FIG/moe_prof_nopdl"
-               grep -A17 '^profile' "$FIG/moe_prof_nopdl.log" | cut -c1-160 ;;
-      profile-pdl) bench moe_prof_pdl 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
-                 --profile "$FIG/moe_prof_pdl"
-               grep -A17 '^profile' "$FIG/moe_prof_pdl.log" | cut -c1-160 ;;
+      profile|profile-pdl)  # PDL off: each kernel's own time; on: what each adds to the step
+               local pdl=0 tag=moe_prof_nopdl
+               [ "$part" = profile-pdl ] && pdl=1 tag=moe_prof_pdl
+               AGENT_INFER_PDL=$pdl bench $tag 200 latency --random-weights qwen3-30b-a3b --num-iters 1 \
+                 --profile "$FIG/$tag"
+               grep -A17 '^profile' "$FIG/$tag.log" | cut -c1-160 ;;
       *)       echo "unknown moe part: $part"; return 2 ;;
     esac
   done
