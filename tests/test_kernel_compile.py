@@ -81,15 +81,17 @@ def test_gemv_add_rms_norm_compiles_for_sm90():
     assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
 
 
-@pytest.mark.parametrize("k", [1536, 2048, 4096, 5120, 7168, 12288])
-def test_bf16_gemv_prefetches_only_tiles_it_reads(k):
-    """The batch-1 GEMV's default launch at the hidden and intermediate sizes of the
-    served models compiles without spills, and where a row is shorter than the tiles the
-    kernel may prefetch before the PDL wait (K = 2,048 is one tile), the default holds
-    fewer registers than prefetching the full count, whose extra tile would be masked."""
+@pytest.mark.parametrize("n,k", [(4096, k) for k in (1536, 2048, 4096, 5120, 7168, 12288)]
+                         + [(5120, 2048), (2048, 4096), (151936, 2048)])
+def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
+    """The batch-1 GEMV's default launch at the projection shapes of the served models
+    compiles without spills, and where a row is shorter than the tiles the kernel may
+    prefetch before the PDL wait (an LM head over K = 2,048 is one tile), the default
+    holds fewer registers than prefetching the full count, whose extra tile would be
+    masked."""
     from agent_infer.kernels.triton.gemv import ROW_PREFETCH_TILES, _gemv_row_kernel, row_config
 
-    cfg = row_config(4096, k, torch.device("cuda"))
+    cfg = row_config(n, k, torch.device("cuda"))
 
     def registers(prefetch: int) -> int:
         constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": False, "PDL": True, "BLOCK_N": cfg.block_n,
@@ -101,7 +103,7 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(k):
         return regs
 
     regs = registers(cfg.prefetch)
-    print(f"K={k}: {cfg}, {regs} registers")
+    print(f"N={n} K={k}: {cfg}, {regs} registers")
     if k < ROW_PREFETCH_TILES * cfg.block_k:
         full = registers(ROW_PREFETCH_TILES)
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"

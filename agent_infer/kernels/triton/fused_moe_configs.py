@@ -54,8 +54,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 # routed experts whole (EP = 1, TP = 1), and Qwen3-30B-A3B's at one token (its other
 # buckets take the heuristic).
 TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
-    (128, 768, 2048): {  # Qwen3-30B-A3B, EP = 1; measured: H200, torch 2.11, 2026-12-05 (--tokens 1 --quick)
-        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
+    (128, 768, 2048): {  # Qwen3-30B-A3B, EP = 1; measured: H100, torch 2.11, 2026-12-05 (--tokens 1)
+        1: MoeConfig(1, Tile(2, 1024, 4, 2), Tile(16, 128, 4, 3)),
     },
     (64, 1408, 2048): {  # V2-Lite, EP = 1; measured: H200, torch 2.11, 2026-12-01 (tune_fused_moe.py --quick)
         1: MoeConfig(16, Tile(64, 128, 4, 4), Tile(32, 128, 4, 4)),
@@ -72,7 +72,7 @@ TUNED: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
         4096: MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
     },
     (66, 1408, 2048): {  # V2-Lite, EP = 1, 2 shared experts joined; measured: H200, torch 2.11, 2026-12-01
-        1: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
+        1: MoeConfig(1, Tile(2, 1024, 4, 2), Tile(16, 128, 4, 3)),  # H100, 2026-12-05 (--tokens 1)
         2: MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 64, 4, 4)),
         4: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),
         8: MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4)),

@@ -320,10 +320,20 @@ def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul
     block_k = row_block_k(k)
     if fp8:
         return RowConfig(8 if n <= 4096 and not silu_mul else 4, block_k, prefetch=1)
-    # A row of one tile (K = 2,048: Qwen3-30B-A3B's and V2-Lite's hidden size) prefetches
-    # that tile alone: a second, wholly masked, held 36 more registers a thread for sm_90
-    # (203 against 167), two resident programs per SM instead of three.
-    return RowConfig(4, block_k, prefetch=min(ROW_PREFETCH_TILES, k // block_k))
+    if k == 2048 and n <= 8192:
+        # Narrow outputs over K = 2,048 (the attention projections of Qwen3-30B-A3B and
+        # V2-Lite, whose hidden size it is): 2 rows x 1,024 columns, one tile before the
+        # wait. Twice the programs of 4 rows, each with less in flight, fill the SMs better
+        # when the output has only a few thousand rows; the faster in their batch-1 steps
+        # (docs/PERFORMANCE.md, A/B table). Wider outputs (an LM head) keep the default.
+        return RowConfig(2, 1024, prefetch=1)
+    # A row of one tile (K = 2,048 past the narrow outputs above) prefetches that tile
+    # alone: a second, wholly masked, held 36 more registers a thread for sm_90 (203
+    # against 167), two resident programs per SM instead of three. Outputs of at most
+    # 2,048 rows (Qwen3-30B-A3B's o projection, K = 4,096) prefetch one tile too: with
+    # few programs a second one costs residency and gains no overlap.
+    prefetch = 1 if n <= 2048 else min(ROW_PREFETCH_TILES, k // block_k)
+    return RowConfig(4, block_k, prefetch=prefetch)
 
 
 def fuses_scale(n: int, block: tuple[int, int] | None) -> bool:
