@@ -7,6 +7,7 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --no-sweep      # default configs only
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
+    python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate; the sweep ranks the configurations by their time with PDL where the GPU has it (as
@@ -35,30 +36,35 @@ from agent_infer.quantization import fp8 as F8  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16
-VOCAB = 151936
 
 
 @dataclass(frozen=True)
 class Shape:
     """A model's dense decode projections: layers, hidden size, MLP width (0: a MoE, whose
-    experts are not GEMVs), query and KV widths."""
+    experts are not GEMVs), the rows of the first projection (q, k and v; DeepSeek's
+    stacked q and kv_a), the o projection's input width, the LM head's rows."""
 
     layers: int
     hidden: int
     inter: int
-    q: int
-    kv: int
+    qkv: int
+    o_in: int
+    vocab: int = 151936
 
 
 MODELS = {
-    "qwen3-8b": Shape(36, 4096, 12288, 4096, 1024),
-    "qwen3-30b-a3b": Shape(48, 2048, 0, 4096, 512),
+    "qwen3-8b": Shape(36, 4096, 12288, 4096 + 2 * 1024, 4096),
+    "qwen3-30b-a3b": Shape(48, 2048, 0, 4096 + 2 * 512, 4096),
+    # MLA: 16 heads' q (192 wide) and the 576-wide kv_a in one GEMV; o over 16 x 128. Its
+    # one dense layer's MLP is left out.
+    "deepseek-v2-lite": Shape(27, 2048, 0, 16 * 192 + 576, 16 * 128, vocab=102400),
 }
 
 
 def shapes(m: Shape, tp: int) -> dict[str, tuple[int, int]]:
-    """name -> (N, K) of one rank's shard."""
-    out = {"qkv": ((m.q + 2 * m.kv) // tp, m.hidden), "o": (m.hidden, m.q // tp)}
+    """name -> (N, K) of one rank's shard (every width divided by tp, as a sketch of TP
+    for MLA, whose kv_a is not sharded)."""
+    out = {"qkv": (m.qkv // tp, m.hidden), "o": (m.hidden, m.o_in // tp)}
     if m.inter:
         out |= {"gate_up": (2 * m.inter // tp, m.hidden), "down": (m.hidden, m.inter // tp)}
     return out
@@ -109,7 +115,7 @@ def sweep() -> list[RowConfig]:
     out = []
     fp8 = Weight.layout is not None
     if fp8:
-        grid = itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (2,), (1, 2))
+        grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2,), (1, 2))
     else:
         grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 4), (1, 2))
     for bn, bk, warps, stages, prefetch in grid:
@@ -166,9 +172,9 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
 def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
     sh = shapes(m, tp)
     layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(m.layers)]
-    head = torch.randn(VOCAB // tp, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5  # bf16 in every format
+    head = torch.randn(m.vocab // tp, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5  # bf16 in every format
     x = torch.randn(1, m.hidden, dtype=DT, device=DEV)
-    x_o = torch.randn(1, m.q // tp, dtype=DT, device=DEV)
+    x_o = torch.randn(1, m.o_in // tp, dtype=DT, device=DEV)
     total = (sum(w.nbytes for w in layers[0].values()) * m.layers + head.numel() * 2) / 1e9
 
     def cublas():
@@ -219,7 +225,7 @@ def main() -> None:
             n, k = shapes(m, tp)["gate_up"]
             best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, m.layers, not args.no_sweep, silu=True)
         Weight.layout = None
-        best["head"] = bench_shape(f"head/tp{tp}", VOCAB // tp, m.hidden, m.layers, False)
+        best["head"] = bench_shape(f"head/tp{tp}", m.vocab // tp, m.hidden, m.layers, False)
         Weight.layout = args.fp8
         bench_chain(m, tp, best)
 

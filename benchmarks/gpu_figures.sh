@@ -121,9 +121,11 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
                      in .whl/), then the host's mask-fill sweep (benchmarks/mask_fill.py)
   kernels [PART...]  kernel micro-benchmarks; parts: gemv decode gemm floor (the default), ops,
-                     gemv-moe (the Qwen3-30B-A3B shape's attention projections, tiles swept with PDL),
+                     gemv-moe (the attention projections of the Qwen3-30B-A3B and V2-Lite shapes,
+                     tiles swept with PDL),
                      attention (batch-1 decode attention inside its layer's chain, launches swept),
-                     fp8 (the fp8 GEMV chain, the W8A8 GEMMs, decode attention over an fp8 cache),
+                     fp8 (the fp8 GEMV chains of the Qwen3-8B and V2-Lite shapes, the W8A8 GEMMs,
+                     decode attention over an fp8 cache),
                      rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, fp8-shapes (fp8 on
@@ -732,7 +734,8 @@ cmd_kernels() {
   for part in $parts; do
     case $part in
       gemv)   kernel_part gemv 300 python3 benchmarks/gemv_chain.py ;;
-      gemv-moe) kernel_part gemv_moe 300 python3 benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1 ;;
+      gemv-moe) kernel_part gemv_moe 300 python3 benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1
+                kernel_part gemv_v2lite 200 python3 benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 ;;
       attention) kernel_part attention 400 python3 benchmarks/attention_chain.py --contexts 512 4096 ;;
       decode) kernel_part decode 300 python3 benchmarks/throughput_kernels.py --only read,decode,splits
               kernel_part residency 120 python3 benchmarks/decode_residency.py ;;
@@ -742,6 +745,7 @@ cmd_kernels() {
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
       rows)   kernel_part rows 400 python3 benchmarks/gpu_kernels.py --only gemv ;;
       fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
+              kernel_part fp8_gemv_v2lite 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1 --model deepseek-v2-lite
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph
               kernel_part fp8_decode 120 python3 benchmarks/throughput_kernels.py --only decode --kv-cache-dtype fp8 ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;
