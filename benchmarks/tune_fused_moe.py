@@ -44,7 +44,7 @@ from agent_infer.kernels import reference  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
 from agent_infer.kernels.triton import fused_moe as moe  # noqa: E402
 from agent_infer.kernels.triton.fused_moe_configs import (  # noqa: E402
-    BUCKETS, MoeConfig, Tile, format_config, format_table, get_config,
+    BUCKETS, MoeConfig, Tile, format_config, format_table, format_tile, get_config,
 )
 from benchmarks.gemv_chain import graph_time_us  # noqa: E402
 
@@ -227,8 +227,12 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
         downs = [(us, t) for t, us in downs if us is not None]
         if not ups or not downs:
             continue
-        (t_up, up), (t_down, down) = min(ups, key=lambda e: e[0]), min(downs, key=lambda e: e[0])
+        ups.sort(key=lambda e: e[0])
+        downs.sort(key=lambda e: e[0])
+        (t_up, up), (t_down, down) = ups[0], downs[0]
         print(f"    block_m {bm:3d}: gate/up {t_up:8.1f} us {up}   down {t_down:8.1f} us {down}", flush=True)
+        for what, timed in (("gate/up", ups), ("down", downs)):  # the runners-up: how close the choice was
+            print(f"      next {what}: " + " | ".join(f"{format_tile(t)} {us:.1f}" for us, t in timed[1:5]), flush=True)
         if best is None or t_up + t_down < best[0]:
             best = (t_up + t_down, MoeConfig(bm, up, down))
     assert best is not None, f"no configuration ran for T = {tokens}"

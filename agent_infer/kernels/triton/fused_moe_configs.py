@@ -162,12 +162,12 @@ def get_config(
     return default_config(tokens, top_k, num_experts or num_local_experts)
 
 
-def _tile(t: Tile) -> str:
+def format_tile(t: Tile) -> str:
     return f"Tile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
 
 
 def format_config(c: MoeConfig) -> str:
-    return f"MoeConfig({c.block_m}, {_tile(c.up)}, {_tile(c.down)})"
+    return f"MoeConfig({c.block_m}, {format_tile(c.up)}, {format_tile(c.down)})"
 
 
 def format_table(table: dict[tuple[int, int, int], dict[int, MoeConfig]], notes: dict | None = None,
