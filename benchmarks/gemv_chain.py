@@ -8,9 +8,11 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
+    python benchmarks/gemv_chain.py --rows 5 --tp 1   # 5 rows of x (a verify step of 4 drafts): the few-row GEMV
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
-rate; the sweep ranks the configurations by their time with PDL where the GPU has it (as
+rate (with --rows M > 1, x has M rows and the Triton side is `gemv_rows.linear_rows`, the
+SiLU-and-mul a kernel of its own as after cuBLAS); the sweep ranks the configurations by their time with PDL where the GPU has it (as
 the engine launches them). Then the whole per-layer chain (qkv, o, gate_up [+
 SiLU-and-mul], down) over the layers plus the LM head, ms per step: what the linear
 layers cost in one decode step.
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
 from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
+from agent_infer.kernels.triton.gemv_rows import linear_rows, rows_config  # noqa: E402
 from agent_infer.kernels.triton.utils import pdl_enabled  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
 
@@ -107,11 +110,26 @@ class Weight:
         self.ref = w if Weight.layout is None else F8.dequantize(self.w, self.scale, F8.Fp8Config(Weight.layout, self.block), DT)
         self.nbytes = self.w.numel() * self.w.element_size()
 
-    def __call__(self, x: torch.Tensor, **kw) -> torch.Tensor:
-        return linear_m1(x, self.w, scale=self.scale, block=self.block, **kw)
+    def __call__(self, x: torch.Tensor, *, config: RowConfig, pdl: bool | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+        return gemv(x, self.w, config, pdl, silu_mul, self.scale, self.block)
 
 
-def sweep() -> list[RowConfig]:
+def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig, pdl: bool | None, silu_mul: bool = False,
+         scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The engine's batch-1 GEMV for one row of x, the few-row GEMV (then the SiLU-and-mul
+    kernel) for more."""
+    if x.shape[0] == 1:
+        return linear_m1(x, w, scale=scale, block=block, config=config, pdl=pdl, silu_mul=silu_mul)
+    assert scale is None, "the few-row GEMV takes bf16 weights"
+    y = linear_rows(x, w, config=config, pdl=pdl)
+    return silu_and_mul(y) if silu_mul else y
+
+
+def sweep(rows: int) -> list[RowConfig]:
+    if rows > 1:  # the accumulators (rows x BLOCK_N x BLOCK_K fp32) within 128 registers at 4 warps
+        grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
+        return [RowConfig(bn, bk, w, 1) for bn, bk, w in grid if rows * bn * bk <= 16384]
     out = []
     fp8 = Weight.layout is not None
     if fp8:
@@ -124,10 +142,12 @@ def sweep() -> list[RowConfig]:
     return out
 
 
-def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False) -> RowConfig:
-    """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the fused SiLU-and-mul)."""
+def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False,
+                rows: int = 1) -> RowConfig:
+    """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the SiLU-and-mul) on
+    `rows` rows of x."""
     ws = [Weight(n, k) for _ in range(layers)]
-    x = torch.randn(1, k, dtype=DT, device=DEV)
+    x = torch.randn(rows, k, dtype=DT, device=DEV)
     gbytes = ws[0].nbytes / 1e9
     ref = F.linear(x.float(), ws[0].ref.float())
     if silu:
@@ -144,8 +164,9 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
 
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
-    default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep() if k % c.block_k == 0 and c != default] if do_sweep else [])
+    default = rows_config(rows, k) if rows > 1 else row_config(out_n, k, torch.device(DEV),
+                                                               fp8=Weight.layout is not None, silu_mul=silu)
+    configs = [default] + ([c for c in sweep(rows) if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []
     for cfg in configs:
         err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
@@ -169,12 +190,12 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     return best
 
 
-def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
+def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig], rows: int = 1) -> None:
     sh = shapes(m, tp)
     layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(m.layers)]
     head = torch.randn(m.vocab // tp, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5  # bf16 in every format
-    x = torch.randn(1, m.hidden, dtype=DT, device=DEV)
-    x_o = torch.randn(1, m.o_in // tp, dtype=DT, device=DEV)
+    x = torch.randn(rows, m.hidden, dtype=DT, device=DEV)
+    x_o = torch.randn(rows, m.o_in // tp, dtype=DT, device=DEV)
     total = (sum(w.nbytes for w in layers[0].values()) * m.layers + head.numel() * 2) / 1e9
 
     def cublas():
@@ -193,7 +214,7 @@ def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig]) -> None:
                 if m.inter:
                     h = w["gate_up"](x, silu_mul=True, config=best["gate_up_silu"], pdl=pdl)
                     w["down"](h, config=best["down"], pdl=pdl)
-            linear_m1(x, head, config=best["head"], pdl=pdl)
+            gemv(x, head, best["head"], pdl)
         return run
 
     t_c = graph_time_us(cublas) / 1e3
@@ -211,23 +232,27 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (2-8: the few-row GEMV)")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
     m = MODELS[args.model]
-    print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}")
+    assert args.rows == 1 or args.fp8 is None, "the few-row GEMV takes bf16 weights"
+    print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
+          f"{args.rows} row(s) of x")
     for tp in args.tp:
         best = {}
         Weight.layout = args.fp8
         for name, (n, k) in shapes(m, tp).items():
-            best[name] = bench_shape(f"{name}/tp{tp}", n, k, m.layers, not args.no_sweep)
+            best[name] = bench_shape(f"{name}/tp{tp}", n, k, m.layers, not args.no_sweep, rows=args.rows)
         if m.inter:
             n, k = shapes(m, tp)["gate_up"]
-            best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, m.layers, not args.no_sweep, silu=True)
+            best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, m.layers, not args.no_sweep, silu=True,
+                                               rows=args.rows)
         Weight.layout = None
-        best["head"] = bench_shape(f"head/tp{tp}", m.vocab // tp, m.hidden, m.layers, False)
+        best["head"] = bench_shape(f"head/tp{tp}", m.vocab // tp, m.hidden, m.layers, False, rows=args.rows)
         Weight.layout = args.fp8
-        bench_chain(m, tp, best)
+        bench_chain(m, tp, best, args.rows)
 
 
 if __name__ == "__main__":

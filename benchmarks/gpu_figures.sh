@@ -126,7 +126,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      attention (batch-1 decode attention inside its layer's chain, launches swept),
                      fp8 (the fp8 GEMV chains of the Qwen3-8B and V2-Lite shapes, the W8A8 GEMMs,
                      decode attention over an fp8 cache),
-                     rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too)
+                     rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too;
+                     the few-row GEMV's tiles at 2 and 5 rows in a chain, against cuBLAS)
   default-model      stage a half of the default model's GGUF; with both halves, install it
   tests [PART...]    tests/gpu; parts: engine (default), kernels, deepseek, fp8, fp8-shapes (fp8 on
                      load at the Qwen3-8B and V2-Lite shapes against the reference), fp8-forced (the same,
@@ -743,7 +744,9 @@ cmd_kernels() {
               kernel_part chain 240 python3 benchmarks/throughput_kernels.py --only chain,prefill_rows ;;
       floor)  kernel_part floor 60 python3 benchmarks/workload_floor.py ;;
       ops)    kernel_part ops 300 python3 benchmarks/gpu_kernels.py --no-sweep ;;
-      rows)   kernel_part rows 400 python3 benchmarks/gpu_kernels.py --only gemv ;;
+      rows)   kernel_part rows 400 python3 benchmarks/gpu_kernels.py --only gemv
+              kernel_part rows_gemv2 200 python3 benchmarks/gemv_chain.py --rows 2 --tp 1
+              kernel_part rows_gemv5 200 python3 benchmarks/gemv_chain.py --rows 5 --tp 1 ;;
       fp8)    kernel_part fp8_gemv 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1
               kernel_part fp8_gemv_v2lite 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1 --model deepseek-v2-lite
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph

@@ -306,6 +306,21 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
     assert_close(out.float(), ref, f"gemv M=1 N={n} K={k} silu_mul={silu_mul} {config} fp8={fp8}", dtype)
 
 
+def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, config=None) -> None:
+    """The few-row GEMV (2-8 rows) against F.linear in fp32, x's rows strided (a view
+    into a wider buffer, as a verify step's hidden rows may be)."""
+    from agent_infer.kernels.triton.gemv_rows import linear_rows
+
+    x = randn(m, k + 8, dtype=dtype, device=device, seed=34)[:, 3:k + 3]
+    w = randn(n, k, dtype=dtype, device=device, seed=35, scale=k**-0.5)
+    b = randn(n, dtype=dtype, device=device, seed=36) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    with poisoned_empty():
+        out = linear_rows(x, w, b, config=config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out.float(), ref, f"gemv rows M={m} N={n} K={k} bias={bias} {config}", dtype)
+
+
 def check_gemv_m1_every_e4m3_value(device, config=None) -> None:
     """The fp8 GEMV converts e4m3 bytes with integer operations (gemv_fp8.py): every one
     of the 254 finite values (both zeros, the subnormals, +-448), in every byte position

@@ -109,6 +109,27 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
+@pytest.mark.parametrize("m", range(2, 9))
+@pytest.mark.parametrize("k", [2048, 4096, 12288])
+def test_few_row_gemv_keeps_rows_in_registers(m, k):
+    """The few-row GEMV in its default launch for 2-8 rows at the served models' K: no
+    spills, and no shared memory beyond the final reductions' few bytes, i.e. x's rows
+    load in the weight tile's layout and nothing inside the K loop is re-laid out
+    through shared memory (a [rows, BLOCK_N, BLOCK_K] product did that, and spilled)."""
+    from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
+
+    cfg = rows_config(m, k)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+                 "sxm": "i32", "swn": "i32", "som": "i32"}
+    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+    kernel = _compile_sm90(_gemv_rows_kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=tuple(range(9)))
+    regs, stack = _registers_per_thread(kernel)
+    print(f"M={m} K={k}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
+    assert stack == 0, f"M={m} K={k}: {stack} bytes of stack"
+    assert kernel.metadata.shared <= 64 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
+
+
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
 def test_fp8_gemv_compiles_for_sm90(scale, block):
     """The batch-1 GEMV over e4m3 weights (read as int32 words) in its default launch

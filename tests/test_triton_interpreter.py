@@ -282,6 +282,18 @@ else:
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
+    # 2-8 rows: each row count compiles its own accumulators; tails of weight rows, tiles
+    # of several programs' rows and K loops of one and several tiles.
+    @pytest.mark.parametrize("dtype", ALL)
+    @pytest.mark.parametrize(
+        "m,n,k,bias,config",
+        [(2, 100, 256, True, None), (5, 33, 192, False, None), (8, 48, 512, True, RowConfig(1, 128, 1, 1)),
+         (3, 7, 64, False, RowConfig(2, 32, 1, 1)), (7, 20, 128, True, RowConfig(4, 32, 1, 1)),
+         (4, 64, 2048, False, None)],
+    )
+    def test_gemv_rows(dtype, m, n, k, bias, config):
+        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config)
+
     # fp8 weights: blocks of (rows, columns) with a partial last row of blocks, and per row.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("fp8", [(16, 32), (8, 64), "channel"], ids=str)

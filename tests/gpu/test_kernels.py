@@ -210,6 +210,13 @@ def test_gemv_m1(dtype, n, k, silu_mul):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", range(2, 9))
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096), (3648, 2048), (1000, 4000)])
+def test_gemv_rows(dtype, m, n, k):
+    kc.check_gemv_rows(DEV, dtype, m, n, k, bias=(n == 1000))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (1000, 4000), (896, 4864)])
 def test_gemv_m1_add_norm(dtype, n, k):
     kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias=(n == 1000), calls=50)
