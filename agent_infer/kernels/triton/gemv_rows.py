@@ -14,9 +14,9 @@ A column tile of 8 values a thread across the program's threads (BLOCK_K = 256 x
 gives x's rows the weight tile's own layout, so no row is re-laid out through shared
 memory either. The reference is F.linear.
 
-Not yet taken by the engine, whose steps of 2-8 rows run cuBLAS: it is the candidate for
-them that `benchmarks/gemv_chain.py --rows M` times against cuBLAS, and ops.linear takes
-it where that measurement says it is faster.
+Not yet taken by the engine, whose steps of 2-8 rows run cuBLAS: this is the candidate
+for them, timed against cuBLAS by `benchmarks/gemv_chain.py --rows M`; ops.linear is to
+dispatch to it where that measurement finds it faster.
 """
 
 from __future__ import annotations
