@@ -12,10 +12,10 @@ programmatic dependent launch (PDL).
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is `gemv_rows.linear_rows`, the
-SiLU-and-mul a kernel of its own as after cuBLAS); the sweep ranks the configurations by their time with PDL where the GPU has it (as
-the engine launches them). Then the whole per-layer chain (qkv, o, gate_up [+
-SiLU-and-mul], down) over the layers plus the LM head, ms per step: what the linear
-layers cost in one decode step.
+SiLU-and-mul a kernel of its own as after cuBLAS); the sweep ranks the configurations by
+their time with PDL where the GPU has it (as the engine launches them). Then the whole
+per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) over the layers plus the LM
+head, ms per step: what the linear layers cost in one decode step.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ DEFAULT_FAMILIES = ["v2-lite", "v2-lite-shared", "v2-lite-ep2", "v2-lite-tp2"]
 # GEMM 1 and GEMM 2 (timed separately). "quick" keeps the first few.
 CANDIDATES: dict[int, list[Tile]] = {
     1: [Tile(8, 256, 4, 2), Tile(4, 512, 4, 2), Tile(16, 256, 4, 2), Tile(8, 512, 4, 2), Tile(16, 128, 4, 3),
-        Tile(4, 2048, 4, 1), Tile(2, 2048, 4, 1), Tile(8, 1024, 4, 1), Tile(4, 1024, 4, 2), Tile(2, 1024, 4, 2), Tile(4, 256, 4, 3)],
+        Tile(4, 2048, 4, 1), Tile(2, 2048, 4, 1), Tile(8, 1024, 4, 1), Tile(4, 1024, 4, 2), Tile(2, 1024, 4, 2),
+        Tile(4, 256, 4, 3)],
     16: [Tile(32, 128, 4, 4), Tile(64, 128, 4, 4), Tile(16, 256, 4, 3), Tile(32, 256, 4, 3), Tile(64, 64, 4, 4),
          Tile(32, 128, 4, 6)],
     32: [Tile(64, 128, 4, 3), Tile(32, 128, 4, 4), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3)],
