@@ -32,7 +32,6 @@ sys.path.insert(0, REPO)
 
 from agent_infer.bench.step_trace import HOST_BOUND_BLOCKED_S, StepBand  # noqa: E402
 from agent_infer.config import EngineConfig  # noqa: E402
-import agent_infer.engine.llm_engine as llm_engine  # noqa: E402
 from agent_infer.engine.llm_engine import LLMEngine  # noqa: E402
 from agent_infer.sampling_params import SamplingParams  # noqa: E402
 
@@ -59,13 +58,9 @@ def engine(args, path: str, chain_steps: int | None = None, **kw) -> LLMEngine:
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
         config = replace(config, kv_cache_bytes=4 << 30)
-    default = llm_engine.CHAIN_STEPS
     if chain_steps is not None:
-        llm_engine.CHAIN_STEPS = chain_steps
-    try:
-        return LLMEngine(config)
-    finally:
-        llm_engine.CHAIN_STEPS = default
+        config = replace(config, speculative_config=replace(config.speculative_config, chain_steps=chain_steps))
+    return LLMEngine(config)
 
 
 class FixedDrafts:

@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,9 +87,13 @@ def test_the_config_takes_vllm_keys_and_refuses_the_rest():
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                          "prompt_lookup_max": 3}, "prompt_lookup_min"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "chain_steps": 0}, "chain_steps"),
                        ("{not json", "JSON")]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             SpeculativeConfig.parse(bad)
+    assert SpeculativeConfig.parse(NGRAM).chain_steps == 4  # Python only: not one of vLLM's keys
+    with pytest.raises(ConfigError, match="chain_steps"):
+        SpeculativeConfig("ngram", 4, 3, 1, chain_steps=-1)
     assert EngineConfig(model="m", speculative_config=NGRAM).speculative_config == SpeculativeConfig.parse(NGRAM)
 
 
@@ -205,6 +210,21 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
     real = {k for out in plain for k in _block_keys(out.prompt_token_ids + out.token_ids[:-1], bm.block_size)}
     published = {k for k, b in bm.key_to_block.items() if bm.block_tokens[b] is not None}
     assert published and published <= real
+
+
+def test_no_chained_steps_with_chain_steps_zero(default_model_dir, smol_engine):
+    """chain_steps = 0: every verify step is read back before the next is launched, with
+    the same drafts (Replay) and the same tokens as plain decoding."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,", "a b c d e f g h a b c d"]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = smol_engine.generate(prompts, params)
+    engine = spec_engine(default_model_dir, speculative_config=replace(SpeculativeConfig.parse(NGRAM), chain_steps=0))
+    engine.drafter = Replay(plain, wrong_at=7)
+    engine.draft_policy.may_chain = lambda request_id: True
+    got = engine.generate(prompts, params)
+    stats = engine.draft_policy.stats
+    assert stats.num_drafts > 0 and stats.num_chained_rows == 0, stats
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
 
 
 def _block_keys(tokens: list[int], bs: int) -> set[int]:

@@ -38,10 +38,6 @@ from agent_infer.structured.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
-# Verify steps one proposal of prompt lookup can chain (it is asked for this many steps'
-# tokens past its drafts).
-CHAIN_STEPS = 4
-
 WORKER_ENTRY = "agent_infer.engine.worker"  # what a local worker process runs
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt) and
@@ -168,8 +164,9 @@ class LLMEngine:
                                  and not self.runner.uses_draft_layer)
         # Prompt lookup predicts past its drafts, so a verify step can follow one still in
         # flight, as if that one accepted all its drafts (`_chain`): the host's work then
-        # overlaps the device's for verify steps too.
-        self._chain_tokens = (CHAIN_STEPS * (self.num_speculative_tokens + 1)
+        # overlaps the device's for verify steps too. The drafter is asked for chain_steps
+        # steps' tokens past its drafts.
+        self._chain_tokens = (config.speculative_config.chain_steps * (self.num_speculative_tokens + 1)
                               if self.async_scheduling and isinstance(self.drafter, NgramDrafter) else 0)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.

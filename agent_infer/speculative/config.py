@@ -33,13 +33,18 @@ class SpeculativeConfig:
     prompt_lookup_min) found earlier in its prompt or output proposes the tokens that
     followed it. `mtp`: the checkpoint's multi-token-prediction layer (DeepSeek-V3's),
     run once per drafted token. `disable_by_batch_size`: no drafting while this many
-    sequences or more decode (None: decided by measurement alone)."""
+    sequences or more decode (None: decided by measurement alone).
+
+    `chain_steps` (not one of vLLM's keys, so Python only): how many verify steps of one
+    prompt-lookup proposal may follow a step still in flight, as if it accepted all its
+    drafts (the engine's `_chain`); 0 reads every verify step back before the next."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 0
     disable_by_batch_size: int | None = None
+    chain_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +61,8 @@ class SpeculativeConfig:
                               f"{self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ConfigError(f"speculative_config: disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
+        if not isinstance(self.chain_steps, int) or not 0 <= self.chain_steps <= 16:
+            raise ConfigError(f"speculative_config: chain_steps must be an integer in [0, 16], got {self.chain_steps!r}")
 
     @staticmethod
     def parse(value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
