@@ -20,9 +20,10 @@ How it measures. Routing is uniform (k distinct experts per token), drawn anew f
 of LAYERS layers, each with its own weights (1.1 GB per V2-Lite layer), so the touched
 experts' weights come from HBM as in a real step, not from L2. Every timing is a CUDA
 graph over the LAYERS layers (benchmarks/gemv_chain.py's timer), per layer. GEMM 1 (+
-SiLU) and GEMM 2 are tuned separately for each block_m candidate (their times add; they
-share only block_m and the alignment), then the whole layer (align + both GEMMs + sum) is
-timed at the winner and checked against the reference. Bandwidth counts the distinct
+SiLU) and GEMM 2 are timed separately for each block_m candidate (they share only block_m
+and the alignment); the best PAIRED of each are paired and every pair timed as the whole
+layer (align + both GEMMs + sum, as the engine launches them), the fastest kept and
+checked against the reference. Bandwidth counts the distinct
 experts the step touches (3 * I * D weights each); TFLOP/s the local slots' 6 * I * D.
 The last lines are the TUNED block to paste into fused_moe_configs.py.
 """
@@ -205,9 +206,20 @@ def try_time(fn, layers: int) -> float | None:
         return None
 
 
+# Per block_m, the best few of each GEMM alone are paired and every pair timed as the
+# whole fused MoE (its own launch sequence: GEMM 2 launched early at one token, the sum):
+# a tile that overlaps its neighbour well can win there and lose alone.
+PAIRED = 3
+
+
 def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) -> tuple[MoeConfig, str]:
     layers = len(ws)
     step = make_step(fam, tokens, layers, emap, seed=tokens)
+
+    def full_us(cfg: MoeConfig) -> float | None:
+        return try_time(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap,
+                                                config=cfg, **ws[i].scales), layers)
+
     best: tuple[float, MoeConfig] | None = None
     for bm in block_m_candidates(tokens, fam):
         aligned = [moe.slot_layout(step.ids[i], fam.num_local, bm, emap) for i in range(layers)]
@@ -234,12 +246,14 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
         print(f"    block_m {bm:3d}: gate/up {t_up:8.1f} us {up}   down {t_down:8.1f} us {down}", flush=True)
         for what, timed in (("gate/up", ups), ("down", downs)):  # the runners-up: how close the choice was
             print(f"      next {what}: " + " | ".join(f"{format_tile(t)} {us:.1f}" for us, t in timed[1:5]), flush=True)
-        if best is None or t_up + t_down < best[0]:
-            best = (t_up + t_down, MoeConfig(bm, up, down))
+        pairs = [MoeConfig(bm, u, d) for _, u in ups[:PAIRED] for _, d in downs[:PAIRED]]
+        timed_pairs = sorted(((us, c) for c in pairs if (us := full_us(c)) is not None), key=lambda e: e[0])
+        print("      whole MoE: " + " | ".join(f"{format_tile(c.up)} + {format_tile(c.down)} {us:.1f}"
+                                               for us, c in timed_pairs), flush=True)
+        if timed_pairs and (best is None or timed_pairs[0][0] < best[0]):
+            best = timed_pairs[0]
     assert best is not None, f"no configuration ran for T = {tokens}"
-    cfg = best[1]
-    t_full = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i], emap,
-                                                  config=cfg, **ws[i].scales), layers)
+    t_full, cfg = best
     align = {one: per_layer_us(lambda i, one=one: moe.moe_align(step.ids[i], fam.num_local, cfg.block_m, emap,
                                                                  one_program=one), layers) for one in (True, False)}
     out = moe.fused_moe(step.x, ws[0].w13, ws[0].w2, step.weights[0], step.ids[0], emap, config=cfg,
