@@ -320,12 +320,13 @@ def row_config(n: int, k: int, device: torch.device, fp8: bool = False, silu_mul
     block_k = row_block_k(k)
     if fp8:
         return RowConfig(8 if n <= 4096 and not silu_mul else 4, block_k, prefetch=1)
-    if k == 2048 and n <= 8192:
+    if k == 2048 and n <= 8192 and not silu_mul:
         # Narrow outputs over K = 2,048 (the attention projections of Qwen3-30B-A3B and
         # V2-Lite, whose hidden size it is): 2 rows x 1,024 columns, one tile before the
         # wait. Twice the programs of 4 rows, each with less in flight, fill the SMs better
         # when the output has only a few thousand rows; the faster in their batch-1 steps
-        # (docs/PERFORMANCE.md, A/B table). Wider outputs (an LM head) keep the default.
+        # (docs/PERFORMANCE.md, A/B table). Wider outputs (an LM head) and gate/up pairs
+        # (twice the rows, not measured this way) keep the default.
         return RowConfig(2, 1024, prefetch=1)
     # A row of one tile (K = 2,048 past the narrow outputs above) prefetches that tile
     # alone: a second, wholly masked, held 36 more registers a thread for sm_90 (203
