@@ -9,6 +9,8 @@ on the GPU, and compare the result with the plain loops.
     python benchmarks/tune_fused_moe.py --weights fp8 --family v2-lite-shared --tokens 1 2 4
                                                      # e4m3 experts (one scale per row): TUNED_FP8
     python benchmarks/tune_fused_moe.py --family qwen3-30b-a3b
+    python benchmarks/tune_fused_moe.py --family qwen3-30b-a3b --tokens 1 \
+        --write /tmp/t/agent_infer/kernels/triton/fused_moe_configs.py   # merged into a copied tree (for `ab`)
 
 Families (k = 6 of 64 experts, D = 2048): V2-Lite whole (E_local 64, I 1408), the same with
 its 2 shared experts joined (66 stored experts, every token routed to the last two at
@@ -31,6 +33,7 @@ The last lines are the TUNED block to paste into fused_moe_configs.py.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -283,7 +286,27 @@ def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary:
     return configs
 
 
-def tune(families: list[str], tokens: list[int], layers: int, quick: bool, fp8: bool) -> None:
+def merge_into_source(source: str, name: str, family: tuple[int, int, int], note: str,
+                      entries: dict[int, MoeConfig], stamp: str) -> str:
+    """`source` (fused_moe_configs.py's text) with `entries` (bucket -> config) written
+    into table `name`'s block for `family`: a bucket's line replaced or inserted in
+    order, each new line ending in `# stamp`; a family not yet in the table gets a block
+    of its own (`note` after its key) at the table's end. Other lines stay as they are."""
+    table = re.search(rf"^{name}: .*?^}}$", source, flags=re.S | re.M)
+    assert table, f"no {name} block"
+    lines = table.group(0).split("\n")
+    head = next((i for i, line in enumerate(lines) if line.startswith(f"    {family}: {{")), None)
+    if head is None:
+        lines[-1:-1] = [f"    {family}: {{  # {note}", "    },"]
+        head = len(lines) - 3
+    end = next(i for i in range(head + 1, len(lines)) if lines[i] == "    },")
+    body = {int(re.match(r"\s+(\d+):", line).group(1)): line for line in lines[head + 1:end]}
+    body |= {b: f"        {b}: {format_config(c)},  # {stamp}" for b, c in entries.items()}
+    lines[head + 1:end] = [body[b] for b in sorted(body)]
+    return source[:table.start()] + "\n".join(lines) + source[table.end():]
+
+
+def tune(families: list[str], tokens: list[int], layers: int, quick: bool, fp8: bool, write: str | None) -> None:
     table, notes, summary = {}, {}, []
     for name in families:
         fam = FAMILIES[name]
@@ -294,8 +317,16 @@ def tune(families: list[str], tokens: list[int], layers: int, quick: bool, fp8: 
     print(f"\n# ---- paste over the {name} block of agent_infer/kernels/triton/fused_moe_configs.py ----")
     print(f"# measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     if sorted(tokens) != list(BUCKETS):
-        print(f"# PARTIAL run (T = {tokens}, buckets are {list(BUCKETS)}): merge these entries by hand")
+        print(f"# PARTIAL run (T = {tokens}, buckets are {list(BUCKETS)}): merge these entries by hand or "
+              "with --write")
     print(format_table(table, notes, name))
+    if write:
+        stamp = f"{torch.cuda.get_device_name()}, torch {torch.__version__.split('+')[0]}, {time.strftime('%Y-%m-%d')}"
+        source = Path(write).read_text()
+        for family, entries in table.items():
+            source = merge_into_source(source, name, family, notes[family], entries, stamp)
+        Path(write).write_text(source)
+        print(f"# written into {write}")
 
 
 def touched_matmuls(step: Step, ws: list[Layer], emap, layer: int):
@@ -359,6 +390,8 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true")
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: e4m3 experts with one scale per row (tunes TUNED_FP8)")
+    ap.add_argument("--write", metavar="CONFIGS_PY", default=None,
+                    help="merge the measured entries into this copy of fused_moe_configs.py (a tree for `ab`)")
     args = ap.parse_args()
     if args.compare and args.weights == "fp8":
         ap.error("--compare runs bf16 experts")
@@ -367,7 +400,7 @@ def main() -> None:
     if args.compare:
         compare(args.family, args.tokens, args.layers)
     else:
-        tune(args.family, args.tokens, args.layers, args.quick, args.weights == "fp8")
+        tune(args.family, args.tokens, args.layers, args.quick, args.weights == "fp8", args.write)
     print(f"# {time.time() - start:.0f} s")
 
 

@@ -150,6 +150,35 @@ def test_tuner_candidates_cover_every_bucket():
     assert all(_valid(cfgs.MoeConfig(1, tile, tile)) for tile in tune.FP8_ROWS)
 
 
+def test_tuner_writes_its_entries_into_the_table():
+    """`tune_fused_moe.py --write` merges measured entries into a copy of
+    fused_moe_configs.py: a bucket replaced in place, one inserted in order, a new family
+    appended, each new line stamped; every other entry as it was, and the block still
+    what format_table prints (the format test above)."""
+    pytest.importorskip("triton")
+    from benchmarks import tune_fused_moe as tune
+
+    source = Path(cfgs.__file__).read_text()
+    qwen, new = (128, 768, 2048), (12, 64, 128)
+    one = cfgs.MoeConfig(1, cfgs.Tile(4, 512, 4, 2), cfgs.Tile(8, 256, 4, 2))
+    two = cfgs.MoeConfig(16, cfgs.Tile(32, 128, 4, 4), cfgs.Tile(64, 64, 4, 4))
+    out = tune.merge_into_source(source, "TUNED", qwen, "unused", {1: one, 2: two}, "GPU X, 2026-12-05")
+    out = tune.merge_into_source(out, "TUNED", new, "a new family", {1: two}, "GPU X, 2026-12-05")
+    block = re.search(r"^TUNED: .*?^}$", out, flags=re.S | re.M).group(0)
+    namespace = {"MoeConfig": cfgs.MoeConfig, "Tile": cfgs.Tile}
+    exec(block, namespace)
+    expected = {family: dict(table) for family, table in cfgs.TUNED.items()}
+    expected[qwen] |= {1: one, 2: two}
+    expected[new] = {1: two}
+    assert namespace["TUNED"] == expected
+    assert list(namespace["TUNED"][qwen]) == [1, 2] and list(namespace["TUNED"])[-1] == new
+    assert block.count("# GPU X, 2026-12-05") == 3 and f"    {new}: {{  # a new family" in block
+    strip = lambda text: "\n".join(re.sub(r"\s+#.*$", "", line) for line in text.splitlines())  # noqa: E731
+    assert strip(block) == strip(cfgs.format_table(expected, name="TUNED"))
+    assert out.replace(block, "") == source.replace(re.search(r"^TUNED: .*?^}$", source, flags=re.S | re.M).group(0),
+                                                    "")  # nothing else touched
+
+
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_shared_experts_joined_to_the_routed_ones(tokens):
     """Shared experts of S x I loaded into RoutedExperts as S experts of I: the fused form
