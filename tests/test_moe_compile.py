@@ -237,9 +237,7 @@ def test_router_rows_compiles_without_spills(scoring, experts, groups, topk_grou
     from agent_infer.kernels.triton import router
 
     constexprs = router._routing_constexprs(scoring, experts, top_k, groups, topk_groups, scoring == "sigmoid", 2)
-    block_k = max(16, min(256, router._ROWS_TILE // constexprs["BLOCK_E"]))
-    while hidden % block_k:
-        block_k //= 2
+    block_k = router.rows_block_k(experts, hidden)
     args = [("x_ptr", "*bf16"), ("w_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("weights_ptr", "*fp32"),
             ("ids_ptr", "*i32"), ("E", "i32"), ("K", "i32"), ("sxm", "i32"), ("swm", "i32"), ("sim", "i32"),
             ("scaling", "fp32")]

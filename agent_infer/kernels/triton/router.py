@@ -214,6 +214,15 @@ def _routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, no
                 BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared))
 
 
+def rows_block_k(num_experts: int, hidden: int) -> int:
+    """The per-token router's column step: a [BLOCK_E, BLOCK_K] fp32 weight tile of about
+    _ROWS_TILE values, 16 to 256 columns, a power of two that divides the hidden size."""
+    block_k = max(16, min(256, _ROWS_TILE // triton.next_power_of_2(num_experts)))
+    while hidden % block_k:
+        block_k //= 2
+    return block_k
+
+
 def moe_route_rows(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str, top_k: int, num_groups: int,
     topk_groups: int, norm_topk_prob: bool, scaling: float, num_shared: int = 0,
@@ -223,10 +232,6 @@ def moe_route_rows(
     Past FUSED_LOGITS_MAX_TOKENS tokens the logits come from an fp32 GEMM first."""
     _check_routing(x, weight, bias, scoring, top_k, num_groups, topk_groups)
     tokens, (num_experts, k) = x.shape[0], weight.shape
-    block_e = triton.next_power_of_2(num_experts)
-    block_k = max(16, min(256, _ROWS_TILE // block_e))  # a [BLOCK_E, BLOCK_K] fp32 weight tile per step
-    while k % block_k:
-        block_k //= 2
     from_logits = tokens > FUSED_LOGITS_MAX_TOKENS
     src = F.linear(x.float(), weight) if from_logits else x
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=x.device)
@@ -235,7 +240,8 @@ def moe_route_rows(
         src, weight, bias if bias is not None else weight, weights, ids,
         num_experts, k, src.stride(0), weights.stride(0), ids.stride(0), float(scaling),
         **_routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, norm_topk_prob, num_shared),
-        BLOCK_K=block_k, FROM_LOGITS=from_logits, num_warps=4, num_stages=2, **launch_opts(x.device),
+        BLOCK_K=rows_block_k(num_experts, k), FROM_LOGITS=from_logits, num_warps=4, num_stages=2,
+        **launch_opts(x.device),
     )
     return weights, ids
 
