@@ -688,17 +688,18 @@ cmd_ab() {
   shift
   local r v tp dir commit part model order variants=""
   if [ -n "${AB_PRESET:-}" ]; then model="--random-weights $AB_PRESET"; else m8 || return 1; model="--model $M8"; fi
-  for v in $(for t in "$@"; do basename "$t" .tar; done); do
+  for t in "$@"; do
+    v=$(basename "$t" .tar)
     case $v in
       *_*) echo "ab: variant name $v has an underscore (the table splits names on them)"; return 1 ;;
       base|head) echo "ab: a variant cannot be named $v"; return 1 ;;
     esac
+    variants="$variants $v"
   done
   rm -f "$FIG"/ab_*.json "$FIG"/ab_*.log  # the table reads every ab_*.json: this call's only
   rm -rf /tmp/ab_trees && mkdir -p /tmp/ab_trees/base && tar -xf "$tar" -C /tmp/ab_trees/base || return 1
   for t in "$@"; do
     v=$(basename "$t" .tar) && mkdir -p "/tmp/ab_trees/$v" && tar -xf "$t" -C "/tmp/ab_trees/$v" || return 1
-    variants="$variants $v"
   done
   for part in ${AB_PARTS:-latency throughput}; do
     for r in $(seq "${AB_ROUNDS:-2}"); do

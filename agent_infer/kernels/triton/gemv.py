@@ -24,7 +24,7 @@ import triton.language as tl
 
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
-from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin, pdl_opts
+from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
 
 MAX_M = 64
 
@@ -378,7 +378,7 @@ def _launch_row(
     if fp8:  # its bytes as int32 words, four e4m3 values each (gemv_fp8.py)
         assert weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
         weight = weight.view(torch.int32)
-    opts = launch_opts(x.device) if pdl is None else pdl_opts(pdl)
+    opts = launch_opts(x.device, pdl)
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from agent_infer.kernels.triton.gemv import RowConfig, row_block_k
-from agent_infer.kernels.triton.utils import launch_opts, pdl_begin, pdl_opts
+from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 # The most rows the kernel takes: a verify step of up to 7 drafts at batch 1.
 MAX_ROWS = 8
@@ -118,7 +118,7 @@ def linear_rows(
     cfg = config or rows_config(m, k)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    opts = launch_opts(x.device) if pdl is None else pdl_opts(pdl)
+    opts = launch_opts(x.device, pdl)
     _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -81,10 +81,11 @@ def pdl_opts(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
-def launch_opts(device: torch.device) -> dict:
+def launch_opts(device: torch.device, pdl: bool | None = None) -> dict:
     """`pdl_opts` for a kernel that calls `pdl_begin(PDL)` before its first read of a
-    predecessor's output: a programmatic dependent launch wherever the GPU has it."""
-    return pdl_opts(pdl_enabled(device))
+    predecessor's output: a programmatic dependent launch wherever the GPU has it, unless
+    `pdl` says otherwise."""
+    return pdl_opts(pdl_enabled(device) if pdl is None else pdl)
 
 
 @triton.jit
