@@ -127,9 +127,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig, pdl: bool | None, 
 
 
 def sweep(rows: int) -> list[RowConfig]:
-    if rows > 1:  # the accumulators (rows x BLOCK_N x BLOCK_K fp32) within 128 registers at 4 warps
-        grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
-        return [RowConfig(bn, bk, w, 1) for bn, bk, w in grid if rows * bn * bk <= 16384]
+    if rows > 1:
+        # A thread holds bn x (bk / 8 / threads) groups of 8 weights, and one fp32 sum per
+        # group and row of x: at most 64 such sums and 64 weights a thread.
+        grid = itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8))
+        out = []
+        for bn, bk, w in grid:
+            groups = bn * bk // (8 * 32 * w)
+            if bk >= 256 * w and rows * groups <= 64 and 8 * groups <= 64:
+                out.append(RowConfig(bn, bk, w, 1))
+        return out
     out = []
     fp8 = Weight.layout is not None
     if fp8:
@@ -164,7 +171,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
 
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
-    default = rows_config(rows, k) if rows > 1 else row_config(out_n, k, torch.device(DEV),
+    default = rows_config(k) if rows > 1 else row_config(out_n, k, torch.device(DEV),
                                                                fp8=Weight.layout is not None, silu_mul=silu)
     configs = [default] + ([c for c in sweep(rows) if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []

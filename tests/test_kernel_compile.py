@@ -110,24 +110,29 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
 
 
 @pytest.mark.parametrize("m", range(2, 9))
-@pytest.mark.parametrize("k", [2048, 4096, 12288])
+@pytest.mark.parametrize("k", [576, 2048, 4096, 12288])
 def test_few_row_gemv_keeps_rows_in_registers(m, k):
-    """The few-row GEMV in its default launch for 2-8 rows at the served models' K: no
-    spills, and no shared memory beyond the final reductions' few bytes, i.e. x's rows
-    load in the weight tile's layout and nothing inside the K loop is re-laid out
-    through shared memory (a [rows, BLOCK_N, BLOCK_K] product did that, and spilled)."""
+    """The few-row GEMV in its default launch for 2-8 rows at the served models' K: each
+    thread loads whole groups of 8 columns (the weight tile's 3-D layout keeps a group in
+    one thread, so its products are summed without crossing threads); no spills, and no
+    shared memory beyond the final reductions' few bytes, i.e. x's rows load in the
+    weight tile's layout and nothing inside the K loop is re-laid out through shared
+    memory (a [rows, BLOCK_N, BLOCK_K] product did that, and spilled)."""
     from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
 
-    cfg = rows_config(m, k)
+    cfg = rows_config(k)
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                  "sxm": "i32", "swn": "i32", "som": "i32"}
-    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "VEC": 8}
     kernel = _compile_sm90(_gemv_rows_kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=tuple(range(9)))
     regs, stack = _registers_per_thread(kernel)
     print(f"M={m} K={k}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
+    assert re.search(r"#ttg\.blocked<\{sizePerThread = \[1, 1, 8\]", kernel.asm["ttgir"]), "a group spans threads"
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", kernel.asm["ptx"]), "no 16-byte loads"
     assert stack == 0, f"M={m} K={k}: {stack} bytes of stack"
-    assert kernel.metadata.shared <= 64 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
+    # A few words for the final reductions (a re-laid-out weight tile would take KBs).
+    assert kernel.metadata.shared <= 128 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
 
 
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])

@@ -183,6 +183,11 @@ def test_serving_compiles_no_variant_the_start_up_did_not(model_dirs, mode, shap
     warm_steps = log.take()
     prompts, params = _workload(96)
     engine.generate(prompts, params)
+    # Steps of two rows, which take the few-row GEMV: a two-token prompt, and two
+    # one-token prompts prefilled together (the LM head over both).
+    two = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([[5, 6]], [two])
+    engine.generate([[7], [8]], [two, two])
     serve_steps = log.take()
     assert max(len(s.input_ids) for s, _, _ in serve_steps if not s.is_prefill) == 96
     assert max(len(s.input_ids) for s, _, _ in serve_steps if s.is_prefill) > 4096

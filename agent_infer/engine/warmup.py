@@ -1,9 +1,9 @@
 """Start-up warm-up: a few made-up requests through the normal path before the first
 real one, so that what a step compiles on first use (Triton kernel variants: prefill tile
 sizes chosen by the longest query, element-wise kernels specialised on a token count of
-1 or a multiple of 16, the sampling kernel, mixed steps, and, where decode steps run
-outside CUDA graphs, the decode kernel's variants by batch size) is compiled at start-up
-and not while clients wait: with a cold Triton cache each new variant stalls its step by
+1 or a multiple of 16, the few-row GEMV of two-row steps, the sampling kernel, mixed
+steps, and, where decode steps run outside CUDA graphs, the decode kernel's variants by
+batch size) is compiled at start-up and not while clients wait: with a cold Triton cache each new variant stalls its step by
 one to two seconds on an H200 (docs/PERFORMANCE.md). tests/test_kernel_variants.py checks
 on CPU that no serving step needs a variant these steps did not compile.
 
@@ -89,10 +89,15 @@ def warm_up(engine: LLMEngine) -> float:
     for salt, n in enumerate(PROMPT_LENGTHS):
         add(n, sampled if salt % 2 else greedy, salt)
         drain()
+    # Two one-token prompts prefilled in one step: every projection and the LM head over
+    # two rows, which take a kernel of their own (ops.linear's few-row GEMV).
+    for salt in range(len(PROMPT_LENGTHS), len(PROMPT_LENGTHS) + 2):
+        add(1, greedy, salt)
+    drain()
     # Steps of the token counts the model asks for, up to the step budget: one prompt, or
     # several prompts prefilled together where one cannot hold that many tokens.
     budget = engine.config.max_num_batched_tokens
-    salt = len(PROMPT_LENGTHS)
+    salt = len(PROMPT_LENGTHS) + 2
     for n in sorted({min(n, budget) for n in engine.runner.model.warmup_prompt_lengths()} - set(PROMPT_LENGTHS)):
         parts = min(-(-n // room), engine.config.max_num_seqs)
         for k in range(parts):

@@ -104,8 +104,8 @@ def fp8_kernels(device: torch.device) -> bool:
 
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
-    cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
-    weights: the W8A8 GEMM)."""
+    cuBLAS at M = 1, see docs/PERFORMANCE.md); two rows through the few-row GEMV
+    (`gemv_rows.takes`), everything else through F.linear (fp8 weights: the W8A8 GEMM)."""
     return (
         _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
         and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn) and x.shape[1] % 16 == 0
@@ -133,6 +133,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
     if scale is not None:
         return _fp8_gemm(x, weight, bias, scale, block)
+    if _use_triton(x):
+        from agent_infer.kernels.triton import gemv_rows
+
+        if gemv_rows.takes(x, weight):
+            return gemv_rows.linear_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

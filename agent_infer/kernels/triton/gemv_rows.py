@@ -2,21 +2,20 @@
 MAX_ROWS (a speculative verify step at batch 1, a small decode batch), W [N, K].
 
 Each program streams BLOCK_N weight rows in [BLOCK_N, BLOCK_K] tiles, as the M = 1 row
-kernel (gemv.py) does, and multiplies every tile with each row of x into that row's own
-fp32 accumulator of the tile's shape, reduced once after the K loop. The weights are
-read once, x's rows come from L1, and nothing crosses threads inside the loop: the
+kernel (gemv.py) does, and multiplies every tile with each row of x. A thread holds whole
+groups of 8 columns (one 16-byte load of bf16); the products of a group are summed in
+its registers into one fp32 value per (weight row, group, row of x), and those are
+reduced across the threads once, after the K loop. So nothing crosses threads inside the
+loop, and each row of x costs one accumulator per group instead of one per column: the
 first try, a [rows, BLOCK_N, BLOCK_K] product summed over its columns at every tile,
-spilled and ran at a tenth of cuBLAS's rate (docs/PERFORMANCE.md, Tried and rejected).
-The accumulators are written out one per row and compiled for the exact M, so five rows
-hold five, not eight.
+spilled and ran at a tenth of cuBLAS's rate; the second, one fp32 accumulator per column
+and row of x, held eight times the registers and lost to this one at 5 and 8 rows
+(docs/PERFORMANCE.md, Tried and rejected). The rows are written out one by one and
+compiled for the exact M, so five rows hold five accumulators, not eight. The reference
+is F.linear.
 
-A column tile of 8 values a thread across the program's threads (BLOCK_K = 256 x warps)
-gives x's rows the weight tile's own layout, so no row is re-laid out through shared
-memory either. The reference is F.linear.
-
-Not yet taken by the engine, whose steps of 2-8 rows run cuBLAS: this is the candidate
-for them, timed against cuBLAS by `benchmarks/gemv_chain.py --rows M`; ops.linear is to
-dispatch to it where that measurement finds it faster.
+The engine sends it the row counts in ENGINE_ROWS (ops.linear): where a GPU measured it
+faster than cuBLAS (`benchmarks/gemv_chain.py --rows M`).
 """
 
 from __future__ import annotations
@@ -30,19 +29,26 @@ from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 
 # The most rows the kernel takes: a verify step of up to 7 drafts at batch 1.
 MAX_ROWS = 8
+# The row counts the engine sends here (`takes`): 2, where the kernel streams the weights
+# faster than cuBLAS. From 3 rows on, the per-row FMAs and x's conversions bound the
+# issue rate before the weights bound the memory: level with cuBLAS at 3 rows, slower at
+# 5 and 8 (docs/PERFORMANCE.md), so those stay on cuBLAS.
+ENGINE_ROWS = (2,)
 
 
 @triton.jit
 def _row_times(acc, w, x_ptr, sxm, k, j: tl.constexpr, ROWS: tl.constexpr):
-    """acc + w * x[j, k] (w: the fp32 weight tile, k: its columns) when row j exists."""
+    """acc + the sums over each group of VEC columns of w * x[j, k] (w: the fp32 weight
+    tile [BLOCK_N, groups, VEC], k: its columns [groups, VEC]) when row j exists. A
+    thread holds whole groups, so the sums stay in its registers."""
     if ROWS > j:
-        acc += w * tl.load(x_ptr + j * sxm + k).to(tl.float32)[None, :]
+        acc += tl.sum(w * tl.load(x_ptr + j * sxm + k).to(tl.float32)[None, :, :], axis=2)
     return acc
 
 
 @triton.jit
 def _store_row(acc, out_ptr, som, b_ptr, n, n_mask, j: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[j, n] = the sum of row j's accumulator over its columns (+ b[n])."""
+    """out[j, n] = the sum of row j's accumulator over its groups (+ b[n])."""
     if ROWS > j:
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -54,28 +60,32 @@ def _store_row(acc, out_ptr, som, b_ptr, n, n_mask, j: tl.constexpr, ROWS: tl.co
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, sxm, swn, som,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr = 8,
 ):
     """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for j < ROWS and this program's BLOCK_N
-    rows of w. K is a multiple of BLOCK_K. The next weight tile is loaded while this one
-    is used; the first before the PDL wait (weights never depend on the predecessor)."""
+    rows of w. K is a multiple of BLOCK_K, BLOCK_K of VEC. The next weight tile is loaded
+    while this one is used; the first before the PDL wait (weights never depend on the
+    predecessor)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    kk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_next = tl.load(w_rows, mask=n_mask[:, None], other=0.0)
+    groups: tl.constexpr = BLOCK_K // VEC
+    kk = tl.arange(0, groups)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [groups, VEC]
+    w_rows = w_ptr + n.to(tl.int64)[:, None, None] * swn + kk[None, :, :]
+    w_mask = n_mask[:, None, None]
+    a0 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_N, groups], dtype=tl.float32)
+    w_next = tl.load(w_rows, mask=w_mask, other=0.0)
     pdl_begin(PDL)
     for k0 in range(0, K, BLOCK_K):
         w = w_next.to(tl.float32)
         if k0 + BLOCK_K < K:
-            w_next = tl.load(w_rows + k0 + BLOCK_K, mask=n_mask[:, None], other=0.0)
+            w_next = tl.load(w_rows + k0 + BLOCK_K, mask=w_mask, other=0.0)
         k = k0 + kk
         a0 = _row_times(a0, w, x_ptr, sxm, k, 0, ROWS)
         a1 = _row_times(a1, w, x_ptr, sxm, k, 1, ROWS)
@@ -95,13 +105,24 @@ def _gemv_rows_kernel(
     _store_row(a7, out_ptr, som, b_ptr, n, n_mask, 7, ROWS, HAS_BIAS)
 
 
-def rows_config(m: int, k: int) -> RowConfig:
-    """The launch for M = `m` rows over K = `k`: up to 1,024 columns a tile (the batch-1
-    column tile, capped), 8 // m weight rows a program, so that the m accumulators hold
-    about 8 x 1,024 values (64 registers a thread at 4 warps) whatever m is, and 256
-    columns a warp (8 values a thread)."""
-    block_k = min(1024, row_block_k(k))
-    return RowConfig(max(1, 8 // m), block_k, num_warps=max(1, block_k // 256), num_stages=1)
+def rows_config(k: int) -> RowConfig:
+    """The launch over K = `k`: one weight row a program, up to 2,048 columns a tile (the
+    batch-1 column tile) at 512 columns a warp (two groups of 8 a thread). Where K allows
+    only a short tile, a program takes enough rows that each thread still holds a group.
+    The fastest or within 5 % of it on every Qwen3-8B projection at 2 rows (H100 sweep,
+    `benchmarks/gemv_chain.py --rows 2`; docs/PERFORMANCE.md)."""
+    block_k = min(2048, row_block_k(k))
+    warps = max(1, min(4, block_k // 512))
+    return RowConfig(max(1, 8 * 32 * warps // block_k), block_k, num_warps=warps, num_stages=1)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
+    x over a weight of the same dtype, K a multiple of 64 (whole groups in every tile)."""
+    return (
+        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
+    )
 
 
 def linear_rows(
@@ -115,7 +136,7 @@ def linear_rows(
     assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}: e4m3 weights take the row kernel"
-    cfg = config or rows_config(m, k)
+    cfg = config or rows_config(k)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     opts = launch_opts(x.device, pdl)
