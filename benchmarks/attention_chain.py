@@ -145,7 +145,11 @@ def sweep() -> list[Launch]:
     the combining kernel."""
     out = [Launch(merge=False), Launch(preload=False), Launch(preload=True)]
     for splits, (bn, warps, stages), merge in itertools.product(
-        (8, 16, 32, 64, 128), ((32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)), (True, False),
+        (8, 16, 32, 64, 128),
+        # 5 stages: the first depth at which Triton double-buffers the paged K/V tiles
+        # (tests/test_kernel_compile.py).
+        ((32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (64, 4, 5), (32, 4, 5)),
+        (True, False),
     ):
         out.append(Launch(splits, DecodeConfig(bn, warps, stages), merge=merge))
     return out

@@ -76,6 +76,10 @@ def decode_inputs(batch: int, ctx: int, heads: int, copies: int):
     return caches, tables, lens, q
 
 
+PIPELINED = (MlaDecodeConfig(16, 32, 4, 5), MlaDecodeConfig(16, 16, 4, 5), MlaDecodeConfig(16, 16, 4, 7),
+             MlaDecodeConfig(16, 32, 8, 5))
+
+
 def bench_decode(batch: int, ctx: int, heads: int, sweep: bool) -> dict:
     latent_bytes = batch * ctx * WIDTH * 2
     copies = max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / latent_bytes)))
@@ -123,6 +127,14 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool) -> dict:
             if cfg.block_h > 16 and heads <= 16:
                 continue
             results.append((timed(config=cfg), f"{cfg}"))
+        # Five stages or more: the first depth at which Triton (3.6 and 3.9) double-buffers
+        # this loop's key tiles. Below it the block-table load and the tile copy take the
+        # stages, every iteration waits for all copies in flight, and the next tile is only
+        # requested after this one's dots (tests/test_mla_compile.py). Deeper pipelines
+        # keep bytes in flight longer, so also at half the split count.
+        for cfg in PIPELINED:
+            for s in sorted({splits, max(1, splits // 2)}):
+                results.append((timed(config=cfg, num_splits=s), f"{cfg} splits {s}"))
         results.sort()
         print("    sweep: " + " | ".join(f"{name} {t:.1f}" for t, name in results[:6]), flush=True)
         row["best_sweep"] = results[0]

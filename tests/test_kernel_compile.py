@@ -212,22 +212,10 @@ def _sass(kernel) -> str:
     return _run_tool("nvdisasm", kernel)
 
 
-@pytest.mark.parametrize("cache,variant,per_sm", [
-    ("bf16", "direct", 4), ("bf16", "merge", 3), ("bf16", "preload", 2),
-    ("fp8e4nv", "direct", 4), ("fp8e4nv", "merge", 3), ("fp8e4nv", "preload", 3),
-])
-def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
-    """How many 4-warp decode programs an SM holds, as `decode_num_splits`,
-    `preload_first_tile` and `ordered_rows` assume: without the first-tile preload (the
-    large-batch kernel, one split, many waves, sequences in the given order) four (<= 128
-    registers per thread); merging splits in the same launch three; with the preload two
-    (no spills).
-    Holding the preload at every batch size, or computing V's offsets between the two tile
-    loads (30 registers more), halves the programs per SM, so a many-wave grid has half the
-    KV loads in flight. With an fp8 cache (--kv-cache-dtype fp8; fp16 dots, V converted by
-    PTX before it is staged, two stages) the variants hold at least as many programs as
-    with bf16; converted as a cast, V was read back from shared memory a byte at a time and
-    every variant took ~160-200 registers, three programs per SM or fewer."""
+def _compile_decode(cache: str, variant: str, stages: int):
+    """The dense decode kernel (4 warps) as the engine launches it for Qwen3-8B (GQA 4,
+    head_dim 128, 64 keys a tile) over a `cache` ("bf16" or "fp8e4nv") cache: "direct",
+    "merge" (splits merged in the launch) or "preload" (the first tile before the PDL wait)."""
     from agent_infer.kernels.triton.decode_attention import _decode_split_kernel
 
     names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr",
@@ -245,25 +233,52 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
     # What a launch specialises on: 16-byte aligned pointers and strides, head_dim 128.
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n[:3] in ("sqb", "sqh", "sob", "soh")
                or n[:3] in ("kc_", "vc_") or n == "head_dim"]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    return _compile_sm90(_decode_split_kernel, signature, constexprs, num_warps=4, num_stages=stages,
+                         aligned=tuple(aligned))
 
-    src = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": 3 if cache == "bf16" else 2})
-    except RuntimeError as e:
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no CUDA toolchain to compile with: {e}")
-        raise
+
+@pytest.mark.parametrize("cache,variant,per_sm", [
+    ("bf16", "direct", 4), ("bf16", "merge", 3), ("bf16", "preload", 2),
+    ("fp8e4nv", "direct", 4), ("fp8e4nv", "merge", 3), ("fp8e4nv", "preload", 3),
+])
+def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
+    """How many 4-warp decode programs an SM holds, as `decode_num_splits`,
+    `preload_first_tile` and `ordered_rows` assume: without the first-tile preload (the
+    large-batch kernel, one split, many waves, sequences in the given order) four (<= 128
+    registers per thread); merging splits in the same launch three; with the preload two
+    (no spills).
+    Holding the preload at every batch size, or computing V's offsets between the two tile
+    loads (30 registers more), halves the programs per SM, so a many-wave grid has half the
+    KV loads in flight. With an fp8 cache (--kv-cache-dtype fp8; fp16 dots, V converted by
+    PTX before it is staged, two stages) the variants hold at least as many programs as
+    with bf16; converted as a cast, V was read back from shared memory a byte at a time and
+    every variant took ~160-200 registers, three programs per SM or fewer."""
+    kernel = _compile_decode(cache, variant, 3 if cache == "bf16" else 2)
     regs, stack = _registers_per_thread(kernel)
     assert stack == 0, f"{stack} bytes of stack (register spills)"
     if cache != "bf16":  # no 8-bit shared-memory loads (one byte each): V is staged as fp16
         assert "LDS.U8" not in _sass(kernel)
     assert 65536 // (regs * 128) >= per_sm, f"{regs} registers per thread: fewer than {per_sm} programs per SM"
     assert kernel.metadata.shared * per_sm <= 227 * 1024
+
+
+@pytest.mark.parametrize("stages,in_flight,per_sm", [(3, False, 4), (5, True, 3)])
+def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, in_flight, per_sm):
+    """Where Triton's pipeliner double-buffers the dense decode loop (bf16, one split): each
+    K/V tile's copy depends on a block-table load, and the two take the stages. At the
+    default 3 every iteration waits for all copies in flight, so a program overlaps no load
+    with its arithmetic and the SM's four programs are what keep the memory busy; at 5 the
+    next tile is in flight while this one is used, at three programs per SM.
+    benchmarks/attention_chain.py sweeps both."""
+    import re
+
+    kernel = _compile_decode("bf16", "direct", stages)
+    ttgir = kernel.asm["ttgir"]
+    first_wait = int(re.search(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):]).group(1))
+    assert (first_wait > 0) == in_flight, first_wait
+    regs, stack = _registers_per_thread(kernel)
+    assert stack == 0 and min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) == per_sm, (
+        regs, kernel.metadata.shared)
 
 
 def test_prefill_attention_over_an_fp8_cache_converts_to_fp16_on_sm90():

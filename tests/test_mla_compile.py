@@ -105,6 +105,37 @@ def test_mla_decode_residency_on_sm90(dtype, cache, variant):
         assert "ld.global.cg" in ptx  # the merging program reads the others' partials past L1
 
 
+def _loop_waits(kernel) -> list[int]:
+    """How many async copy groups each wait in the kernel's IR leaves in flight, in order
+    (the first one inside the key loop first)."""
+    import re
+
+    ttgir = kernel.asm["ttgir"]
+    return [int(n) for n in re.findall(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):])]
+
+
+@pytest.mark.parametrize("stages,in_flight", [(2, False), (3, False), (5, True)])
+def test_mla_decode_overlaps_key_tiles_from_five_stages(stages, in_flight):
+    """Where Triton's pipeliner double-buffers the decode loop's key tiles. Each tile's
+    copy depends on a load of the block table, and the two take the stages: at 2 and 3
+    stages every iteration waits for all copies in flight and requests the next tile only
+    after this one's dots, so a program never overlaps a load with its arithmetic; at 5 a
+    tile is in flight while the one before it is used (two 36 KB buffers), and an SM still
+    holds two programs. benchmarks/mla_kernels.py --sweep times these depths."""
+    from agent_infer.kernels.triton.mla_decode import _mla_decode_kernel
+
+    types = ["*bf16"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
+    constexprs = {
+        "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_L": 512, "BLOCK_R": 64,
+        "DIRECT": False, "MERGE": False, "MERGE_S": 1, "MERGE_C": 64, "PRECISION": "tf32", "PDL": True,
+        "V_SCALED": False, "F16_DOTS": False, "PTX_CVT": False,
+    }
+    aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
+    kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, 4, stages)
+    assert (_loop_waits(kernel)[0] > 0) == in_flight, _loop_waits(kernel)
+    assert _resident(kernel, 4) >= 2
+
+
 @pytest.mark.parametrize("splits", [8, 66, 256])
 def test_mla_combine_compiles_for_sm90(splits):
     """The merge kernel's tile as the launch plan picks it, up to MAX_SPLITS splits."""
