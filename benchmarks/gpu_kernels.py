@@ -50,10 +50,13 @@ PREFILL_CASES = (("1 x 512", [512], 0), ("8 x 1024 +256 cached", [1024] * 8, 256
 ELEMENTWISE_TOKENS = (1, 512)
 GEMV_MS = (1, 2, 4, 8, 16)
 # Alternatives timed beside the defaults (the first entry of each list is the default).
+# Five stages: the first depth at which Triton double-buffers the paged K/V tiles (the
+# block-table load takes a stage; tests/test_kernel_compile.py).
 DECODE_SWEEP = (DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 3), DecodeConfig(128, 4, 2), DecodeConfig(64, 8, 3),
-                DecodeConfig(64, 4, 2))
+                DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 5), DecodeConfig(32, 4, 5))
 PREFILL_SWEEP = (PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 32, 4, 2),
-                 PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 32, 4, 4))
+                 PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 32, 4, 4), PrefillConfig(64, 32, 4, 5),
+                 PrefillConfig(128, 32, 8, 5))
 
 
 @dataclass

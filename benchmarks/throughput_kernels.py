@@ -120,8 +120,9 @@ def decode(quick: bool, block: int = BLOCK, fp8: bool = False) -> None:
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * k_cache.element_size()
     # The closest rivals of the default in a full sweep (n 32/64/128 x warps 2/4/8 x stages 1/2/3/4 x
     # splits 1/2) on an H200: enough to see whether a new GPU or Triton moves the choice.
+    # Five stages added: the first depth that double-buffers the paged tiles (gpu_kernels.py).
     configs = [None, DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
-               DecodeConfig(64, 2, 3), DecodeConfig(64, 4, 1), DecodeConfig(64, 8, 2)]
+               DecodeConfig(64, 2, 3), DecodeConfig(64, 4, 1), DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 5)]
     if quick:
         configs = configs[:2]
     rows = []
@@ -141,7 +142,8 @@ def decode(quick: bool, block: int = BLOCK, fp8: bool = False) -> None:
 # (name, query lengths, cached prefix per sequence): the workload's step first.
 PREFILL_CASES = (("14 x 562", [PREFILL_LEN] * PREFILL_SEQS, 0), ("1 x 512", [512], 0), ("4 x 2048", [2048] * 4, 0),
                  ("8 x 1024 +256 cached", [1024] * 8, 256))
-PREFILL_CONFIGS = (None, PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 32, 4, 2), PrefillConfig(64, 64, 4, 3))
+PREFILL_CONFIGS = (None, PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 32, 4, 2), PrefillConfig(64, 64, 4, 3),
+                   PrefillConfig(64, 32, 4, 5))
 
 
 def prefill(quick: bool) -> None:
