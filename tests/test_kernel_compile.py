@@ -270,8 +270,6 @@ def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, in_flight, 
     with its arithmetic and the SM's four programs are what keep the memory busy; at 5 the
     next tile is in flight while this one is used, at three programs per SM.
     benchmarks/attention_chain.py sweeps both."""
-    import re
-
     kernel = _compile_decode("bf16", "direct", stages)
     ttgir = kernel.asm["ttgir"]
     first_wait = int(re.search(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):]).group(1))

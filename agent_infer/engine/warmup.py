@@ -3,9 +3,10 @@ real one, so that what a step compiles on first use (Triton kernel variants: pre
 sizes chosen by the longest query, element-wise kernels specialised on a token count of
 1 or a multiple of 16, the few-row GEMV of two-row steps, the sampling kernel, mixed
 steps, and, where decode steps run outside CUDA graphs, the decode kernel's variants by
-batch size) is compiled at start-up and not while clients wait: with a cold Triton cache each new variant stalls its step by
-one to two seconds on an H200 (docs/PERFORMANCE.md). tests/test_kernel_variants.py checks
-on CPU that no serving step needs a variant these steps did not compile.
+batch size) is compiled at start-up and not while clients wait: with a cold Triton cache
+each new variant stalls its step by one to two seconds on an H200 (docs/PERFORMANCE.md).
+tests/test_kernel_variants.py checks on CPU that no serving step needs a variant these
+steps did not compile.
 
 The engine is left as it was: no request, every block free, the prefix cache and every
 counter empty. Tensor-parallel workers follow these steps like any other.

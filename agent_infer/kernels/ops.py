@@ -104,8 +104,8 @@ def fp8_kernels(device: torch.device) -> bool:
 
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
-    cuBLAS at M = 1, see docs/PERFORMANCE.md); two rows through the few-row GEMV
-    (`gemv_rows.takes`), everything else through F.linear (fp8 weights: the W8A8 GEMM)."""
+    cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
+    weights: the W8A8 GEMM) or, at two rows, the few-row GEMV (`gemv_rows.takes`)."""
     return (
         _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
         and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn) and x.shape[1] % 16 == 0
