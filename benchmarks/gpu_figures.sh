@@ -91,7 +91,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
                      throughput", AB_TP="1", BASE_COMMIT=base) on the Qwen3-8B shape, or on
                      another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...);
-                     each further tar is a variant tree run beside them, named by its file
+                     AB_LAT_ARGS adds latency flags (a long context: "--input-len 32768
+                     --output-len 64 --max-model-len 32896 --num-iters 2"); each further tar is a variant tree run beside them, named by its file
                      (no underscores), so one call on one checkpoint compares several changes
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
@@ -711,7 +712,7 @@ cmd_ab() {
         if [ "$part" = latency ]; then
           for tp in ${AB_TP:-1}; do
             (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
-              bench "ab_lat_tp${tp}_${v}_$r" 240 latency $model --tp "$tp" --num-iters 3)
+              bench "ab_lat_tp${tp}_${v}_$r" 240 latency $model --tp "$tp" --num-iters 3 ${AB_LAT_ARGS:-})
           done
         else
           (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
