@@ -91,8 +91,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      batch 1 and the throughput workload (AB_ROUNDS=2, AB_PARTS="latency
                      throughput", AB_TP="1", BASE_COMMIT=base) on the Qwen3-8B shape, or on
                      another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...);
-                     AB_LAT_ARGS adds latency flags (a long context: "--input-len 32768
-                     --output-len 64 --max-model-len 32896 --num-iters 2"); each further tar is a variant tree run beside them, named by its file
+                     AB_LAT_ARGS and AB_THR_ARGS add flags to the latency and throughput
+                     runs (a long context: AB_LAT_ARGS="--input-len 32768 --output-len 64
+                     --max-model-len 32896 --num-iters 2"; "--kv-cache-dtype fp8"); each further tar is a variant tree run beside them, named by its file
                      (no underscores), so one call on one checkpoint compares several changes
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
@@ -716,7 +717,7 @@ cmd_ab() {
           done
         else
           (cd $dir && PYTHONPATH=$SITE:$dir AGENT_INFER_GIT_COMMIT=$commit \
-            bench "ab_thr_${v}_$r" 200 throughput $model)
+            bench "ab_thr_${v}_$r" 200 throughput $model ${AB_THR_ARGS:-})
         fi
       done
     done
