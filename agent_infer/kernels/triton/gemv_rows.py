@@ -30,9 +30,9 @@ from agent_infer.kernels.triton.utils import launch_opts, pdl_begin
 # The most rows the kernel takes: a verify step of up to 7 drafts at batch 1.
 MAX_ROWS = 8
 # The row counts the engine sends here (`takes`): 2, where the kernel streams the weights
-# faster than cuBLAS. From 3 rows on, the per-row FMAs and x's conversions bound the
-# issue rate before the weights bound the memory: level with cuBLAS at 3 rows, slower at
-# 5 and 8 (docs/PERFORMANCE.md), so those stay on cuBLAS.
+# faster than cuBLAS. Each further row of x adds its loads, conversions and FMAs to every
+# tile: level with cuBLAS at 3 rows, slower at 5 and 8 (docs/PERFORMANCE.md), so those
+# stay on cuBLAS.
 ENGINE_ROWS = (2,)
 
 
