@@ -122,7 +122,8 @@ def decode(quick: bool, block: int = BLOCK, fp8: bool = False) -> None:
     # splits 1/2) on an H200: enough to see whether a new GPU or Triton moves the choice.
     # Five stages added: the first depth that double-buffers the paged tiles (gpu_kernels.py).
     configs = [None, DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
-               DecodeConfig(64, 2, 3), DecodeConfig(64, 4, 1), DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 5)]
+               DecodeConfig(64, 2, 3), DecodeConfig(64, 4, 1), DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 5),
+               DecodeConfig(32, 4, 5)]
     if quick:
         configs = configs[:2]
     rows = []

@@ -212,10 +212,11 @@ def _sass(kernel) -> str:
     return _run_tool("nvdisasm", kernel)
 
 
-def _compile_decode(cache: str, variant: str, stages: int):
+def _compile_decode(cache: str, variant: str, stages: int, block_n: int = 64):
     """The dense decode kernel (4 warps) as the engine launches it for Qwen3-8B (GQA 4,
-    head_dim 128, 64 keys a tile) over a `cache` ("bf16" or "fp8e4nv") cache: "direct",
-    "merge" (splits merged in the launch) or "preload" (the first tile before the PDL wait)."""
+    head_dim 128, `block_n` keys a tile) over a `cache` ("bf16" or "fp8e4nv") cache:
+    "direct", "merge" (splits merged in the launch) or "preload" (the first tile before
+    the PDL wait)."""
     from agent_infer.kernels.triton.decode_attention import _decode_split_kernel
 
     names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr",
@@ -225,7 +226,7 @@ def _compile_decode(cache: str, variant: str, stages: int):
     preload, merge = variant == "preload", variant == "merge"
     # As the engine launches it for Qwen3-8B (GQA 4): the order only past one wave, which
     # the preload never is; merging 2-64 splits, 16 at a time.
-    constexprs = {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "DIRECT": not merge, "MERGE": merge,
+    constexprs = {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": block_n, "BLOCK_D": 128, "DIRECT": not merge, "MERGE": merge,
                   "GROUP_P": 4 if merge else 1, "MERGE_S": 16 if merge else 1, "PRECISION": "tf32", "PDL": True,
                   "PRELOAD": preload, "ORDERED": not preload, "V_SCALED": cache != "bf16",
                   "F16_DOTS": cache != "bf16", "PTX_CVT": cache != "bf16"}
@@ -262,20 +263,20 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
     assert kernel.metadata.shared * per_sm <= 227 * 1024
 
 
-@pytest.mark.parametrize("stages,in_flight,per_sm", [(3, False, 4), (5, True, 3)])
-def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, in_flight, per_sm):
+@pytest.mark.parametrize("stages,block_n,in_flight,per_sm", [(3, 64, False, 4), (5, 64, True, 3), (5, 32, True, 4)])
+def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, block_n, in_flight, per_sm):
     """Where Triton's pipeliner double-buffers the dense decode loop (bf16, one split): each
     K/V tile's copy depends on a block-table load, and the two take the stages. At the
     default 3 every iteration waits for all copies in flight, so a program overlaps no load
     with its arithmetic and the SM's four programs are what keep the memory busy; at 5 the
-    next tile is in flight while this one is used, at three programs per SM.
-    benchmarks/attention_chain.py sweeps both."""
-    kernel = _compile_decode("bf16", "direct", stages)
+    next tile is in flight while this one is used, at (at least) three programs per SM
+    with 64-key tiles and four with 32. benchmarks/attention_chain.py sweeps these."""
+    kernel = _compile_decode("bf16", "direct", stages, block_n)
     ttgir = kernel.asm["ttgir"]
     first_wait = int(re.search(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):]).group(1))
     assert (first_wait > 0) == in_flight, first_wait
     regs, stack = _registers_per_thread(kernel)
-    assert stack == 0 and min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) == per_sm, (
+    assert stack == 0 and min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) >= per_sm, (
         regs, kernel.metadata.shared)
 
 
