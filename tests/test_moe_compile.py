@@ -156,13 +156,19 @@ def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = F
     _check_no_spills(kernel, what, max_stack=16 if fp8 and block_m > 1 else 0)
 
 
-@pytest.mark.parametrize("block_e,chunk,block_m", [(64, 8, 16), (64, 128, 16), (64, 128, 1), (256, 32, 128)])
-def test_moe_align_kernels_compile_without_spills(block_e, chunk, block_m):
-    """The align kernels at the tile sizes moe_align picks: V2-Lite (64 experts) at
-    batch 1 (8-slot chunk) and at its largest one-hot tiles, V3 with 256 local experts."""
+@pytest.mark.parametrize("experts,slots,block_m", [(64, 6, 16), (64, 4096, 16), (64, 4096, 1), (256, 4096, 128),
+                                                   (128, 4096, 16), (8, 4096, 16)])
+def test_moe_align_kernels_compile_without_spills(experts, slots, block_m):
+    """The align kernels at the tile sizes moe_align picks (`_align_shapes`): V2-Lite (64
+    experts) at batch 1 and at its largest one-hot tiles, V3 with 256 local experts,
+    Qwen3-30B-A3B's 128, Mixtral's 8. With Triton 3.6 a 128-slot chunk at 64 experts
+    spilled 280 bytes a thread in the scatter kernel (what _ALIGN_MAX_CHUNK prevents)."""
+    import triton
+
     from agent_infer.kernels.triton import fused_moe as moe
 
-    block_p = chunk if chunk > 8 else 128
+    block_e, chunk = moe._align_shapes(slots, experts)
+    block_p = max(16, min(moe._ALIGN_TILE // block_e, triton.next_power_of_2(moe.num_positions(slots, experts, block_m))))
     ids = [("ids_ptr", "*i32"), ("map_ptr", "*i32")]
     kernels = {
         "one program": (moe._align_one_program_kernel, ids + [

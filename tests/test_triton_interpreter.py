@@ -764,7 +764,7 @@ else:
     )
     def test_moe_align(one_program, block_m, tokens, local, top_k, experts, first):
         """Exact outputs of moe_align (order, padding, block experts, total) on both
-        paths, several chunks (300 x 2 slots in 128-slot chunks; 1200 in 1024-slot
-        ones), experts with no slots, a rank whose experts are at the end of the range."""
+        paths, several chunks (300 x 2 and 400 x 3 slots in 64-slot chunks), experts with
+        no slots, a rank whose experts are at the end of the range."""
         moe.check_moe_align(DEV, tokens, local, top_k, block_m, num_experts=experts, first=first,
                            one_program=one_program, id_dtype=torch.int64 if tokens % 2 else torch.int32)

@@ -227,10 +227,16 @@ def num_positions(num_slots: int, num_local_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+# Slots per chunk at most: the scatter kernel's running count down a [128, 64] one-hot
+# tile (V2-Lite's 64 experts) spilled 280 bytes a thread when compiled by Triton 3.6 for
+# sm_90; 64 rows spill nothing at any expert width (tests/test_moe_compile.py).
+_ALIGN_MAX_CHUNK = 64
+
+
 def _align_shapes(num_slots: int, num_local_experts: int) -> tuple[int, int]:
     """(BLOCK_E, CHUNK): the expert width of the one-hot tiles and the slots per chunk."""
     block_e = triton.next_power_of_2(num_local_experts)
-    chunk = max(16, min(_ALIGN_TILE // block_e, triton.next_power_of_2(num_slots)))
+    chunk = max(16, min(_ALIGN_TILE // block_e, _ALIGN_MAX_CHUNK, triton.next_power_of_2(num_slots)))
     return block_e, chunk
 
 
