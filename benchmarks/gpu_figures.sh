@@ -93,8 +93,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      another random-weights preset (AB_PRESET=qwen3-30b-a3b, deepseek-v2-lite, ...);
                      AB_LAT_ARGS and AB_THR_ARGS add flags to the latency and throughput
                      runs (a long context: AB_LAT_ARGS="--input-len 32768 --output-len 64
-                     --max-model-len 32896 --num-iters 2"; "--kv-cache-dtype fp8"); each further tar is a variant tree run beside them, named by its file
-                     (no underscores), so one call on one checkpoint compares several changes
+                     --max-model-len 32896 --num-iters 2"; "--kv-cache-dtype fp8"); each
+                     further tar is a variant tree run beside them, named by its file (no
+                     underscores), so one call on one checkpoint compares several changes
   deepseek           the DeepSeek-V2-Lite shape: batch 1 with transformers (and a profile),
                      nano-vllm's workload with an empty Triton cache (and its batch-256 and
                      prefill profiles), then a PDL-off batch-1 profile (each kernel's own

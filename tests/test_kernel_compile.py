@@ -212,6 +212,13 @@ def _sass(kernel) -> str:
     return _run_tool("nvdisasm", kernel)
 
 
+def first_loop_wait(kernel) -> int:
+    """How many async copy groups the first wait inside the kernel's first loop leaves in
+    flight (0: every copy is waited for before the loop body computes)."""
+    ttgir = kernel.asm["ttgir"]
+    return int(re.search(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):]).group(1))
+
+
 def _compile_decode(cache: str, variant: str, stages: int, block_n: int = 64):
     """The dense decode kernel (4 warps) as the engine launches it for Qwen3-8B (GQA 4,
     head_dim 128, `block_n` keys a tile) over a `cache` ("bf16" or "fp8e4nv") cache:
@@ -272,9 +279,7 @@ def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, block_n, in
     next tile is in flight while this one is used, at (at least) three programs per SM
     with 64-key tiles and four with 32. benchmarks/attention_chain.py sweeps these."""
     kernel = _compile_decode("bf16", "direct", stages, block_n)
-    ttgir = kernel.asm["ttgir"]
-    first_wait = int(re.search(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):]).group(1))
-    assert (first_wait > 0) == in_flight, first_wait
+    assert (first_loop_wait(kernel) > 0) == in_flight, first_loop_wait(kernel)
     regs, stack = _registers_per_thread(kernel)
     assert stack == 0 and min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) >= per_sm, (
         regs, kernel.metadata.shared)

@@ -105,15 +105,6 @@ def test_mla_decode_residency_on_sm90(dtype, cache, variant):
         assert "ld.global.cg" in ptx  # the merging program reads the others' partials past L1
 
 
-def _loop_waits(kernel) -> list[int]:
-    """How many async copy groups each wait in the kernel's IR leaves in flight, in order
-    (the first one inside the key loop first)."""
-    import re
-
-    ttgir = kernel.asm["ttgir"]
-    return [int(n) for n in re.findall(r"async_wait[^\n]*\{num = (\d+)", ttgir[ttgir.index("scf.for"):])]
-
-
 @pytest.mark.parametrize("stages,in_flight", [(2, False), (3, False), (5, True)])
 def test_mla_decode_overlaps_key_tiles_from_five_stages(stages, in_flight):
     """Where Triton's pipeliner double-buffers the decode loop's key tiles. Each tile's
@@ -132,7 +123,9 @@ def test_mla_decode_overlaps_key_tiles_from_five_stages(stages, in_flight):
     }
     aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
     kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, 4, stages)
-    assert (_loop_waits(kernel)[0] > 0) == in_flight, _loop_waits(kernel)
+    from tests.test_kernel_compile import first_loop_wait
+
+    assert (first_loop_wait(kernel) > 0) == in_flight, first_loop_wait(kernel)
     assert _resident(kernel, 4) >= 2
 
 

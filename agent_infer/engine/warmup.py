@@ -92,13 +92,14 @@ def warm_up(engine: LLMEngine) -> float:
         drain()
     # Two one-token prompts prefilled in one step: every projection and the LM head over
     # two rows, which take a kernel of their own (ops.linear's few-row GEMV).
-    for salt in range(len(PROMPT_LENGTHS), len(PROMPT_LENGTHS) + 2):
-        add(1, greedy, salt)
+    salt = len(PROMPT_LENGTHS)
+    add(1, greedy, salt)
+    add(1, greedy, salt + 1)
     drain()
+    salt += 2
     # Steps of the token counts the model asks for, up to the step budget: one prompt, or
     # several prompts prefilled together where one cannot hold that many tokens.
     budget = engine.config.max_num_batched_tokens
-    salt = len(PROMPT_LENGTHS) + 2
     for n in sorted({min(n, budget) for n in engine.runner.model.warmup_prompt_lengths()} - set(PROMPT_LENGTHS)):
         parts = min(-(-n // room), engine.config.max_num_seqs)
         for k in range(parts):

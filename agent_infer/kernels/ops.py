@@ -105,7 +105,7 @@ def fp8_kernels(device: torch.device) -> bool:
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
     cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
-    weights: the W8A8 GEMM) or, at two rows, the few-row GEMV (`gemv_rows.takes`)."""
+    weights: the W8A8 GEMM)."""
     return (
         _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
         and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn) and x.shape[1] % 16 == 0
@@ -126,7 +126,8 @@ def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
-    `block` (rows, columns) or, without a block, per row."""
+    `block` (rows, columns) or, without a block, per row. One row takes the batch-1 GEMV,
+    two 16-bit rows the few-row GEMV (`gemv_rows.takes`), the rest cuBLAS or the W8A8 GEMM."""
     if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 

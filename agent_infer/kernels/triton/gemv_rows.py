@@ -112,7 +112,7 @@ def rows_config(k: int) -> RowConfig:
     The fastest or within 5 % of it on every Qwen3-8B projection at 2 rows (H100 sweep,
     `benchmarks/gemv_chain.py --rows 2`; docs/PERFORMANCE.md); the LM head, not swept,
     is timed only inside the engine's two-row steps."""
-    block_k = min(2048, row_block_k(k))
+    block_k = row_block_k(k)
     warps = max(1, min(4, block_k // 512))
     return RowConfig(max(1, 8 * 32 * warps // block_k), block_k, num_warps=warps, num_stages=1)
 

@@ -216,11 +216,9 @@ def _routing_constexprs(scoring, num_experts, top_k, num_groups, topk_groups, no
 
 def rows_block_k(num_experts: int, hidden: int) -> int:
     """The per-token router's column step: a [BLOCK_E, BLOCK_K] fp32 weight tile of about
-    _ROWS_TILE values, 16 to 256 columns, a power of two that divides the hidden size."""
-    block_k = max(16, min(256, _ROWS_TILE // triton.next_power_of_2(num_experts)))
-    while hidden % block_k:
-        block_k //= 2
-    return block_k
+    _ROWS_TILE values, 16 to 256 columns, a power of two that divides the hidden size
+    (the batch-1 column tile caps it at that)."""
+    return min(max(16, min(256, _ROWS_TILE // triton.next_power_of_2(num_experts))), row_block_k(hidden))
 
 
 def moe_route_rows(
