@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
+from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids, kv_row_offsets
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin,
     to_f16_scaled,
@@ -85,9 +85,8 @@ def _merge_group(
 def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE: tl.constexpr):
     """K and V [BLOCK_N, BLOCK_D] of the key positions `kpos` (cache blocks `block`) where
     `mask`; zeros elsewhere."""
-    slot = (kpos % BLOCK_SIZE).to(tl.int64)
-    k_offs = block * kc_b + slot * kc_s
-    v_offs = block * vc_b + slot * vc_s
+    k_offs = kv_row_offsets(block, kpos, kc_b, kc_s, BLOCK_SIZE)
+    v_offs = kv_row_offsets(block, kpos, vc_b, vc_s, BLOCK_SIZE)
     tile_mask = mask[:, None] & d_mask[None, :]
     # Both row offsets before either load: computing V's between the two loads compiled
     # to 158 registers per thread instead of 128 for sm_90 (Triton 3.9), one resident

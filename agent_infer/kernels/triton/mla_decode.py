@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import kv_block_ids
+from agent_infer.kernels.triton.paged import kv_block_ids, kv_row_offsets
 from agent_infer.kernels.triton.utils import (
     cache_scaled, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin, to_f16_scaled,
 )
@@ -118,7 +118,7 @@ def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
     """The latent [BLOCK_N, BLOCK_L] and rope-key [BLOCK_N, BLOCK_R] parts of the cache rows
     of key positions `kpos` where `kmask`; zeros elsewhere (also in padded columns)."""
     block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
-    rows = block * kv_b + (kpos % BLOCK_SIZE).to(tl.int64) * kv_s
+    rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
     lat_mask = kmask[:, None]
     if BLOCK_L != KV_LORA:
         lat_mask = lat_mask & (cl < KV_LORA)[None, :]

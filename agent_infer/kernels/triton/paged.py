@@ -13,13 +13,28 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Physical cache block (int64) of each key position in `kpos` [BLOCK_N]; loaded once
-    per tile and shared by the K and V address computations."""
+    """Physical cache block of each key position in `kpos` [BLOCK_N] (int32, as the table
+    holds them); loaded once per tile and shared by the K and V address computations.
+    Positions are never negative: unsigned, the division by the power-of-two block size
+    is one shift (signed, four instructions a value for sm_90)."""
+    idx = (kpos.to(tl.uint32) // BLOCK_SIZE).to(tl.int32)
     if MASKED:
-        block = tl.load(table_row_ptr + kpos // BLOCK_SIZE, mask=kmask, other=0)
+        block = tl.load(table_row_ptr + idx, mask=kmask, other=0)
     else:
-        block = tl.load(table_row_ptr + kpos // BLOCK_SIZE)
-    return block.to(tl.int64)
+        block = tl.load(table_row_ptr + idx)
+    return block
+
+
+@triton.jit
+def kv_row_offsets(block, kpos, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr):
+    """Element offsets (int64) of the cache rows of key positions `kpos` in cache blocks
+    `block`. Block ids and strides are non-negative 32-bit values, so their product is one
+    32 x 32 -> 64-bit unsigned multiply; a signed 64-bit one took four instructions per
+    key and the slot a signed remainder four more, in the loops that compute these
+    offsets for every key a thread loads (tests/test_kernel_compile.py)."""
+    blk = block.to(tl.uint32).to(tl.uint64) * stride_block.to(tl.uint32).to(tl.uint64)
+    slot = (kpos.to(tl.uint32) % BLOCK_SIZE).to(tl.int32)
+    return blk.to(tl.int64) + slot * stride_slot
 
 
 def check_head_dim(head_dim: int) -> int:

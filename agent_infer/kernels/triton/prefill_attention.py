@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids
+from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids, kv_row_offsets
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots, to_f16_scaled,
 )
@@ -38,9 +38,8 @@ def _attend(
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, CAUSAL)
-        slot = (kpos % BLOCK_SIZE).to(tl.int64)
-        k_offs = block * kc_b + slot * kc_s
-        v_offs = block * vc_b + slot * vc_s
+        k_offs = kv_row_offsets(block, kpos, kc_b, kc_s, BLOCK_SIZE)
+        v_offs = kv_row_offsets(block, kpos, vc_b, vc_s, BLOCK_SIZE)
         k_ptrs = k_cache_ptr + k_head_off + k_offs[:, None] + d[None, :]
         v_ptrs = v_cache_ptr + v_head_off + v_offs[:, None] + d[None, :]
         if CAUSAL:
