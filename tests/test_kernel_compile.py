@@ -212,8 +212,8 @@ def _sass(kernel) -> str:
     return _run_tool("nvdisasm", kernel)
 
 
-def tensor_core_loop_length(kernel) -> int:
-    """SASS instructions in the body of the kernel's longest loop that runs tensor-core
+def _tensor_core_loop(kernel) -> list[str]:
+    """The SASS instructions of the body of the kernel's longest loop that runs tensor-core
     (HMMA) instructions: one key tile's work per thread in the attention kernels."""
     instructions, labels = [], {}
     for line in _sass(kernel).splitlines():
@@ -224,13 +224,31 @@ def tensor_core_loop_length(kernel) -> int:
         op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if op:
             instructions.append(op.group(1))
-    longest = 0
+    body: list[str] = []
     for end, text in enumerate(instructions):
         target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
         start = labels.get(target.group(1), end + 1) if target else end + 1
-        if start <= end and any("HMMA" in t for t in instructions[start:end + 1]):
-            longest = max(longest, end + 1 - start)
-    return longest
+        if start <= end and end + 1 - start > len(body) and any("HMMA" in t for t in instructions[start:end + 1]):
+            body = instructions[start:end + 1]
+    return body
+
+
+def tensor_core_loop_length(kernel) -> int:
+    """Instructions a thread runs per iteration of that loop."""
+    return len(_tensor_core_loop(kernel))
+
+
+def longest_mma_chain(kernel) -> int:
+    """The longest run of that loop's tensor-core products each accumulating onto the one
+    before it (a chain the warp must run back to back, at the product's latency)."""
+    depth: dict[str, int] = {}
+    for text in _tensor_core_loop(kernel):
+        if "HMMA" not in text:
+            continue
+        regs = re.findall(r"\bR\d+\b|\bRZ\b", text.split("HMMA", 1)[1])
+        dst, acc = regs[0], regs[-1]
+        depth[dst] = 1 if acc == "RZ" else depth.get(acc, 0) + 1
+    return max(depth.values(), default=0)
 
 
 def first_loop_wait(kernel) -> int:

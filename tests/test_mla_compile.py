@@ -5,10 +5,11 @@ count and shared memory show how many programs an SM holds (what
 `mla_decode.RESIDENT_PER_SM`, and so the split count, assumes), with no spills.
 
 Measured with Triton 3.9 (registers per thread / shared bytes):
-  decode bf16, 16 heads x 32 keys, 4 warps, 2 stages: 200 direct, 197 writing partials,
-      200 merging in the launch / 56 KB -> 2 programs per SM (a 128-column merge step
+  decode bf16, 16 heads x 32 keys, 4 warps, 2 stages: 178 direct, 180 writing partials,
+      182 merging in the launch / 56 KB -> 2 programs per SM (a 128-column merge step
       made it 255: the merge loads 64 columns at a time)
-  decode fp32, 16 x 16 keys: 166 direct (3 per SM), 224 merging (2) / 73 KB
+  decode fp32, 16 x 16 keys, 8 warps: 116 direct, 112 writing partials, 104 merging /
+      75 KB -> 2 per SM (at 4 warps, the latent in two halves spilled 64-80 bytes)
   combine: 79 / 2 KB
   prefill bf16, 64 queries x 64 keys, 4 warps, 2 stages: 236 / 104 KB, wgmma -> 2 per SM
   prefill fp32, 32 x 32, 8 warps, 1 stage: 200 / 64 KB (64 x 32 at 4 warps spilled 7 KB)
@@ -133,12 +134,14 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits():
     """The bf16 decode loop at its default tiles: each key's latent row comes from its block
     id and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18
     rows' vectors a tile, so the signed remainder and 64-bit multiply it took per key made
-    the loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) now; at
-    batch 1 the kernel issues instructions, not bytes, at its limit (docs/PERFORMANCE.md)."""
+    the loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
+    it, 469 (467) with the latent in halves; at batch 1 the kernel issues instructions,
+    not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
+    tensor-core products, 20 and 16 long, where one of 36 ran back to back."""
     import torch
 
     from agent_infer.kernels.triton.mla_decode import _mla_decode_kernel, default_config
-    from tests.test_kernel_compile import tensor_core_loop_length
+    from tests.test_kernel_compile import longest_mma_chain, tensor_core_loop_length
 
     cfg = default_config(torch.bfloat16)
     types = ["*bf16"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
@@ -150,6 +153,7 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits():
     aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
     kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
     assert tensor_core_loop_length(kernel) <= 650, tensor_core_loop_length(kernel)
+    assert longest_mma_chain(kernel) <= 20, longest_mma_chain(kernel)
 
 
 @pytest.mark.parametrize("splits", [8, 66, 256])

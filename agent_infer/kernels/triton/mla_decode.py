@@ -114,20 +114,32 @@ def _merge_splits(
 @triton.jit
 def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
                KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The latent [BLOCK_N, BLOCK_L] and rope-key [BLOCK_N, BLOCK_R] parts of the cache rows
-    of key positions `kpos` where `kmask`; zeros elsewhere (also in padded columns)."""
+               HALF_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The two latent halves [BLOCK_N, HALF_L] (columns cl and HALF_L + cl) and the
+    rope-key part [BLOCK_N, BLOCK_R] of the cache rows of key positions `kpos` where
+    `kmask`; zeros elsewhere (also in padded columns)."""
     block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
     rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
-    lat_mask = kmask[:, None]
-    if BLOCK_L != KV_LORA:
-        lat_mask = lat_mask & (cl < KV_LORA)[None, :]
+    lo_mask = kmask[:, None]
+    hi_mask = kmask[:, None]
+    if 2 * HALF_L != KV_LORA:
+        lo_mask = lo_mask & (cl < KV_LORA)[None, :]
+        hi_mask = hi_mask & (HALF_L + cl < KV_LORA)[None, :]
     pe_mask = kmask[:, None]
     if BLOCK_R != ROPE_DIM:
         pe_mask = pe_mask & (cr < ROPE_DIM)[None, :]
-    lat = tl.load(kv_ptr + rows[:, None] + cl[None, :], mask=lat_mask, other=0.0)
+    lat_lo = tl.load(kv_ptr + rows[:, None] + cl[None, :], mask=lo_mask, other=0.0)
+    lat_hi = tl.load(kv_ptr + rows[:, None] + HALF_L + cl[None, :], mask=hi_mask, other=0.0)
     pe = tl.load(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], mask=pe_mask, other=0.0)
-    return lat, pe
+    return lat_lo, lat_hi, pe
+
+
+@triton.jit
+def _store_halves(ptrs, o_lo, o_hi, lo_mask, hi_mask, HALF_L: tl.constexpr):
+    """Both latent halves of the output rows at `ptrs` (columns cl, HALF_L + cl), in the
+    element type of the destination."""
+    tl.store(ptrs, o_lo.to(ptrs.dtype.element_ty), mask=lo_mask)
+    tl.store(ptrs + HALF_L, o_hi.to(ptrs.dtype.element_ty), mask=hi_mask)
 
 
 @triton.jit
@@ -168,62 +180,82 @@ def _mla_decode_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
-    cl = tl.arange(0, BLOCK_L)
+    # The latent columns in two halves, each with its own dots: the score of a key tile is
+    # then two chains of tensor-core products (16 steps each at L = 512) instead of one of
+    # 32 that a warp runs back to back (tests/test_mla_compile.py).
+    HALF_L: tl.constexpr = BLOCK_L // 2
+    cl = tl.arange(0, HALF_L)
     cr = tl.arange(0, BLOCK_R)
     # A split past the context's keys reads nothing and writes nothing (the merges stop
     # at `used`): at short contexts most of a batch-1 grid's 256 splits are such.
     q_mask = h_mask & ((heads * 0 + split) < used)  # a vector: interpreters refuse a scalar bool in a mask
     q_rows = q_ptr + seq * sqb + heads.to(tl.int64)[:, None] * sqh
-    q_lat = tl.load(q_rows + cl[None, :], mask=q_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
+    q_lo = tl.load(q_rows + cl[None, :], mask=q_mask[:, None] & (cl < KV_LORA)[None, :], other=0.0)
+    q_hi = tl.load(q_rows + HALF_L + cl[None, :], mask=q_mask[:, None] & (HALF_L + cl < KV_LORA)[None, :],
+                   other=0.0)
     q_pe = tl.load(q_rows + KV_LORA + cr[None, :], mask=q_mask[:, None] & (cr < ROPE_DIM)[None, :], other=0.0)
     if F16_DOTS:  # over an fp8 cache: the score scale goes into q before its fp16 rounding
-        q_lat = to_f16_scaled(q_lat, qk_scale)
+        q_lo = to_f16_scaled(q_lo, qk_scale)
+        q_hi = to_f16_scaled(q_hi, qk_scale)
         q_pe = to_f16_scaled(q_pe, qk_scale)
 
-    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_H, HALF_L], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF_L], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
-        lat, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
-                             KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_L, BLOCK_R)
+        lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
+                                        KV_LORA, ROPE_DIM, BLOCK_SIZE, HALF_L, BLOCK_R)
         if PTX_CVT:  # converted before Triton stages the dot operands (utils.e4m3_to_f16_ptx)
-            lat = e4m3_to_f16_ptx(lat)
+            lat_lo = e4m3_to_f16_ptx(lat_lo)
+            lat_hi = e4m3_to_f16_ptx(lat_hi)
             pe = e4m3_to_f16_ptx(pe)
-        lat = lat.to(q_lat.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
+        lat_lo = lat_lo.to(q_lo.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
+        lat_hi = lat_hi.to(q_hi.dtype)
         pe = pe.to(q_pe.dtype)
-        # The rope part first: its dot is the small one, and the latent's then accumulates
-        # onto it.
-        s = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        s = tl.dot(q_lat, tl.trans(lat), acc=s, input_precision=PRECISION)
-        if not F16_DOTS:
-            s = s * qk_scale
+        # The rope part opens the first chain (its dot is the small one).
+        s_lo = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
+        s_lo = tl.dot(q_lo, tl.trans(lat_lo), acc=s_lo, input_precision=PRECISION)
+        s_hi = tl.dot(q_hi, tl.trans(lat_hi), input_precision=PRECISION)
+        if F16_DOTS:
+            s = s_lo + s_hi
+        else:
+            # Scaled before the sum: Triton folds `dot + x` into the dot's accumulator,
+            # which would chain the two halves again.
+            s = s_lo * qk_scale + s_hi * qk_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
+        p = p.to(lat_lo.dtype)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, lat_lo, input_precision=PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, lat_hi, input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0
-    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    inv = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
     if V_SCALED:  # an fp8 cache holds the rows divided by the scale; the merges are linear in o
-        o = o * v_scale
-    out_mask = h_mask[:, None] & (cl < KV_LORA)[None, :]
+        inv = inv * v_scale
+    o_lo = acc_lo * inv[:, None]
+    o_hi = acc_hi * inv[:, None]
+    lo_mask = h_mask[:, None] & (cl < KV_LORA)[None, :]
+    hi_mask = h_mask[:, None] & (HALF_L + cl < KV_LORA)[None, :]
     out_ptrs = out_ptr + seq * sob + heads.to(tl.int64)[:, None] * soh + cl[None, :]
     row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, L], part_lse [B, H, S]
+    part_ptrs = part_o_ptr + row[:, None] * KV_LORA + cl[None, :]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if DIRECT:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_halves(out_ptrs, o_lo, o_hi, lo_mask, hi_mask, HALF_L)
     elif MERGE:
         # Programs past `used` skip the counter, so it counts to `used`.
         if split < used:
             if used == 1:
-                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store_halves(out_ptrs, o_lo, o_hi, lo_mask, hi_mask, HALF_L)
             else:
-                tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
+                _store_halves(part_ptrs, o_lo, o_hi, lo_mask, hi_mask, HALF_L)
                 tl.store(part_lse_ptr + row, lse, mask=h_mask)
                 # A scalar atomic runs in one thread, so its release covers that thread's
                 # stores only: the barrier first makes every thread's partial visible to
@@ -242,7 +274,7 @@ def _mla_decode_kernel(
                     # plain store re-arms the counter for the next launch.
                     tl.store(counter, 0)
     elif split < used:
-        tl.store(part_o_ptr + row[:, None] * KV_LORA + cl[None, :], o, mask=out_mask)
+        _store_halves(part_ptrs, o_lo, o_hi, lo_mask, hi_mask, HALF_L)
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
 
 
@@ -261,6 +293,12 @@ def _mla_combine_kernel(
                   used, tl.program_id(2) * MERGE_C, KV_LORA, 1, MERGE_S, MERGE_C, 1)
 
 
+def _latent_block(kv_lora_rank: int) -> int:
+    """The decode kernel's padded latent width: two halves of at least 16 columns (a dot's
+    smallest K)."""
+    return max(32, triton.next_power_of_2(kv_lora_rank))
+
+
 @dataclass(frozen=True)
 class MlaDecodeConfig:
     block_h: int  # query heads per program (the M rows of the dots; at least 16)
@@ -274,9 +312,10 @@ def default_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
     16 keys for the same bytes. benchmarks/mla_kernels.py sweeps alternatives. Over an
     fp8 cache with 16-bit queries (fp16 dots) 32 keys spill registers at 4 warps in the
     one-split variant (tests/test_mla_compile.py): 16 keys, not yet measured against
-    others on a GPU."""
+    others on a GPU. fp32 (tests, exactness runs) takes 8 warps: at 4 the two latent
+    halves' accumulators spilled registers."""
     if dtype == torch.float32:
-        return MlaDecodeConfig(16, 16, 4, 2)
+        return MlaDecodeConfig(16, 16, 8, 2)
     if cache_dtype == torch.float8_e4m3fn:
         return MlaDecodeConfig(16, 16, 4, 2)
     return MlaDecodeConfig(16, 32, 4, 2)
@@ -332,7 +371,7 @@ def mla_launch_plan(
         merge_in_launch = counters and splits <= MERGE_MAX_SPLITS
     merge = merge_in_launch and not direct
     assert not merge or counters, "merging in the launch needs the counters workspace"
-    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    block_l = _latent_block(kv_lora_rank)
     merge_s = max(1, min(triton.next_power_of_2(splits), _MERGE_TILE // (block_h * min(_MERGE_COLS, block_l))))
     combine_s = combine_c = 0
     if not direct and not merge:
@@ -432,7 +471,7 @@ def mla_decode(
         assert counters.numel() >= batch * head_blocks, (
             f"MLA decode counters hold {counters.numel()} < batch {batch} x head blocks {head_blocks}"
         )
-    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    block_l = _latent_block(kv_lora_rank)
     merge_c = min(_MERGE_COLS, block_l)
     if plan.direct:
         part_o = part_lse = out  # unused
