@@ -135,7 +135,7 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits():
     id and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18
     rows' vectors a tile, so the signed remainder and 64-bit multiply it took per key made
     the loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
-    it, 469 (467) with the latent in halves; at batch 1 the kernel issues instructions,
+    it, 466 (471) with the latent in halves; at batch 1 the kernel issues instructions,
     not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
     tensor-core products, 20 and 16 long, where one of 36 ran back to back."""
     import torch

@@ -215,17 +215,16 @@ def _mla_decode_kernel(
         lat_lo = lat_lo.to(q_lo.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
         lat_hi = lat_hi.to(q_hi.dtype)
         pe = pe.to(q_pe.dtype)
-        # The rope part opens the first chain (its dot is the small one).
+        # The rope part opens the first chain (its dot is the small one); the second starts
+        # from the key mask (-inf past the keys). Triton folds `x + dot(.., acc=0)` into
+        # the dot's accumulator, which would chain the two halves again; this dot's
+        # accumulator is not zero.
         s_lo = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
         s_lo = tl.dot(q_lo, tl.trans(lat_lo), acc=s_lo, input_precision=PRECISION)
-        s_hi = tl.dot(q_hi, tl.trans(lat_hi), input_precision=PRECISION)
-        if F16_DOTS:
-            s = s_lo + s_hi
-        else:
-            # Scaled before the sum: Triton folds `dot + x` into the dot's accumulator,
-            # which would chain the two halves again.
-            s = s_lo * qk_scale + s_hi * qk_scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
+        masked = tl.broadcast_to(tl.where(kmask, 0.0, float("-inf"))[None, :], (BLOCK_H, BLOCK_N))
+        s = s_lo + tl.dot(q_hi, tl.trans(lat_hi), acc=masked, input_precision=PRECISION)
+        if not F16_DOTS:
+            s = s * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
