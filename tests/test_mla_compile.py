@@ -130,25 +130,29 @@ def test_mla_decode_overlaps_key_tiles_from_five_stages(stages, in_flight):
     assert _resident(kernel, 4) >= 2
 
 
-def test_mla_decode_key_loop_addresses_keys_in_32_bits():
-    """The bf16 decode loop at its default tiles: each key's latent row comes from its block
-    id and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18
-    rows' vectors a tile, so the signed remainder and 64-bit multiply it took per key made
-    the loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_mla_decode_key_loop_addresses_keys_in_32_bits(cache):
+    """The decode loop at its default tiles: each key's latent row comes from its block id
+    and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18 rows'
+    vectors a tile, so the signed remainder and 64-bit multiply it took per key made the
+    bf16 loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
     it, 466 (471) with the latent in halves; at batch 1 the kernel issues instructions,
     not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
-    tensor-core products, 20 and 16 long, where one of 36 ran back to back."""
+    tensor-core products, 20 and 16 long, where one of 36 ran back to back; over an fp8
+    cache too, where the sum of the halves is not rescaled and Triton had folded it into
+    one chain."""
     import torch
 
     from agent_infer.kernels.triton.mla_decode import _mla_decode_kernel, default_config
     from tests.test_kernel_compile import longest_mma_chain, tensor_core_loop_length
 
-    cfg = default_config(torch.bfloat16)
-    types = ["*bf16"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
+    fp8 = cache == "fp8e4nv"
+    cfg = default_config(torch.bfloat16, torch.float8_e4m3fn if fp8 else None)
+    types = ["*bf16"] * 2 + [f"*{cache}"] + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
     constexprs = {
         "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
         "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": False, "MERGE": False, "MERGE_S": 1, "MERGE_C": 64,
-        "PRECISION": "tf32", "PDL": True, "V_SCALED": False, "F16_DOTS": False, "PTX_CVT": False,
+        "PRECISION": "tf32", "PDL": True, "V_SCALED": fp8, "F16_DOTS": fp8, "PTX_CVT": fp8,
     }
     aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
     kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
