@@ -181,8 +181,8 @@ def _mla_decode_kernel(
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
     # The latent columns in two halves, each with its own dots: the score of a key tile is
-    # then two chains of tensor-core products (16 steps each at L = 512) instead of one of
-    # 32 that a warp runs back to back (tests/test_mla_compile.py).
+    # then two chains of tensor-core products (20 and 16 steps at L = 512, R = 64) instead
+    # of one of 36 that a warp runs back to back (tests/test_mla_compile.py).
     HALF_L: tl.constexpr = BLOCK_L // 2
     cl = tl.arange(0, HALF_L)
     cr = tl.arange(0, BLOCK_R)
