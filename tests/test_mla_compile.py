@@ -68,23 +68,21 @@ DECODE_NAMES = ["q_ptr", "out_ptr", "kv_ptr", "table_ptr", "ctx_ptr", "part_o_pt
                 "num_heads", "num_head_blocks", "num_splits", "qk_scale", "v_scale"]
 
 
-@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")])
-@pytest.mark.parametrize("variant", ["direct", "partials", "merge"])
-def test_mla_decode_residency_on_sm90(dtype, cache, variant):
-    """Every variant of the default tiles holds RESIDENT_PER_SM programs per SM, without
-    spills; the 16-bit one runs its dots on the tensor cores (mma: 16 heads are too few
-    rows for Hopper's wgmma, whose M is 64), over an fp8 cache in fp16."""
+def _compile_decode(dtype: str, cache: str, variant: str, config=None):
+    """The decode kernel at V2-Lite's widths (16 heads, L 512, R 64, block size 16) as a
+    launch specialises it: `variant` "direct", "partials" or "merge", `config` the tiles
+    (default: `default_config` for the dtypes). Returns (kernel, config)."""
     import torch
 
     from agent_infer.kernels.triton.mla_decode import (
-        _MERGE_COLS, _MERGE_TILE, MERGE_MAX_SPLITS, RESIDENT_PER_SM, _mla_decode_kernel, default_config,
+        _MERGE_COLS, _MERGE_TILE, MERGE_MAX_SPLITS, _mla_decode_kernel, default_config,
     )
 
-    cfg = default_config(torch.float32 if dtype == "fp32" else torch.bfloat16,
-                         torch.float8_e4m3fn if cache == "fp8e4nv" else None)
-    types = [f"*{dtype}"] * 2 + [f"*{cache}"] + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
     fp8 = cache == "fp8e4nv"
+    cfg = config or default_config(torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                   torch.float8_e4m3fn if fp8 else None)
     merge = variant == "merge"
+    types = [f"*{dtype}"] * 2 + [f"*{cache}"] + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
     constexprs = {
         "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
         "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": variant == "direct", "MERGE": merge,
@@ -93,7 +91,20 @@ def test_mla_decode_residency_on_sm90(dtype, cache, variant):
         "V_SCALED": fp8, "F16_DOTS": fp8, "PTX_CVT": fp8,
     }
     aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
-    kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    return _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages), cfg
+
+
+@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")])
+@pytest.mark.parametrize("variant", ["direct", "partials", "merge"])
+def test_mla_decode_residency_on_sm90(dtype, cache, variant):
+    """Every variant of the default tiles holds RESIDENT_PER_SM programs per SM, without
+    spills; the 16-bit one runs its dots on the tensor cores (mma: 16 heads are too few
+    rows for Hopper's wgmma, whose M is 64), over an fp8 cache in fp16."""
+    from agent_infer.kernels.triton.mla_decode import RESIDENT_PER_SM
+
+    kernel, cfg = _compile_decode(dtype, cache, variant)
+    fp8 = cache == "fp8e4nv"
+    merge = variant == "merge"
     assert _resident(kernel, cfg.num_warps) >= RESIDENT_PER_SM
     ptx = kernel.asm["ptx"]
     assert "griddepcontrol.wait" in ptx  # PDL: waits for the rope + cache write
@@ -114,18 +125,10 @@ def test_mla_decode_overlaps_key_tiles_from_five_stages(stages, in_flight):
     after this one's dots, so a program never overlaps a load with its arithmetic; at 5 a
     tile is in flight while the one before it is used (two 36 KB buffers), and an SM still
     holds two programs. benchmarks/mla_kernels.py --sweep times these depths."""
-    from agent_infer.kernels.triton.mla_decode import _mla_decode_kernel
-
-    types = ["*bf16"] * 3 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
-    constexprs = {
-        "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_L": 512, "BLOCK_R": 64,
-        "DIRECT": False, "MERGE": False, "MERGE_S": 1, "MERGE_C": 64, "PRECISION": "tf32", "PDL": True,
-        "V_SCALED": False, "F16_DOTS": False, "PTX_CVT": False,
-    }
-    aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
-    kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, 4, stages)
+    from agent_infer.kernels.triton.mla_decode import MlaDecodeConfig
     from tests.test_kernel_compile import first_loop_wait
 
+    kernel, _ = _compile_decode("bf16", "bf16", "partials", MlaDecodeConfig(16, 32, 4, stages))
     assert (first_loop_wait(kernel) > 0) == in_flight, first_loop_wait(kernel)
     assert _resident(kernel, 4) >= 2
 
@@ -141,21 +144,9 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits(cache):
     tensor-core products, 20 and 16 long, where one of 36 ran back to back; over an fp8
     cache too, where the sum of the halves is not rescaled and Triton had folded it into
     one chain."""
-    import torch
-
-    from agent_infer.kernels.triton.mla_decode import _mla_decode_kernel, default_config
     from tests.test_kernel_compile import longest_mma_chain, tensor_core_loop_length
 
-    fp8 = cache == "fp8e4nv"
-    cfg = default_config(torch.bfloat16, torch.float8_e4m3fn if fp8 else None)
-    types = ["*bf16"] * 2 + [f"*{cache}"] + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 10 + ["fp32"] * 2
-    constexprs = {
-        "KV_LORA": 512, "ROPE_DIM": 64, "BLOCK_SIZE": 16, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
-        "BLOCK_L": 512, "BLOCK_R": 64, "DIRECT": False, "MERGE": False, "MERGE_S": 1, "MERGE_C": 64,
-        "PRECISION": "tf32", "PDL": True, "V_SCALED": fp8, "F16_DOTS": fp8, "PTX_CVT": fp8,
-    }
-    aligned = [n for n in DECODE_NAMES if n.endswith("_ptr") or n in ("sqb", "sqh", "sob", "soh", "kv_b", "kv_s")]
-    kernel = _compile(_mla_decode_kernel, DECODE_NAMES, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    kernel, _ = _compile_decode("bf16", cache, "partials")
     assert tensor_core_loop_length(kernel) <= 650, tensor_core_loop_length(kernel)
     assert longest_mma_chain(kernel) <= 20, longest_mma_chain(kernel)
 
