@@ -5,8 +5,8 @@ count and shared memory show how many programs an SM holds (what
 `mla_decode.RESIDENT_PER_SM`, and so the split count, assumes), with no spills.
 
 Measured with Triton 3.9 (registers per thread / shared bytes):
-  decode bf16, 16 heads x 32 keys, 4 warps, 2 stages: 178 direct, 180 writing partials,
-      182 merging in the launch / 56 KB -> 2 programs per SM (a 128-column merge step
+  decode bf16, 16 heads x 32 keys, 4 warps, 5 stages: 170 direct, 175 writing partials,
+      174 merging in the launch / 92 KB -> 2 programs per SM (a 128-column merge step
       made it 255: the merge loads 64 columns at a time)
   decode fp32, 16 x 16 keys, 8 warps: 116 direct, 112 writing partials, 104 merging /
       75 KB -> 2 per SM (at 4 warps, the latent in two halves spilled 64-80 bytes)
@@ -139,7 +139,8 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits(cache):
     and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18 rows'
     vectors a tile, so the signed remainder and 64-bit multiply it took per key made the
     bf16 loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
-    it, 466 (471) with the latent in halves; at batch 1 the kernel issues instructions,
+    it, 466 (471) with the latent in halves, 510 (608) at 5 stages (the pipelined copies
+    carry their masks as predicates); at batch 1 the kernel issues instructions,
     not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
     tensor-core products, 20 and 16 long, where one of 36 ran back to back; over an fp8
     cache too, where the sum of the halves is not rescaled and Triton had folded it into

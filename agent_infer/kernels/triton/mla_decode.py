@@ -308,7 +308,10 @@ class MlaDecodeConfig:
 
 def default_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> MlaDecodeConfig:
     """A bf16/fp16 tile of 32 keys is 32 x 576 x 2 B = 36 KB per pipeline stage; fp32 takes
-    16 keys for the same bytes. benchmarks/mla_kernels.py sweeps alternatives. Over an
+    16 keys for the same bytes. 16-bit queries over a 16-bit cache take 5 stages, the
+    fewest at which Triton keeps a key tile in flight while the one before it is used
+    (tests/test_mla_compile.py; two such programs still fit an SM): faster at every batch
+    and context benchmarks/mla_kernels.py --sweep timed (docs/PERFORMANCE.md). Over an
     fp8 cache with 16-bit queries (fp16 dots) 32 keys spill registers at 4 warps in the
     one-split variant (tests/test_mla_compile.py): 16 keys, not yet measured against
     others on a GPU. fp32 (tests, exactness runs) takes 8 warps: at 4 the two latent
@@ -317,7 +320,7 @@ def default_config(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -
         return MlaDecodeConfig(16, 16, 8, 2)
     if cache_dtype == torch.float8_e4m3fn:
         return MlaDecodeConfig(16, 16, 4, 2)
-    return MlaDecodeConfig(16, 32, 4, 2)
+    return MlaDecodeConfig(16, 32, 4, 5)
 
 
 def num_head_blocks(num_heads: int, block_h: int = MIN_BLOCK_H) -> int:
