@@ -238,6 +238,13 @@ def tensor_core_loop_length(kernel) -> int:
     return len(_tensor_core_loop(kernel))
 
 
+def predicate_logic_count(kernel) -> int:
+    """That loop's integer compares and predicate selects and moves (ISETP, SEL, PLOP3,
+    P2R): what a mask per key row costs each vector a thread copies."""
+    ops = (re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in _tensor_core_loop(kernel))
+    return sum(op in ("ISETP", "SEL", "PLOP3", "P2R") for op in ops)
+
+
 def longest_mma_chain(kernel) -> int:
     """The longest run of that loop's tensor-core products each accumulating onto the one
     before it (a chain the warp must run back to back, at the product's latency)."""

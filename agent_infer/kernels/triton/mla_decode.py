@@ -112,26 +112,70 @@ def _merge_splits(
 
 
 @triton.jit
+def _load_tile(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
                KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               HALF_L: tl.constexpr, BLOCK_R: tl.constexpr):
+               HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr):
     """The two latent halves [BLOCK_N, HALF_L] (columns cl and HALF_L + cl) and the
     rope-key part [BLOCK_N, BLOCK_R] of the cache rows of key positions `kpos` where
-    `kmask`; zeros elsewhere (also in padded columns)."""
-    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
+    `kmask`; zeros elsewhere (also in padded columns). FULL: every position is a key, so
+    the copies go unmasked unless columns are padded."""
+    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, not FULL)
     rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
-    lo_mask = kmask[:, None]
-    hi_mask = kmask[:, None]
-    if 2 * HALF_L != KV_LORA:
-        lo_mask = lo_mask & (cl < KV_LORA)[None, :]
-        hi_mask = hi_mask & (HALF_L + cl < KV_LORA)[None, :]
-    pe_mask = kmask[:, None]
-    if BLOCK_R != ROPE_DIM:
-        pe_mask = pe_mask & (cr < ROPE_DIM)[None, :]
-    lat_lo = tl.load(kv_ptr + rows[:, None] + cl[None, :], mask=lo_mask, other=0.0)
-    lat_hi = tl.load(kv_ptr + rows[:, None] + HALF_L + cl[None, :], mask=hi_mask, other=0.0)
-    pe = tl.load(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], mask=pe_mask, other=0.0)
+    lat_lo = _load_tile(kv_ptr + rows[:, None] + cl[None, :], kmask[:, None] & (cl < KV_LORA)[None, :],
+                        not FULL or 2 * HALF_L != KV_LORA)
+    lat_hi = _load_tile(kv_ptr + rows[:, None] + HALF_L + cl[None, :],
+                        kmask[:, None] & (HALF_L + cl < KV_LORA)[None, :], not FULL or 2 * HALF_L != KV_LORA)
+    pe = _load_tile(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], kmask[:, None] & (cr < ROPE_DIM)[None, :],
+                    not FULL or BLOCK_R != ROPE_DIM)
     return lat_lo, lat_hi, pe
+
+
+@triton.jit
+def _attend_tile(kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr,
+                 kv_b, kv_s, qk_scale,
+                 KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
+                 PTX_CVT: tl.constexpr, FULL: tl.constexpr):
+    """One key tile from position `start` (keys below `hi`; FULL: all of them) folded
+    into the running softmax state (m_i, l_i, acc_lo, acc_hi), which it returns."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    kmask = kpos < hi
+    lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
+                                    KV_LORA, ROPE_DIM, BLOCK_SIZE, HALF_L, BLOCK_R, FULL)
+    if PTX_CVT:  # converted before Triton stages the dot operands (utils.e4m3_to_f16_ptx)
+        lat_lo = e4m3_to_f16_ptx(lat_lo)
+        lat_hi = e4m3_to_f16_ptx(lat_hi)
+        pe = e4m3_to_f16_ptx(pe)
+    lat_lo = lat_lo.to(q_lo.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
+    lat_hi = lat_hi.to(q_hi.dtype)
+    pe = pe.to(q_pe.dtype)
+    # The rope part opens the first chain (its dot is the small one); the second starts
+    # from the key mask (-inf past the keys). Triton folds `x + dot(.., acc=0)` into
+    # the dot's accumulator, which would chain the two halves again; this dot's
+    # accumulator is not zero (nor known to be in a whole tile).
+    s_lo = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
+    s_lo = tl.dot(q_lo, tl.trans(lat_lo), acc=s_lo, input_precision=PRECISION)
+    masked = tl.broadcast_to(tl.where(kmask, 0.0, float("-inf"))[None, :], (q_lo.shape[0], BLOCK_N))
+    s = s_lo + tl.dot(q_hi, tl.trans(lat_hi), acc=masked, input_precision=PRECISION)
+    if not F16_DOTS:
+        s = s * qk_scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(lat_lo.dtype)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p, lat_lo, input_precision=PRECISION)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p, lat_hi, input_precision=PRECISION)
+    return m_new, l_i, acc_lo, acc_hi
 
 
 @triton.jit
@@ -203,36 +247,17 @@ def _mla_decode_kernel(
     acc_hi = tl.zeros([BLOCK_H, HALF_L], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
-        lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
-                                        KV_LORA, ROPE_DIM, BLOCK_SIZE, HALF_L, BLOCK_R)
-        if PTX_CVT:  # converted before Triton stages the dot operands (utils.e4m3_to_f16_ptx)
-            lat_lo = e4m3_to_f16_ptx(lat_lo)
-            lat_hi = e4m3_to_f16_ptx(lat_hi)
-            pe = e4m3_to_f16_ptx(pe)
-        lat_lo = lat_lo.to(q_lo.dtype)  # an fp8 cache read as the query's dtype (no-op otherwise)
-        lat_hi = lat_hi.to(q_hi.dtype)
-        pe = pe.to(q_pe.dtype)
-        # The rope part opens the first chain (its dot is the small one); the second starts
-        # from the key mask (-inf past the keys). Triton folds `x + dot(.., acc=0)` into
-        # the dot's accumulator, which would chain the two halves again; this dot's
-        # accumulator is not zero.
-        s_lo = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        s_lo = tl.dot(q_lo, tl.trans(lat_lo), acc=s_lo, input_precision=PRECISION)
-        masked = tl.broadcast_to(tl.where(kmask, 0.0, float("-inf"))[None, :], (BLOCK_H, BLOCK_N))
-        s = s_lo + tl.dot(q_hi, tl.trans(lat_hi), acc=masked, input_precision=PRECISION)
-        if not F16_DOTS:
-            s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(lat_lo.dtype)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, lat_lo, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, lat_hi, input_precision=PRECISION)
-        m_i = m_new
+    # The partial key tile the last split of a sequence may end on goes first, from the
+    # initial state; then whole tiles, their copies unmasked.
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    if full_hi < hi:
+        m_i, l_i, acc_lo, acc_hi = _attend_tile(
+            kv_ptr, table_row_ptr, full_hi, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr, kv_b, kv_s,
+            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, False)
+    for start in range(lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi = _attend_tile(
+            kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr, kv_b, kv_s,
+            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, True)
 
     has_keys = l_i > 0
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
