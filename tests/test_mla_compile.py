@@ -142,15 +142,14 @@ def test_mla_decode_key_loop_addresses_keys_in_32_bits(cache):
     and slot in unsigned 32-bit arithmetic (paged.kv_row_offsets). A thread loads 18 rows'
     vectors a tile, so the signed remainder and 64-bit multiply it took per key made the
     bf16 loop 827 instructions a tile (Triton 3.9; 828 with 3.6) against 554 (548) after
-    it, 466 (471) with the latent in halves, 510 (608) at 5 stages (the pipelined copies
-    carry their masks as predicates); at batch 1 the kernel issues instructions,
-    not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
+    it, 466 (471) with the latent in halves (at 2 stages); at batch 1 the kernel issues
+    instructions, not bytes, at its limit (docs/PERFORMANCE.md). The halves' scores are two chains of
     tensor-core products, 20 and 16 long, where one of 36 ran back to back; over an fp8
     cache too, where the sum of the halves is not rescaled and Triton had folded it into
     one chain. The loop runs whole key tiles only, its copies unmasked (the partial tile
     goes first, on its own): at 5 stages a mask per key row put 68 compares and predicate
-    selects in the bf16 loop (150 with 3.6, 608 instructions in all against 507; 510
-    against 446 with 3.9)."""
+    selects in the bf16 loop, 510 instructions in all against 446 (150, and 608 against
+    507, with 3.6)."""
     from tests.test_kernel_compile import longest_mma_chain, predicate_logic_count, tensor_core_loop_length
 
     kernel, _ = _compile_decode("bf16", cache, "partials")
