@@ -4,6 +4,8 @@
     python benchmarks/mla_kernels.py                 # decode + prefill + rope/store, defaults
     python benchmarks/mla_kernels.py --sweep         # + split counts and tile configs per case
     python benchmarks/mla_kernels.py --only decode --heads 8    # V2-Lite at TP 2
+    python benchmarks/mla_kernels.py --only decode --batches 1 --contexts 32768 --splits 64 128
+                                                     # the default tiles at 2 and 5 stages, those splits
 
 decode: `mla_decode` at batch 1-256 over contexts 512/1024/4096 (every sequence that
 long; `--batches` and `--contexts` choose others, up to 128k), in a CUDA graph (as the engine runs it), against the HBM roofline of the latent
@@ -27,6 +29,7 @@ Prints each line as it goes and a summary table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -80,7 +83,8 @@ PIPELINED = (MlaDecodeConfig(16, 32, 4, 5), MlaDecodeConfig(16, 16, 4, 5), MlaDe
              MlaDecodeConfig(16, 32, 8, 5))
 
 
-def bench_decode(batch: int, ctx: int, heads: int, sweep: bool) -> dict:
+def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
+                 grid: tuple[list[int], list[int]] | None = None) -> dict:
     latent_bytes = batch * ctx * WIDTH * 2
     copies = max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / latent_bytes)))
     caches, tables, lens, q = decode_inputs(batch, ctx, heads, copies)
@@ -138,6 +142,16 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool) -> dict:
         results.sort()
         print("    sweep: " + " | ".join(f"{name} {t:.1f}" for t, name in results[:6]), flush=True)
         row["best_sweep"] = results[0]
+    if grid:
+        # The default tiles at other pipeline depths and split counts, merged as the engine
+        # merges them (with the counters workspace): what chooses the split rule.
+        split_counts, stage_counts = grid
+        default = default_config(DT)
+        cells = [(f"splits {s} stages {st}",
+                  timed(counters=counters, num_splits=s, config=dataclasses.replace(default, num_stages=st)))
+                 for s in sorted(set(split_counts) | {splits}) for st in stage_counts]
+        print("    grid: " + " | ".join(f"{name} {t:.1f}" for name, t in cells), flush=True)
+        row["grid"] = cells
     del caches
     torch.cuda.empty_cache()
     return row
@@ -223,6 +237,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="decode batch sizes")
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS),
                     help="decode context lengths (every sequence that long), e.g. 512 8192 32768 131072")
+    ap.add_argument("--splits", type=int, nargs="+", default=[],
+                    help="also time the default tiles at these split counts (and the default count)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 5], help="... at these pipeline depths")
     args = ap.parse_args()
     only = set(args.only.split(","))
     print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__,
@@ -232,7 +249,8 @@ def main() -> None:
     if "decode" in only:
         for batch in args.batches:
             for ctx in args.contexts:
-                decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep))
+                grid = (args.splits, args.stages) if args.splits else None
+                decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid))
     if "prefill" in only:
         cases = [("14 x 562", [562] * 14, [0] * 14), ("128", [128], [0]), ("512", [512], [0]), ("1024", [1024], [0]),
                  ("100..1024 x 8", [100, 230, 360, 490, 620, 750, 880, 1024], [0] * 8),
