@@ -82,17 +82,23 @@ def _merge_group(
 
 
 @triton.jit
-def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE: tl.constexpr):
+def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE: tl.constexpr,
+               MASKED: tl.constexpr = True):
     """K and V [BLOCK_N, BLOCK_D] of the key positions `kpos` (cache blocks `block`) where
-    `mask`; zeros elsewhere."""
+    `mask`; zeros elsewhere. Not MASKED: every position is a key and every column a
+    feature, and the copies go unmasked."""
     k_offs = kv_row_offsets(block, kpos, kc_b, kc_s, BLOCK_SIZE)
     v_offs = kv_row_offsets(block, kpos, vc_b, vc_s, BLOCK_SIZE)
-    tile_mask = mask[:, None] & d_mask[None, :]
     # Both row offsets before either load: computing V's between the two loads compiled
     # to 158 registers per thread instead of 128 for sm_90 (Triton 3.9), one resident
     # program fewer per SM (tests/test_kernel_compile.py checks the count).
-    k = tl.load(k_base + k_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(v_base + v_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    if MASKED:
+        tile_mask = mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + k_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(v_base + v_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    else:
+        k = tl.load(k_base + k_offs[:, None] + d[None, :])
+        v = tl.load(v_base + v_offs[:, None] + d[None, :])
     return k, v
 
 
@@ -117,6 +123,20 @@ def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexp
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s, vc_b, vc_s,
+               qk_scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+               PTX_CVT: tl.constexpr, Q_SCALED: tl.constexpr, FULL: tl.constexpr, EVEN_D: tl.constexpr):
+    """The key tile from position `start` (keys below `hi`; FULL: all of them) loaded and
+    folded into the running softmax state, which it returns."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    kmask = kpos < hi
+    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, not FULL)
+    k, v = _load_tile(k_base, v_base, block, kpos, kmask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE,
+                      not (FULL and EVEN_D))
+    return _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, Q_SCALED)
+
+
 # The block-table width varies between eager steps (the batch's longest table) and the
 # graphs' static buffers; specialising on it would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["s_table"])
@@ -128,7 +148,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, ORDERED: tl.constexpr,
-    V_SCALED: tl.constexpr, F16_DOTS: tl.constexpr, PTX_CVT: tl.constexpr,
+    V_SCALED: tl.constexpr, F16_DOTS: tl.constexpr, PTX_CVT: tl.constexpr, EVEN_D: tl.constexpr = False,
 ):
     # KV heads on the fastest grid axis: the programs of one sequence's heads run side by
     # side and together read whole cache rows (a row holds every KV head of a token);
@@ -178,12 +198,18 @@ def _decode_split_kernel(
         if lo < hi:
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, F16_DOTS)
         first = lo + BLOCK_N
-    for start in range(first, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
-        block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, True)
-        k, v = _load_tile(k_base, v_base, block, kpos, kmask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, F16_DOTS)
+    # The partial tile the last split of a sequence may end on goes before the loop (unless
+    # it is the preloaded one), so the loop runs whole tiles with unmasked copies: a mask
+    # per key row cost each copied vector its predicates (tests/test_kernel_compile.py).
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    if (full_hi < hi) & (full_hi >= first):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   F16_DOTS, False, EVEN_D)
+    for start in range(first, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   F16_DOTS, True, EVEN_D)
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -452,7 +478,7 @@ def decode_attention(
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, DIRECT=direct, MERGE=merge, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
         PRECISION=dot_precision(q.dtype), PRELOAD=plan.preload, ORDERED=ordered, V_SCALED=v_scaled,
-        F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda",
+        F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda", EVEN_D=head_dim == block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
     )
     if not direct and not merge:
