@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids, kv_row_offsets
+from agent_infer.kernels.triton.paged import (
+    check_head_dim, kv_block_ids, kv_row_offsets, tile_load, whole_tiles_end,
+)
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin,
     to_f16_scaled,
@@ -92,13 +94,9 @@ def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, v
     # Both row offsets before either load: computing V's between the two loads compiled
     # to 158 registers per thread instead of 128 for sm_90 (Triton 3.9), one resident
     # program fewer per SM (tests/test_kernel_compile.py checks the count).
-    if MASKED:
-        tile_mask = mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + k_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
-        v = tl.load(v_base + v_offs[:, None] + d[None, :], mask=tile_mask, other=0.0)
-    else:
-        k = tl.load(k_base + k_offs[:, None] + d[None, :])
-        v = tl.load(v_base + v_offs[:, None] + d[None, :])
+    tile_mask = mask[:, None] & d_mask[None, :]
+    k = tile_load(k_base + k_offs[:, None] + d[None, :], tile_mask, MASKED)
+    v = tile_load(v_base + v_offs[:, None] + d[None, :], tile_mask, MASKED)
     return k, v
 
 
@@ -201,7 +199,7 @@ def _decode_split_kernel(
     # The partial tile the last split of a sequence may end on goes before the loop (unless
     # it is the preloaded one), so the loop runs whole tiles with unmasked copies: a mask
     # per key row cost each copied vector its predicates (tests/test_kernel_compile.py).
-    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
     if (full_hi < hi) & (full_hi >= first):
         acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
                                    kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,

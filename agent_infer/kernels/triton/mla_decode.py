@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import kv_block_ids, kv_row_offsets
+from agent_infer.kernels.triton.paged import kv_block_ids, kv_row_offsets, tile_load, whole_tiles_end
 from agent_infer.kernels.triton.utils import (
     cache_scaled, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin, to_f16_scaled,
 )
@@ -112,15 +112,6 @@ def _merge_splits(
 
 
 @triton.jit
-def _load_tile(ptrs, mask, MASKED: tl.constexpr):
-    if MASKED:
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
 def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
                KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr):
@@ -130,11 +121,11 @@ def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
     the copies go unmasked unless columns are padded."""
     block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, not FULL)
     rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
-    lat_lo = _load_tile(kv_ptr + rows[:, None] + cl[None, :], kmask[:, None] & (cl < KV_LORA)[None, :],
+    lat_lo = tile_load(kv_ptr + rows[:, None] + cl[None, :], kmask[:, None] & (cl < KV_LORA)[None, :],
                         not FULL or 2 * HALF_L != KV_LORA)
-    lat_hi = _load_tile(kv_ptr + rows[:, None] + HALF_L + cl[None, :],
+    lat_hi = tile_load(kv_ptr + rows[:, None] + HALF_L + cl[None, :],
                         kmask[:, None] & (HALF_L + cl < KV_LORA)[None, :], not FULL or 2 * HALF_L != KV_LORA)
-    pe = _load_tile(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], kmask[:, None] & (cr < ROPE_DIM)[None, :],
+    pe = tile_load(kv_ptr + rows[:, None] + KV_LORA + cr[None, :], kmask[:, None] & (cr < ROPE_DIM)[None, :],
                     not FULL or BLOCK_R != ROPE_DIM)
     return lat_lo, lat_hi, pe
 
@@ -249,7 +240,7 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     # The partial key tile the last split of a sequence may end on goes first, from the
     # initial state; then whole tiles, their copies unmasked.
-    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
     if full_hi < hi:
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
             kv_ptr, table_row_ptr, full_hi, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr, kv_b, kv_s,

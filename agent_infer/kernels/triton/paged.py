@@ -37,6 +37,24 @@ def kv_row_offsets(block, kpos, stride_block, stride_slot, BLOCK_SIZE: tl.conste
     return blk.to(tl.int64) + slot * stride_slot
 
 
+@triton.jit
+def whole_tiles_end(lo, hi, BLOCK_N: tl.constexpr):
+    """The end of the whole key tiles of [lo, hi): a partial tile, if any, starts there."""
+    return lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def tile_load(ptrs, mask, MASKED: tl.constexpr):
+    """A cache tile under `mask` (zeros elsewhere), or unmasked where the caller knows
+    every element is in bounds (whole key tiles of unpadded rows): a mask per key row
+    costs each vector a thread copies its own compare and predicate selects."""
+    if MASKED:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
 def check_head_dim(head_dim: int) -> int:
     """The padded tile width for head_dim; dims that are not powers of two (96) are masked."""
     if head_dim > MAX_HEAD_DIM or head_dim < 1:

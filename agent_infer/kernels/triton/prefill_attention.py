@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids, kv_row_offsets
+from agent_infer.kernels.triton.paged import check_head_dim, kv_block_ids, kv_row_offsets, tile_load
 from agent_infer.kernels.triton.utils import (
     cache_scaled, check_kv_cache_dtype, dot_precision, fp16_dots, to_f16_scaled,
 )
@@ -42,16 +42,10 @@ def _attend(
         v_offs = kv_row_offsets(block, kpos, vc_b, vc_s, BLOCK_SIZE)
         k_ptrs = k_cache_ptr + k_head_off + k_offs[:, None] + d[None, :]
         v_ptrs = v_cache_ptr + v_head_off + v_offs[:, None] + d[None, :]
-        if CAUSAL:
-            tile_mask = kmask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptrs, mask=tile_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=tile_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        # Below the causal diagonal every key exists: only padded columns need a mask.
+        tile_mask = kmask[:, None] & d_mask[None, :] if CAUSAL else d_mask[None, :]
+        k = tile_load(k_ptrs, tile_mask, CAUSAL or not EVEN_D)
+        v = tile_load(v_ptrs, tile_mask, CAUSAL or not EVEN_D)
         k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
