@@ -199,6 +199,7 @@ def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(defa
                 time.sleep(0.03)
         t_huge.join(60)
         t_tmpl.join(60)
+        serving = _children(proc.pid)["front_end"]  # for the message below, if one has gone
         for _ in range(24):  # a fresh connection each: the kernel spreads them over both
             r = httpx.post(url + "/v1/completions", json=_body("Hi", 2), trust_env=False, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -220,7 +221,8 @@ def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(defa
     assert tmpl_result[0].status_code == 400 and tmpl_result[0].json()["error"]["code"] == "template_timeout"
     assert models[0]["id"] == MODEL and models[0]["max_model_len"] == 512
     per_front_end = {k: v for k, v in scrapes[0].items() if k.startswith("agent_infer_front_end_requests_total")}
-    assert len(per_front_end) == 2 and all(v > 0 for v in per_front_end.values()), per_front_end
+    assert len(per_front_end) == 2 and all(v > 0 for v in per_front_end.values()), (
+        per_front_end, f"front ends {front_ends}, {serving} before the 24 requests", "".join(lines[-30:]))
     assert sum(per_front_end.values()) == 24  # the two refused above never reached the core
     for key in ("agent_infer_requests_received_total", "agent_infer_generation_tokens_total"):
         assert {s[key] for s in scrapes} == {scrapes[0][key]}  # the same totals whoever answered
