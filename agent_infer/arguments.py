@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption", default="none", choices=["none", "recompute"])
     g.add_argument("--mixed-batches", action="store_true",
                    help="steps that prefill also carry every running decode (default: prefill-only steps)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="decode and verify steps compute each sequence's row as a step of that row alone would: "
+                        "its tokens then do not depend on the rest of the batch or on speculation (dense models, "
+                        "one device; slower at larger batches)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (pure eager mode)")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up requests that compile kernels before the first real one (GPU)")
@@ -103,6 +107,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption,
         mixed_batches=args.mixed_batches,
+        batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager,
         warmup=not args.no_warmup,
         attention_backend=args.attention_backend,

@@ -264,6 +264,14 @@ class EngineConfig:
     # Speculative decoding (vLLM's --speculative-config): a SpeculativeConfig, or vLLM's
     # dict or its JSON text, parsed on construction. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Decode and verify steps compute each row exactly as a step of that row alone would
+    # (projections, attention splits, LM head), so a decoded token does not depend on
+    # what else shares its step, nor on speculation: greedy text with drafts equals
+    # greedy text without, in bf16 too (as vLLM's VLLM_BATCH_INVARIANT and SGLang's
+    # --enable-deterministic-inference aim at). Prefill steps are unchanged: a prompt
+    # prefilled beside others may round differently than alone. Costs speed at larger
+    # batches; dense models on one device, no mixed steps (CausalLM.use_batch_invariance).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -302,6 +310,12 @@ class EngineConfig:
         if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
             raise ConfigError("speculative method mtp runs on one GPU only for now (its draft layer is not split "
                               "over tensor-parallel ranks); use method ngram with --tp")
+        if self.batch_invariant and self.mixed_batches:
+            raise ConfigError("batch_invariant needs mixed_batches off: a mixed step's decode rows share the "
+                              "prefill's projections, whose rounding depends on the whole step")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ConfigError("batch_invariant runs on one device for now: how an all-reduce orders its sums "
+                              "may depend on the size of what it reduces")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:

@@ -118,7 +118,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      lookup: run default-model first), agent-fp32 (the same in fp32), agent-k8
                      (the same with 8 drafts a step at most), agent-chain (the same with a third
                      engine that chains no verify step onto one in flight, the three taking
-                     the prompts in turn), mtp (DeepSeek-V3-small's MTP layer),
+                     the prompts in turn), agent-invariant (the same with --batch-invariant:
+                     bf16 text with drafts identical to text without), mtp (DeepSeek-V3-small's MTP layer),
                      workload (nano-vllm's workload with and without prompt lookup, twice)
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON
                      schema against unconstrained (needs .carry_tok/ and the llguidance wheel
@@ -652,6 +653,8 @@ cmd_spec() {  # speculative decoding: verify cost, the agent workload, the MTP l
                 --output-json "$FIG/spec_agent-k8.json" > "$FIG/spec_agent-k8.log" 2>&1 ;;
       agent-chain) timeout 540 python3 benchmarks/spec_decode.py agent --compare-chain \
                 --output-json "$FIG/spec_agent-chain.json" > "$FIG/spec_agent-chain.log" 2>&1 ;;
+      agent-invariant) timeout 540 python3 benchmarks/spec_decode.py agent --batch-invariant \
+                --output-json "$FIG/spec_agent-invariant.json" > "$FIG/spec_agent-invariant.log" 2>&1 ;;
       mtp)    timeout 400 python3 benchmarks/spec_decode.py mtp --random-weights deepseek-v3-small \
                 --output-json "$FIG/spec_mtp.json" > "$FIG/spec_mtp.log" 2>&1 ;;
       workload) m8 || return 1  # plain and prompt lookup alternating, fresh processes

@@ -53,7 +53,8 @@ def model_path(args) -> str:
 def engine(args, path: str, chain_steps: int | None = None, **kw) -> LLMEngine:
     """An engine of the benchmark; `chain_steps`: the verify steps prompt lookup may chain
     onto one in flight (None: the engine's default), fixed when the engine is built."""
-    config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **kw)
+    config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          batch_invariant=args.batch_invariant, **kw)
     if config.resolve_device().type == "cuda":
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
@@ -275,6 +276,9 @@ def main() -> int:
     p.add_argument("--chain-steps", type=int, default=None,
                    help="agent: verify steps prompt lookup may chain onto one in flight (0: none; default: the "
                         "engine's), to measure what chaining gives")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every engine with batch_invariant: decode and verify rows computed as one-row steps, so "
+                        "greedy text with drafts equals text without in bf16 too (the 'identical' column)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)

@@ -321,6 +321,42 @@ def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bo
     assert_close(out.float(), ref, f"gemv rows M={m} N={n} K={k} bias={bias} {config}", dtype)
 
 
+def check_gemv_m1_rows_invariant(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, epilogue: str,
+                                 config=None, fp8=None) -> None:
+    """The batch-1 GEMV launched for m rows at once (the batch-invariant mode's
+    projections, x's rows strided) gives each row bitwise what a launch for that row alone
+    gives: plain, with the SiLU-and-mul epilogue, or with the add + RMSNorm (one counter
+    per row, all re-armed). The one-row launches are checked against F.linear by
+    check_gemv_m1 and check_gemv_m1_add_norm."""
+    from agent_infer.kernels.triton.gemv import linear_m1, linear_m1_add_rms_norm
+
+    silu_mul = epilogue == "silu"
+    rows = 2 * n if silu_mul else n
+    x = randn(m, k + 8, dtype=dtype, device=device, seed=41)[:, 5:k + 5]
+    w, scale, block, _ = fp8_weight(randn(rows, k, dtype=dtype, device=device, seed=42, scale=k**-0.5), fp8)
+    b = randn(rows, dtype=dtype, device=device, seed=43) if bias else None
+    label = f"gemv rows as M=1 M={m} N={n} K={k} {epilogue} {config} fp8={fp8}"
+    if epilogue == "add_norm":
+        norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=44)).to(dtype)
+        residual = randn(m, n, dtype=dtype, device=device, seed=45)
+        alone = [linear_m1_add_rms_norm(x[i:i + 1], w, b, residual[i:i + 1].clone(), norm_w, 1e-6,
+                                        torch.zeros(1, dtype=torch.int32, device=device), config=config,
+                                        scale=scale, block=block) for i in range(m)]
+        counters = torch.zeros(m + 3, dtype=torch.int32, device=device)
+        with poisoned_empty():
+            out, res = linear_m1_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counters, config=config, scale=scale,
+                                              block=block)
+        assert not counters.any(), f"{label}: counters left {counters.tolist()}"
+        assert torch.equal(res, torch.cat([r for _, r in alone])), f"{label}: residual rows differ"
+        assert torch.equal(out, torch.cat([o for o, _ in alone])), f"{label}: normed rows differ"
+        return
+    alone = torch.cat([linear_m1(x[i:i + 1], w, b, silu_mul=silu_mul, config=config, scale=scale, block=block)
+                       for i in range(m)])
+    with poisoned_empty():
+        out = linear_m1(x, w, b, silu_mul=silu_mul, config=config, scale=scale, block=block)
+    assert out.shape == (m, n) and torch.equal(out, alone), f"{label}: rows differ from their own launches"
+
+
 def check_gemv_m1_every_e4m3_value(device, config=None) -> None:
     """The fp8 GEMV converts e4m3 bytes with integer operations (gemv_fp8.py): every one
     of the 254 finite values (both zeros, the subnormals, +-448), in every byte position

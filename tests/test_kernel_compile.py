@@ -64,10 +64,11 @@ def _gemv_row_signature(weight: str) -> dict[str, str]:
     return {
         "x_ptr": "*bf16", "w_ptr": weight, "b_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
         "nw_ptr": "*bf16", "count_ptr": "*i32", "s_ptr": "*fp32", "N": "i32", "K": "i32", "swn": "i32",
-        "up_offset": "i32", "eps": "fp32", "s_stride": "i32", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
+        "up_offset": "i32", "eps": "fp32", "s_stride": "i32", "sxm": "i32", "som": "i32", "srm": "i32",
+        "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
         "ADD_NORM": "constexpr", "PDL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
         "BLOCK_H": "constexpr", "PREFETCH": "constexpr", "SCALE": "constexpr", "S_ROWS": "constexpr",
-        "S_COLS": "constexpr",
+        "S_COLS": "constexpr", "ROW_GRID": "constexpr",
     }
 
 
@@ -75,7 +76,7 @@ def test_gemv_add_rms_norm_compiles_for_sm90():
     from agent_infer.kernels.triton.gemv import _gemv_row_kernel
 
     constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True, "BLOCK_N": 4,
-                  "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1}
+                  "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1, "ROW_GRID": False}
     ptx = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
@@ -93,15 +94,16 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
 
     cfg = row_config(n, k, torch.device("cuda"))
 
-    def registers(prefetch: int) -> int:
+    def registers(prefetch: int, row_grid: bool = False) -> int:
         constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": False, "PDL": True, "BLOCK_N": cfg.block_n,
                       "BLOCK_K": cfg.block_k, "BLOCK_H": 1, "PREFETCH": prefetch, "SCALE": 0, "S_ROWS": 1,
-                      "S_COLS": 1}
+                      "S_COLS": 1, "ROW_GRID": row_grid}
         kernel = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs, num_warps=cfg.num_warps)
         regs, stack = _registers_per_thread(kernel)
-        assert stack == 0, f"K={k}, {prefetch} tiles prefetched: {stack} bytes of stack"
+        assert stack == 0, f"K={k}, {prefetch} tiles prefetched (row grid {row_grid}): {stack} bytes of stack"
         return regs
 
+    registers(cfg.prefetch, row_grid=True)  # the batch-invariant mode's launch of several rows
     regs = registers(cfg.prefetch)
     print(f"N={n} K={k}: {cfg}, {regs} registers")
     if k < ROW_PREFETCH_TILES * cfg.block_k:
@@ -148,7 +150,8 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
         cfg = row_config(12288 if silu else 4096, 4096, torch.device("cuda"), fp8=True, silu_mul=silu)
         constexprs = {"HAS_BIAS": False, "SILU_MUL": silu, "ADD_NORM": add_norm, "PDL": True,
                       "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_H": 4096 if add_norm else 1,
-                      "PREFETCH": cfg.prefetch, "SCALE": scale, "S_ROWS": block[0], "S_COLS": block[1]}
+                      "PREFETCH": cfg.prefetch, "SCALE": scale, "S_ROWS": block[0], "S_COLS": block[1],
+                      "ROW_GRID": False}
         kernel = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*i32"), constexprs, num_warps=cfg.num_warps)
         ptx = kernel.asm["ptx"]
         assert not re.search(r"cvt\S*e4m3", ptx) and "fma.rn.f32" in ptx, (silu, add_norm)

@@ -31,8 +31,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 def spec_engine(model: str, **kw) -> LLMEngine:
     """A CPU engine that drafts at every decode step (the timing policy is tested apart)."""
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=1024,
-                                    speculative_config=kw.pop("speculative_config", NGRAM), **kw))
+    kw = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 1024, "speculative_config": NGRAM, **kw}
+    engine = LLMEngine(EngineConfig(model=model, **kw))
     engine.draft_policy.batch_drafts = lambda num_decoding: True
     return engine
 
@@ -257,6 +257,54 @@ def test_continuous_batching_with_arrivals(default_model_dir, smol_engine, mixed
                 got[out.request_id] = out.token_ids
     assert [got[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]
     assert engine.draft_policy.stats.num_accepted_tokens > 0
+
+
+def _arrivals(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    """Greedy tokens of `prompts` arriving one per step: each prefills in a step of its own
+    (prefill steps are not made invariant), then decodes beside the others, which start
+    later and end at other lengths."""
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while engine.has_unfinished_requests() or pending:
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(p, params[i] if isinstance(params, list) else params, request_id=f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_batch_invariant_bf16_tokens_equal_each_prompt_decoded_alone(default_model_dir):
+    """bf16 on the CPU with batch_invariant: each prompt's greedy tokens, decoded beside
+    others (plain steps of 1-4 rows, and with drafts verify steps of up to 20), equal its
+    tokens decoded alone. Without the mode, bf16 rows of a multi-row step round apart
+    from a one-row step's, and a greedy path turns at the first near-tie."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+               "a b c d e f g h a b c d e f g h a b c", "The capital of France is",
+               "red green blue red green blue red green", "Once upon a time, in a land far away,"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 24, 40, 32, 16)]
+    config = dict(model=default_model_dir, device="cpu", dtype="bfloat16", num_kv_blocks=1024, batch_invariant=True)
+    alone = LLMEngine(EngineConfig(**config))
+    expected = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert _arrivals(LLMEngine(EngineConfig(**config)), prompts, params) == expected
+    spec = spec_engine(**config)
+    assert _arrivals(spec, prompts, params) == expected
+    assert spec.draft_policy.stats.num_accepted_tokens > 20, spec.draft_policy.stats
+
+
+def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_path):
+    from tests.deepseek_models import write_deepseek_model
+
+    for extra, words in (({"mixed_batches": True}, "mixed_batches off"), ({"tensor_parallel_size": 2}, "one device")):
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig(model=default_model_dir, batch_invariant=True, **extra)
+    path = write_deepseek_model("v2_lite", str(tmp_path / "v2"))
+    with pytest.raises(ConfigError, match="batch_invariant covers dense models; .* has (routed experts|latent attention)"):
+        LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True))
+    with pytest.raises(ConfigError, match="batch_invariant covers the native families"):
+        LLMEngine(EngineConfig(model=default_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
+                               model_impl="transformers", batch_invariant=True))
 
 
 # ---- distribution ------------------------------------------------------------------------------

@@ -294,6 +294,16 @@ else:
     def test_gemv_rows(dtype, m, n, k, bias, config):
         kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config)
 
+    # The batch-invariant mode's projections: m rows in one launch, each as its own M = 1.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("epilogue", ["plain", "silu", "add_norm"])
+    @pytest.mark.parametrize("m,n,k,bias,config,fp8", [
+        (5, 100, 256, True, RowConfig(8, 64), None), (3, 48, 512, False, RowConfig(4, 128, prefetch=2), None),
+        (2, 48, 256, True, RowConfig(8, 64), (16, 32)), (4, 40, 192, False, None, "channel"),
+    ], ids=lambda c: str(c))
+    def test_gemv_m1_rows_invariant(dtype, epilogue, m, n, k, bias, config, fp8):
+        kc.check_gemv_m1_rows_invariant(DEV, dtype, m, n, k, bias, epilogue, config, fp8=fp8)
+
     # fp8 weights: blocks of (rows, columns) with a partial last row of blocks, and per row.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("fp8", [(16, 32), (8, 64), "channel"], ids=str)
@@ -421,6 +431,53 @@ else:
         got, _ = _run(path, mixed=True, async_scheduling=True, max_tokens=4)
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"
+
+    def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
+        """batch_invariant with every kernel routed to Triton: decode and verify steps of
+        several rows send their projections (the LM head, the add + norm ones with a
+        counter per row) through the batch-1 GEMV's row grid and their attention through
+        the one-row split plan, and each prompt's greedy tokens, decoded beside others
+        with drafts, equal its tokens decoded alone."""
+        import dataclasses
+
+        from agent_infer.attention import dense_triton
+        from agent_infer.config import EngineConfig
+        from agent_infer.engine import model_runner
+        from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.kernels import ops
+        from agent_infer.kernels.triton import gemv
+        from agent_infer.sampling_params import SamplingParams
+        from tests.drafters import Replay
+        from tests.test_speculative import NGRAM, _arrivals, spec_engine
+        from tests.tiny_models import write_tiny_model
+
+        path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
+        rows: list[int] = []
+        splits: set = set()
+        m1, m1_norm, attend = gemv.linear_m1, gemv.linear_m1_add_rms_norm, dense_triton.decode_attention
+        monkeypatch.setattr(gemv, "linear_m1", lambda x, *a, **k: rows.append(x.shape[0]) or m1(x, *a, **k))
+        monkeypatch.setattr(gemv, "linear_m1_add_rms_norm",
+                            lambda x, *a, **k: rows.append(-x.shape[0]) or m1_norm(x, *a, **k))
+        monkeypatch.setattr(dense_triton, "decode_attention",
+                            lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("num_splits"))) or attend(q, *a, **k))
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: dense_triton.DenseTritonBackend)
+        # Fewer, larger programs than a GPU's launches: the interpreter runs each in turn.
+        monkeypatch.setattr(dense_triton, "decode_num_splits", lambda batch, kv_heads, device: 3)
+        row_config = gemv.row_config
+        monkeypatch.setattr(gemv, "row_config", lambda *a, **k: dataclasses.replace(row_config(*a, **k), block_n=32))
+        prompts = [[(7 * i + 3) % 500 + 3 for i in range(9)], [9, 10, 11, 12]]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 4)]
+        config = dict(device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True)
+        alone = LLMEngine(EngineConfig(model=path, **config))
+        outs = [alone.generate([p], q)[0] for p, q in zip(prompts, params)]
+        spec = spec_engine(path, **config, speculative_config={**NGRAM, "num_speculative_tokens": 2})
+        spec.drafter = Replay(outs)  # a random model repeats nothing: drafts from its own path, some wrong
+        assert _arrivals(spec, prompts, params) == [o.token_ids for o in outs]
+        stats = spec.draft_policy.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        assert max(rows) > 1 and min(rows) < -1, f"no multi-row launch of the row grid: {sorted(set(rows))}"
+        assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
 
     def test_deepseek_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):
         """A tiny DeepSeek-V3 checkpoint (fp32) with every kernel routed to Triton (the MLA

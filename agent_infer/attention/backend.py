@@ -26,14 +26,16 @@ from agent_infer.kvcache.layouts import CacheLayout
 class AttentionBackend:
     name: ClassVar[str]
 
-    def __init__(self, layer, max_batch: int, device: torch.device):
+    def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
         """`layer`: one of the model's attention layers, whose `cache_layout` this backend
         reads and whose `num_heads` (query heads on this rank) it serves; `max_batch`: the
-        most sequences in a step."""
+        most sequences in a step; `batch_invariant` (EngineConfig.batch_invariant): each
+        decode row attends exactly as it would in a step of its own."""
         self.layout = layer.cache_layout
         self.num_heads = layer.num_heads
         self.max_batch = max_batch
         self.device = device
+        self.batch_invariant = batch_invariant
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata with what this backend needs added (in place or a copy)."""

@@ -23,5 +23,13 @@ class DenseTorchBackend(AttentionBackend):
             )
         # Eager steps carry their lengths on the host (a captured graph's are placeholders).
         host_lens = meta.context_lens_host if meta.block_tables_host is not None else None
+        if self.batch_invariant and host_lens is not None and q.shape[0] > 1:
+            # Each row as a step of its own: gathers exactly its context, unmasked.
+            return torch.cat([
+                reference.decode_attention(q[i:i + 1], cache.k, cache.v, meta.block_tables[i:i + 1],
+                                           meta.context_lens[i:i + 1], scale, cache.k_scale, cache.v_scale,
+                                           host_lens[i:i + 1])
+                for i in range(q.shape[0])
+            ])
         return reference.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale,
                                           cache.k_scale, cache.v_scale, host_lens)

@@ -14,7 +14,9 @@ import torch
 
 from agent_infer.attention.backend import AttentionBackend
 from agent_infer.attention.metadata import AttentionMetadata
-from agent_infer.kernels.triton.decode_attention import decode_attention, decode_counters, variant_batches
+from agent_infer.kernels.triton.decode_attention import (
+    decode_attention, decode_counters, decode_num_splits, preload_first_tile, variant_batches,
+)
 from agent_infer.kernels.triton.prefill_attention import prefill_attention
 from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 
@@ -22,11 +24,18 @@ from agent_infer.kvcache.layouts import DenseKVCache, DenseKVLayout
 class DenseTritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, layer, max_batch: int, device: torch.device):
-        super().__init__(layer, max_batch, device)
+    def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
+        super().__init__(layer, max_batch, device, batch_invariant)
         # Lets the decode kernel merge its splits in the same launch; allocated once, so
         # its address is fixed for CUDA graphs.
         self.counters = decode_counters(max_batch, self.layout.num_kv_heads, device)
+        # Batch-invariant: every decode row splits its keys (and takes its first tile) as
+        # a one-row step does; a row's shares already follow its own context length.
+        self.one_row = None
+        if batch_invariant:
+            kv_heads = self.layout.num_kv_heads
+            splits = decode_num_splits(1, kv_heads, device)
+            self.one_row = {"num_splits": splits, "preload": preload_first_tile(1, kv_heads, splits, device)}
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         if not meta.is_prefill or meta.num_decode:
@@ -51,7 +60,7 @@ class DenseTritonBackend(AttentionBackend):
             )
         return decode_attention(
             q, cache.k, cache.v, meta.block_tables, meta.context_lens, scale, counters=meta.decode_counters,
-            order=meta.decode_order, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            order=meta.decode_order, k_scale=cache.k_scale, v_scale=cache.v_scale, **(self.one_row or {}),
         )
 
 

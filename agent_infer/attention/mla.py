@@ -119,8 +119,8 @@ class LatentTorchBackend(AttentionBackend):
 class LatentTritonBackend(LatentTorchBackend):
     name = "triton"
 
-    def __init__(self, layer, max_batch: int, device: torch.device):
-        super().__init__(layer, max_batch, device)
+    def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
+        super().__init__(layer, max_batch, device, batch_invariant)
         from agent_infer.kernels.triton.mla_decode import mla_decode_counters
 
         # Lets the decode kernel merge its splits in the same launch; a fixed address for graphs.

@@ -145,6 +145,8 @@ class ModelRunner:
         if self.model_config.quantization is not None:
             weights = dequantized(weights, self.model_config.quantization)
         model.load_weights(weights)
+        if self.config.batch_invariant:
+            model.use_batch_invariance(self.config.max_decode_rows)
         return model.eval()
 
     def _make_backend(self) -> AttentionBackend:
@@ -155,7 +157,8 @@ class ModelRunner:
             raise ConfigError(f"{type(self.model).__name__} mixes cache layouts; one backend serves one layout")
         cls = backend_class(layout, self.device, self.config.attention_backend)
         cls.check_cache_dtype(self.kv_cache_dtype, self.dtype)
-        return cls(self.model.attention_layers[0], self.config.max_decode_rows, self.device)
+        return cls(self.model.attention_layers[0], self.config.max_decode_rows, self.device,
+                   batch_invariant=self.config.batch_invariant)
 
     def cache_bytes_per_token(self) -> int:
         """KV-cache bytes one token costs on this rank, over all layers."""

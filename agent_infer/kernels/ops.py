@@ -102,14 +102,28 @@ def fp8_kernels(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, rows: bool = False) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
     cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
-    weights: the W8A8 GEMM)."""
+    weights: the W8A8 GEMM). `rows`: x's rows, each as a batch of one (`_each_row`)."""
     return (
-        _use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
-        and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn) and x.shape[1] % 16 == 0
+        _use_triton(x) and x.dim() == 2 and (x.stride(-1) == 1 if rows else x.shape[0] == 1 and x.is_contiguous())
+        and weight.is_contiguous() and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn)
+        and x.shape[1] % 16 == 0
     )
+
+
+def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
+    """The batch-invariant mode (EngineConfig.batch_invariant): a projection of 2 to
+    `invariant_rows` rows (a decode or verify step's) computes each row exactly as a
+    step of one row does, so a token's logits do not depend on what else is in its step.
+    On a GPU the batch-1 GEMV takes all the rows in one launch (a grid axis over them);
+    elsewhere the rows go one by one through the batch-1 path."""
+    return x.dim() == 2 and 1 < x.shape[0] <= invariant_rows
+
+
+def _row_by_row(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    return torch.cat([fn(x[i:i + 1], *args) for i in range(x.shape[0])])
 
 
 def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
@@ -124,10 +138,18 @@ def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+           invariant_rows: int = 0) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
     `block` (rows, columns) or, without a block, per row. One row takes the batch-1 GEMV,
-    two 16-bit rows the few-row GEMV (`gemv_rows.takes`), the rest cuBLAS or the W8A8 GEMM."""
+    two 16-bit rows the few-row GEMV (`gemv_rows.takes`), the rest cuBLAS or the W8A8 GEMM;
+    up to `invariant_rows` rows each as one row (`_each_row`)."""
+    if _each_row(x, invariant_rows):
+        if _gemv_ok(x, weight, rows=True):
+            from agent_infer.kernels.triton import gemv
+
+            return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
+        return _row_by_row(linear, x, weight, bias, scale, block)
     if _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
@@ -143,10 +165,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                    invariant_rows: int = 0) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
-    one kernel on the batch-1 GEMV path."""
-    if _gemv_ok(x, weight):
+    one kernel on the batch-1 GEMV path. `invariant_rows` as in `linear`."""
+    each_row = _each_row(x, invariant_rows)
+    if each_row and not _gemv_ok(x, weight, rows=True):
+        return _row_by_row(linear_silu_mul, x, weight, bias, scale, block)
+    if each_row or _gemv_ok(x, weight):
         from agent_infer.kernels.triton import gemv
 
         if gemv.fuses_scale(weight.shape[0] // 2, block):
@@ -157,17 +183,26 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def linear_add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
-    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+    scale: torch.Tensor | None = None, block: tuple[int, int] | None = None, invariant_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
-    program adds and normalises, found with `counter`, an int32 [1] zero between calls)."""
-    if _gemv_ok(x, weight) and residual.is_contiguous() and residual.dtype == x.dtype:
+    program adds and normalises, found with `counter`, an int32 [1] zero between calls).
+    `invariant_rows` as in `linear`; the GEMV then takes one counter per row."""
+    each_row = _each_row(x, invariant_rows)
+    if (_gemv_ok(x, weight, rows=each_row) and residual.dtype == x.dtype
+            and (residual.stride(-1) == 1 and counter.numel() >= x.shape[0] if each_row else residual.is_contiguous())):
         from agent_infer.kernels.triton import gemv
 
         if weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
             return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter,
                                                scale=scale, block=block)
+    if each_row:
+        pairs = [linear_add_rms_norm(x[i:i + 1], weight, bias, residual[i:i + 1], norm_weight, eps, counter,
+                                     scale, block) for i in range(x.shape[0])]
+        normed, summed = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        residual.copy_(summed)  # in place, as the GEMV path is
+        return normed, residual
     return fused_add_rms_norm(linear(x, weight, bias, scale, block), residual, norm_weight, eps)
 
 

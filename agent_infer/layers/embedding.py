@@ -62,8 +62,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary rows, gathered over ranks. With tied embeddings
     the model points `weight` at the embedding's parameter."""
 
+    # As LinearBase.invariant_rows.
+    invariant_rows = 0
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight, invariant_rows=self.invariant_rows)
         if self.tp.world_size > 1:
             logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.vocab_size]

@@ -41,6 +41,9 @@ class LinearBase(nn.Module):
     # False for a layer whose weight another module reads in the model's dtype (MLA's
     # kv_b_proj, absorbed into the attention): it stays in full precision.
     quantizable = True
+    # The batch-invariant mode (CausalLM.use_batch_invariance): up to this many rows are
+    # each computed as a one-row step would (ops.linear); 0: off.
+    invariant_rows = 0
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
@@ -97,7 +100,7 @@ class LinearBase(nn.Module):
         copy_into(scale_rows, scale.view(-1, self.weight_scale.shape[1]))
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return ops.linear(x, self.weight, bias, self.weight_scale, self.block)
+        return ops.linear(x, self.weight, bias, self.weight_scale, self.block, self.invariant_rows)
 
 
 class ReplicatedLinear(LinearBase):
@@ -199,7 +202,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
         assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
-        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block)
+        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block, self.invariant_rows)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -282,7 +285,7 @@ class RowParallelLinear(LinearBase):
         (`all_reduce_add_rms_norm`)."""
         if self.tp.world_size == 1:
             return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter,
-                                           self.weight_scale, self.block)
+                                           self.weight_scale, self.block, self.invariant_rows)
         return all_reduce_add_rms_norm(self.partial(x), residual, norm.weight, norm.eps, self.tp)
 
 

@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from agent_infer.config import ModelConfig
+from agent_infer.config import ConfigError, ModelConfig
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agent_infer.layers.linear import LinearBase
+from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.moe import MoE
 from agent_infer.layers.norm import RMSNorm
 from agent_infer.loader.load import WeightMap, load_model
@@ -82,6 +83,24 @@ class CausalLM(nn.Module):
                 layer.to_fp8(config)
                 chosen.append(name)
         return chosen
+
+    def use_batch_invariance(self, rows: int) -> None:
+        """EngineConfig.batch_invariant: from now on each projection of 2 to `rows` rows
+        computes every row as a one-row step does (`ops.linear`'s `invariant_rows`), and
+        the add + norm after a projection keeps one counter per row. Mixtures of experts
+        and latent attention (DeepSeek) are refused by name: their grouped GEMMs and
+        stacked projections are shaped by the whole step."""
+        for name, m in self.named_modules():
+            if isinstance(m, (MoE, LatentAttention)):
+                what = "routed experts" if isinstance(m, MoE) else "latent attention"
+                raise ConfigError(f"batch_invariant covers dense models; {type(self).__name__} has {what} "
+                                  f"({name}), whose kernels are shaped by the whole step")
+        for module in self.modules():
+            if isinstance(module, (LinearBase, ParallelLMHead)):
+                module.invariant_rows = rows
+            counter = getattr(module, "done_counter", None)
+            if isinstance(counter, torch.Tensor):
+                module.done_counter = torch.zeros(rows, dtype=counter.dtype, device=counter.device)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Load, then let each module that has one run its `finish_loading` (innermost

@@ -219,6 +219,10 @@ class TransformersCausalLM(CausalLM):
                                  attention_mask=self._prepared_mask, use_cache=False)
         return out.last_hidden_state[0]
 
+    def use_batch_invariance(self, rows: int) -> None:
+        raise ConfigError("batch_invariant covers the native families; transformers' classes run their own "
+                          "projections and norms (model_impl transformers)")
+
     def use_torch_compile(self, backend: str = "inductor") -> None:
         """Compile the base model (dynamic in the step's token count): the elementwise work
         transformers leaves between kernels (rotary embedding, activations, residual adds

@@ -37,6 +37,29 @@ def test_verify_steps_in_graphs_equal_eager_and_stay_close_to_transformers(name,
     print(f"{name} with drafts: tokens matched before first (tolerated) difference: {matched}")
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_batch_invariant_tokens_equal_each_prompt_alone_in_bf16(eager, default_model_dir):
+    """bf16 with batch_invariant on the default model's real weights: each prompt's greedy
+    tokens decoded beside others (arriving one per step, ending at other lengths), with
+    and without prompt-lookup drafts, equal its tokens decoded alone: the batch-1 GEMV
+    takes a row axis, attention splits every row as a one-row step does."""
+    from tests.test_speculative import _arrivals
+
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+               "The capital of France is", "red green blue red green blue red green",
+               "Once upon a time, in a land far away,", "import numpy as np\nimport torch\nimport"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (64, 48, 64, 40, 24, 56)]
+    alone = _engine(default_model_dir, eager=eager, batch_invariant=True)
+    expected = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert _arrivals(_engine(default_model_dir, eager=eager, batch_invariant=True), prompts, params) == expected
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    eng = _engine(default_model_dir, eager=eager, batch_invariant=True, speculative_config=spec)
+    eng.draft_policy.batch_drafts = lambda num_decoding: True
+    assert _arrivals(eng, prompts, params) == expected
+    assert eng.draft_policy.stats.num_accepted_tokens > 20, eng.draft_policy.stats
+
+
 def test_mtp_draft_passes_in_graphs_equal_eager(tmp_path):
     """DeepSeek-V3's MTP layer as the drafter: a decode step's draft pass replays a graph
     of its own right after the step's graph (the same static metadata and hidden states);

@@ -264,16 +264,29 @@ def row_dot(
 @triton.jit
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, s_ptr,
-    N, K, swn, up_offset, eps, s_stride,
+    N, K, swn, up_offset, eps, s_stride, sxm, som, srm,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, ROW_GRID: tl.constexpr = False,
 ):
     """out[n] = row_dot(n) for this program's BLOCK_N rows; with ADD_NORM, the residual
     add + RMSNorm that follows the projection is done by the last program
     (`_last_program_add_norm`). fp8 weights (SCALE 1: per row, 2: per block; w_ptr then
     points at their bytes as int32 words, see gemv_fp8.py): row_dot_e4m3. Block-scaled
-    weights: BLOCK_N divides S_ROWS, so the program's rows share one scale row."""
+    weights: BLOCK_N divides S_ROWS, so the program's rows share one scale row.
+
+    ROW_GRID: grid axis 1 is the row of x (strides sxm, som, srm for x, out and the
+    residual, one add + norm counter per row). Every row runs the M = 1 code unchanged,
+    so each is bitwise what a launch for that row alone gives (`linear_m1` on several
+    rows). A constexpr, so the M = 1 launch compiles as it did without the axis (the
+    offsets alone moved ptxas's register allocation in the K = 4,096 loop)."""
+    if ROW_GRID:
+        row = tl.program_id(1)
+        x_ptr += row * sxm
+        out_ptr += row * som
+        if ADD_NORM:
+            res_ptr += row * srm
+            count_ptr += row
     first = tl.program_id(0) * BLOCK_N
     n = first + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -350,9 +363,13 @@ def linear_m1(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]; with silu_mul the N rows are
     [gate | up] halves and the result is silu(gate) * up, [1, N / 2]. An fp8 weight
-    comes with its `scale`: per `block` (rows, columns), or per row without one."""
+    comes with its `scale`: per `block` (rows, columns), or per row without one.
+
+    x [M, K] (rows at any stride): each row of the result bitwise what x's row alone
+    gives, the weight re-read (mostly from L2) per row: the batch-invariant mode's
+    projections (`ops.linear`'s `invariant_rows`), not a fast path for M > 1."""
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _launch_row(x, weight, bias, out, n, silu_mul=silu_mul, config=config, pdl=pdl, scale=scale, block=block)
     return out
 
@@ -363,10 +380,11 @@ def _launch_row(
     config: RowConfig | None = None, pdl: bool | None = None,
     scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> None:
-    """One `_gemv_row_kernel` launch writing `out` [1, n]; add_norm = (residual, norm
-    weight, counter, eps) turns on the last program's add + RMSNorm."""
-    k = x.shape[-1]
-    assert x.numel() == k and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k
+    """One `_gemv_row_kernel` launch writing `out` [M, n], each row of x [M, K] as a
+    launch for it alone would; add_norm = (residual [M, n], norm weight, counters (one
+    per row), eps) turns on the last program's add + RMSNorm."""
+    rows, k = x.shape
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k and out.shape == (rows, n)
     fp8 = weight.dtype == torch.float8_e4m3fn
     cfg = config or row_config(n, k, x.device, fp8, silu_mul)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
@@ -380,14 +398,15 @@ def _launch_row(
         weight = weight.view(torch.int32)
     opts = launch_opts(x.device, pdl)
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
-    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
         scale if scale is not None else out,
         n, k, weight.stride(0), n, eps, scale.stride(0) if scale is not None else 0,
+        x.stride(0), out.stride(0), residual.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
         BLOCK_H=triton.next_power_of_2(n) if add_norm is not None else 1,
-        SCALE=mode, S_ROWS=s_rows, S_COLS=s_cols,
+        SCALE=mode, S_ROWS=s_rows, S_COLS=s_cols, ROW_GRID=rows > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
 
@@ -404,15 +423,17 @@ def linear_m1_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(x [1, K] @ weight[N, K]^T (+ bias), residual [1, N], norm_weight,
     eps) in one launch: returns (normed [1, N], residual), residual updated in place.
-    `counter` is an int32 scalar tensor, zero on entry and left zero (its address may be
+    `counter` is an int32 tensor, zero on entry and left zero (its address may be
     captured in a CUDA graph); one per call site that can be in flight at once. fp8
-    weights as in `linear_m1`."""
-    n = weight.shape[0]
-    assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+    weights as in `linear_m1`. x [M, K] and residual [M, N] as in `linear_m1`, with one
+    counter per row."""
+    m, n = x.shape[0], weight.shape[0]
+    assert residual.shape == (m, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
     assert n <= MAX_ADD_NORM_FEATURES, f"{n} features > {MAX_ADD_NORM_FEATURES}"
-    assert counter.dtype == torch.int32 and counter.numel() == 1 and counter.device == x.device
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    assert counter.dtype == torch.int32 and counter.numel() >= m and counter.device == x.device
+    assert counter.is_contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _launch_row(x, weight, bias, out, n, add_norm=(residual, norm_weight, counter, eps), config=config, pdl=pdl,
                 scale=scale, block=block)
     return out, residual
