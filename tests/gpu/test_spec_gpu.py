@@ -2,7 +2,7 @@
 tokens eager verify steps give, and greedy decoding with drafts stays close to
 transformers under vLLM's logprob-closeness rule (verify rows are decode rows of a
 larger batch, so bf16 rounding may differ from plain decoding's: exactness is the CPU
-suite's, in fp32, and the batch-invariant mode's, last test here)."""
+suite's in fp32, and the batch-invariant mode's, tested here too)."""
 
 from __future__ import annotations
 
