@@ -75,11 +75,15 @@ def _gemv_row_signature(weight: str) -> dict[str, str]:
 def test_gemv_add_rms_norm_compiles_for_sm90():
     from agent_infer.kernels.triton.gemv import _gemv_row_kernel
 
-    constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True, "BLOCK_N": 4,
-                  "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1, "ROW_GRID": False}
-    ptx = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs).asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx
-    assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
+    for row_grid in (False, True):  # one row; several (the batch-invariant mode), a counter each
+        constexprs = {"HAS_BIAS": False, "SILU_MUL": False, "ADD_NORM": True, "PDL": True, "BLOCK_N": 4,
+                      "BLOCK_K": 2048, "BLOCK_H": 4096, "PREFETCH": 2, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1,
+                      "ROW_GRID": row_grid}
+        kernel = _compile_sm90(_gemv_row_kernel, _gemv_row_signature("*bf16"), constexprs)
+        ptx = kernel.asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx
+        assert "ld.global.cg" in ptx  # the last program reads the other programs' rows past L1
+        assert _registers_per_thread(kernel)[1] == 0, f"row grid {row_grid}: spills"
 
 
 @pytest.mark.parametrize("n,k", [(4096, k) for k in (1536, 2048, 4096, 5120, 7168, 12288)]

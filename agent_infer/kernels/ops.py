@@ -177,7 +177,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
         if gemv.fuses_scale(weight.shape[0] // 2, block):
             return gemv.linear_m1(x, weight, bias, silu_mul=True, scale=scale, block=block)
-    return silu_and_mul(linear(x, weight, bias, scale, block))
+    return silu_and_mul(linear(x, weight, bias, scale, block, invariant_rows))
 
 
 def linear_add_rms_norm(

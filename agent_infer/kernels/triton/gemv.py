@@ -193,11 +193,12 @@ class RowConfig:
 
 
 @triton.jit
-def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H: tl.constexpr):
-    """Run by every program after storing its rows of y: the last one to arrive does
-    residual <- y + residual, out <- rms_norm(residual) * weight over the whole row and
-    re-arms the counter. One program of a few µs instead of a dependent launch of its own."""
-    if last_to_arrive(count_ptr):
+def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs, BLOCK_H: tl.constexpr):
+    """Run by every one of the `programs` programs of a row after storing its part of y:
+    the last one to arrive does residual <- y + residual, out <- rms_norm(residual) *
+    weight over the whole row and re-arms the counter. One program of a few µs instead of
+    a dependent launch of its own."""
+    if last_to_arrive(count_ptr, programs):
         tl.debug_barrier()
         h = tl.arange(0, BLOCK_H)
         mask = h < N
@@ -275,19 +276,26 @@ def _gemv_row_kernel(
     points at their bytes as int32 words, see gemv_fp8.py): row_dot_e4m3. Block-scaled
     weights: BLOCK_N divides S_ROWS, so the program's rows share one scale row.
 
-    ROW_GRID: grid axis 1 is the row of x (strides sxm, som, srm for x, out and the
-    residual, one add + norm counter per row). Every row runs the M = 1 code unchanged,
-    so each is bitwise what a launch for that row alone gives (`linear_m1` on several
-    rows). A constexpr, so the M = 1 launch compiles as it did without the axis (the
-    offsets alone moved ptxas's register allocation in the K = 4,096 loop)."""
+    ROW_GRID: grid axis 0 is the row of x and axis 1 the block of outputs (strides sxm,
+    som, srm for x, out and the residual, one add + norm counter per row). Every row runs
+    the M = 1 code unchanged, so each is bitwise what a launch for that row alone gives
+    (`linear_m1` on several rows); the rows are the fast axis, so the programs that read
+    one weight tile run together and all but the first find it in L2. A constexpr, so the
+    M = 1 launch compiles as it did without the axis (the offsets alone moved ptxas's
+    register allocation in the K = 4,096 loop)."""
     if ROW_GRID:
-        row = tl.program_id(1)
+        row = tl.program_id(0)
         x_ptr += row * sxm
         out_ptr += row * som
         if ADD_NORM:
             res_ptr += row * srm
             count_ptr += row
-    first = tl.program_id(0) * BLOCK_N
+        block = tl.program_id(1)
+        programs = tl.num_programs(1)
+    else:
+        block = tl.program_id(0)
+        programs = tl.num_programs(0)
+    first = block * BLOCK_N
     n = first + tl.arange(0, BLOCK_N)
     n_mask = n < N
     if SCALE == 0:
@@ -300,7 +308,7 @@ def _gemv_row_kernel(
                          s_ptr, s_row, s_row + up_offset // S_ROWS, s_stride, SCALE, S_COLS)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     if ADD_NORM:
-        _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, BLOCK_H)
+        _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs, BLOCK_H)
 
 
 # Two tiles before the PDL wait, not one: the GEMV's first loads overlap the predecessor's
@@ -398,7 +406,8 @@ def _launch_row(
         weight = weight.view(torch.int32)
     opts = launch_opts(x.device, pdl)
     residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
-    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), rows)](
+    blocks = triton.cdiv(n, cfg.block_n)
+    _gemv_row_kernel[(rows, blocks) if rows > 1 else (blocks,)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter,
         scale if scale is not None else out,
         n, k, weight.stride(0), n, eps, scale.stride(0) if scale is not None else 0,

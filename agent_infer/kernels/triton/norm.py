@@ -70,15 +70,15 @@ def _fused_add_rms_norm_kernel(
 
 
 @triton.jit
-def last_to_arrive(count_ptr):
-    """True in the last program of the launch to get here (an atomic counter, int32,
+def last_to_arrive(count_ptr, programs):
+    """True in the last of `programs` programs to get here (an atomic counter, int32,
     zero on entry; that program must store 0 back). Every program calls it after storing
     what the last one will read: the barrier makes all its threads' stores part of the
     one thread's release (Triton runs a scalar atomic in one thread). The winner must
     pass a barrier before reading, so that its other threads read after the acquire."""
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    return done == tl.num_programs(0) - 1
+    return done == programs - 1
 
 
 @triton.jit
