@@ -151,7 +151,9 @@ def _assert_serving_adds_no_variant(runner: ModelRunner, warm_steps: list[tuple]
     return at_start.variants
 
 
-MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixed_batches=True)}
+MODES = {"graphs": dict(), "eager": dict(enforce_eager=True), "mixed": dict(mixed_batches=True),
+         # Eager steps of the batch-invariant mode: the GEMV's row grid, the one-row split plan.
+         "invariant": dict(enforce_eager=True, batch_invariant=True)}
 
 
 @pytest.mark.parametrize("shape", list(REAL))

@@ -47,7 +47,8 @@ class DenseTritonBackend(AttentionBackend):
         both merge their splits with the counters."""
         layout: DenseKVLayout = self.layout
         return variant_batches(max_batch, layout.num_kv_heads, self.num_heads // layout.num_kv_heads,
-                               layout.head_dim, counters=True, order=not mixed, device=self.device)
+                               layout.head_dim, counters=True, order=not mixed, device=self.device,
+                               **(self.one_row or {}))
 
     def attend(self, q: torch.Tensor, cache: DenseKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; caches [blocks, block_size, Hkv, D]."""

@@ -149,6 +149,11 @@ class ModelRunner:
             model.use_batch_invariance(self.config.max_decode_rows)
         return model.eval()
 
+    def _step_kind(self, decode: bool) -> None:
+        """Tell the batch-invariant mode's projections (if on) whether a decode step runs."""
+        if self.model.invariance is not None:
+            self.model.invariance.decoding(decode)
+
     def _make_backend(self) -> AttentionBackend:
         """One backend for the model's layout (every attention layer of a model shares its
         kind), from the registry by layout and device."""
@@ -179,6 +184,7 @@ class ModelRunner:
     def _single_prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """One sequence's prefill of `ids` into cache slots [0, len) of the bound pool
         (blocks 0, 1, ...); returns the final hidden states."""
+        self._step_kind(decode=False)
         num_tokens = ids.numel()
         blocks = -(-num_tokens // self.block_size)
         positions = torch.arange(num_tokens, device=self.device)
@@ -224,6 +230,7 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.config.max_decode_rows, 512), max_blocks, self.device,
                               self.backend, draft_layer=self.uses_draft_layer)
+        self._step_kind(decode=True)
         try:
             graphs.capture()
         except GraphUnsafe as e:
@@ -307,6 +314,7 @@ class ModelRunner:
     def execute(self, step: HostStep) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab] and
         the prompt logprobs the step asks for (None when none)."""
+        self._step_kind(decode=not step.is_prefill)
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
             hidden, logits = self.graphs.run(step, self._prev_tokens)
             if self.uses_draft_layer:

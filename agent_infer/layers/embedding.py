@@ -9,6 +9,7 @@ from torch import nn
 
 from agent_infer.distributed.state import ParallelState, all_gather_last_dim, all_reduce_sum
 from agent_infer.kernels import ops
+from agent_infer.layers.invariance import RowInvariance, invariant_rows
 from agent_infer.layers.linear import all_reduce_rms_norm
 from agent_infer.loader.weights import Weight, copy_into, narrow, shape_of
 
@@ -62,11 +63,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary rows, gathered over ranks. With tied embeddings
     the model points `weight` at the embedding's parameter."""
 
-    # As LinearBase.invariant_rows.
-    invariant_rows = 0
+    # As LinearBase.invariance.
+    invariance: RowInvariance | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden, self.weight, invariant_rows=self.invariant_rows)
+        logits = ops.linear(hidden, self.weight, invariant_rows=invariant_rows(self.invariance))
         if self.tp.world_size > 1:
             logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.vocab_size]

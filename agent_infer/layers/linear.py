@@ -21,6 +21,7 @@ from torch import nn
 
 from agent_infer.distributed.state import ParallelState, all_reduce_sum, divide
 from agent_infer.kernels import ops
+from agent_infer.layers.invariance import RowInvariance, invariant_rows
 from agent_infer.loader.weights import Weight, copy_into, materialize, narrow, shape_of
 from agent_infer.quantization.fp8 import FP8, Fp8Config, check_block_slice, dequantize, fp8_slice
 
@@ -41,9 +42,8 @@ class LinearBase(nn.Module):
     # False for a layer whose weight another module reads in the model's dtype (MLA's
     # kv_b_proj, absorbed into the attention): it stays in full precision.
     quantizable = True
-    # The batch-invariant mode (CausalLM.use_batch_invariance): up to this many rows are
-    # each computed as a one-row step would (ops.linear); 0: off.
-    invariant_rows = 0
+    # The batch-invariant mode's switch (CausalLM.use_batch_invariance); None: off.
+    invariance: RowInvariance | None = None
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
@@ -100,7 +100,7 @@ class LinearBase(nn.Module):
         copy_into(scale_rows, scale.view(-1, self.weight_scale.shape[1]))
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return ops.linear(x, self.weight, bias, self.weight_scale, self.block, self.invariant_rows)
+        return ops.linear(x, self.weight, bias, self.weight_scale, self.block, invariant_rows(self.invariance))
 
 
 class ReplicatedLinear(LinearBase):
@@ -202,7 +202,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
         assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
-        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block, self.invariant_rows)
+        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block, invariant_rows(self.invariance))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -285,7 +285,7 @@ class RowParallelLinear(LinearBase):
         (`all_reduce_add_rms_norm`)."""
         if self.tp.world_size == 1:
             return ops.linear_add_rms_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, self.done_counter,
-                                           self.weight_scale, self.block, self.invariant_rows)
+                                           self.weight_scale, self.block, invariant_rows(self.invariance))
         return all_reduce_add_rms_norm(self.partial(x), residual, norm.weight, norm.eps, self.tp)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from agent_infer.config import ConfigError, ModelConfig
 from agent_infer.distributed.state import ParallelState
 from agent_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agent_infer.layers.invariance import RowInvariance
 from agent_infer.layers.linear import LinearBase
 from agent_infer.layers.mla import LatentAttention
 from agent_infer.layers.moe import MoE
@@ -84,20 +85,25 @@ class CausalLM(nn.Module):
                 chosen.append(name)
         return chosen
 
+    # The batch-invariant mode's switch (use_batch_invariance); None: off.
+    invariance: RowInvariance | None = None
+
     def use_batch_invariance(self, rows: int) -> None:
-        """EngineConfig.batch_invariant: from now on each projection of 2 to `rows` rows
-        computes every row as a one-row step does (`ops.linear`'s `invariant_rows`), and
-        the add + norm after a projection keeps one counter per row. Mixtures of experts
-        and latent attention (DeepSeek) are refused by name: their grouped GEMMs and
-        stacked projections are shaped by the whole step."""
+        """EngineConfig.batch_invariant: from now on, while `invariance` says a decode step
+        runs, each projection of 2 to `rows` rows computes every row as a one-row step
+        does (`ops.linear`'s `invariant_rows`), and the add + norm after a projection
+        keeps one counter per row. Mixtures of experts and latent attention (DeepSeek) are
+        refused by name: their grouped GEMMs and stacked projections are shaped by the
+        whole step."""
         for name, m in self.named_modules():
             if isinstance(m, (MoE, LatentAttention)):
                 what = "routed experts" if isinstance(m, MoE) else "latent attention"
                 raise ConfigError(f"batch_invariant covers dense models; {type(self).__name__} has {what} "
                                   f"({name}), whose kernels are shaped by the whole step")
+        self.invariance = RowInvariance(rows)
         for module in self.modules():
             if isinstance(module, (LinearBase, ParallelLMHead)):
-                module.invariant_rows = rows
+                module.invariance = self.invariance
             counter = getattr(module, "done_counter", None)
             if isinstance(counter, torch.Tensor):
                 module.done_counter = torch.zeros(rows, dtype=counter.dtype, device=counter.device)

@@ -359,14 +359,16 @@ def launch_plan(
 
 def variant_batches(
     max_batch: int, num_kv_heads: int, group: int, head_dim: int, counters: bool, order: bool, device: torch.device,
+    num_splits: int | None = None, preload: bool | None = None,
 ) -> list[int]:
     """The smallest batch of each distinct compiled variant that calls of 1..max_batch
-    sequences need: running these batches once compiles every variant such calls can
-    meet (what a start-up warm-up of eager decode steps runs)."""
+    sequences need (with the same `num_splits` and `preload` overrides, if any): running
+    these batches once compiles every variant such calls can meet (what a start-up
+    warm-up of eager decode steps runs)."""
     block_d = check_head_dim(head_dim)
     first: dict[tuple, int] = {}
     for batch in range(1, max_batch + 1):
-        plan = launch_plan(batch, num_kv_heads, group, block_d, counters, order, device)
+        plan = launch_plan(batch, num_kv_heads, group, block_d, counters, order, device, num_splits, preload)
         first.setdefault(plan.variant, batch)
     return sorted(first.values())
 
