@@ -296,13 +296,21 @@ def test_batch_invariant_bf16_tokens_equal_each_prompt_decoded_alone(default_mod
 def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_path):
     """Mixed steps, tensor parallelism, experts and latent attention, and transformers'
     own classes are refused by name."""
+    from agent_infer.arguments import engine_config_from_args
+    from agent_infer.cli import build_parser
     from tests.deepseek_models import write_deepseek_model
 
     for extra, words in (({"mixed_batches": True}, "mixed_batches off"), ({"tensor_parallel_size": 2}, "one device")):
         with pytest.raises(ConfigError, match=words):
             EngineConfig(model=default_model_dir, batch_invariant=True, **extra)
+    for command in ("generate", "serve"):  # the flag, and its refusal, from the command line
+        args = [command, "--model", default_model_dir, "--batch-invariant"]
+        args += ["--prompt", "x"] if command == "generate" else []
+        assert engine_config_from_args(build_parser().parse_args(args)).batch_invariant
+        with pytest.raises(ConfigError, match="mixed_batches off"):
+            engine_config_from_args(build_parser().parse_args(args + ["--mixed-batches"]))
     path = write_deepseek_model("v2_lite", str(tmp_path / "v2"))
-    with pytest.raises(ConfigError, match="batch_invariant covers dense models; .* has (routed experts|latent attention)"):
+    with pytest.raises(ConfigError, match="batch_invariant covers dense models; .* (routed experts|latent attention)"):
         LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True))
     with pytest.raises(ConfigError, match="batch_invariant covers the native families"):
         LLMEngine(EngineConfig(model=default_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
