@@ -304,6 +304,15 @@ else:
     def test_gemv_m1_rows_invariant(dtype, epilogue, m, n, k, bias, config, fp8):
         kc.check_gemv_m1_rows_invariant(DEV, dtype, m, n, k, bias, epilogue, config, fp8=fp8)
 
+    @pytest.mark.parametrize("epilogue", ["plain", "add_norm"])
+    def test_gemv_m1_rows_past_the_grid_limit(epilogue, monkeypatch):
+        """More output blocks than the grid's second axis holds: a launch per row, the
+        same rows."""
+        from agent_infer.kernels.triton import gemv
+
+        monkeypatch.setattr(gemv, "MAX_GRID_Y", 3)
+        kc.check_gemv_m1_rows_invariant(DEV, torch.bfloat16, 3, 40, 128, True, epilogue, RowConfig(8, 64))
+
     # fp8 weights: blocks of (rows, columns) with a partial last row of blocks, and per row.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("fp8", [(16, 32), (8, 64), "channel"], ids=str)

@@ -311,6 +311,9 @@ def _gemv_row_kernel(
         _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs, BLOCK_H)
 
 
+# CUDA's limit on a grid's second and third axes: the row grid puts its output blocks there.
+MAX_GRID_Y = 65535
+
 # Two tiles before the PDL wait, not one: the GEMV's first loads overlap the predecessor's
 # tail; more tiles hold registers with no further overlap (docs/PERFORMANCE.md).
 ROW_PREFETCH_TILES = 2
@@ -395,6 +398,14 @@ def _launch_row(
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == k and out.shape == (rows, n)
     fp8 = weight.dtype == torch.float8_e4m3fn
     cfg = config or row_config(n, k, x.device, fp8, silu_mul)
+    if rows > 1 and triton.cdiv(n, cfg.block_n) > MAX_GRID_Y:
+        # More blocks than a grid's second axis holds (an LM head of over 262k rows at 4
+        # rows a program): a launch per row, each the M = 1 one.
+        for i in range(rows):
+            one_norm = None if add_norm is None else (add_norm[0][i:i + 1], add_norm[1], add_norm[2][i:], add_norm[3])
+            _launch_row(x[i:i + 1], weight, bias, out[i:i + 1], n, silu_mul=silu_mul, add_norm=one_norm,
+                        config=cfg, pdl=pdl, scale=scale, block=block)
+        return
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     assert fp8 == (scale is not None), "an fp8 weight needs its scales, and only an fp8 weight has them"
     mode, s_rows, s_cols = (0, 1, 1) if scale is None else ((1, 1, 1) if block is None else (2, *block))
