@@ -294,9 +294,12 @@ def test_batch_invariant_bf16_tokens_equal_each_prompt_decoded_alone(default_mod
 
 
 def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_path):
-    """Mixed steps, tensor parallelism, experts and latent attention, and transformers'
-    own classes are refused by name."""
+    """Mixed steps, tensor parallelism, experts and latent attention, the torch attention
+    backend on a GPU, and transformers' own classes are refused by name."""
+    from types import SimpleNamespace
+
     from agent_infer.arguments import engine_config_from_args
+    from agent_infer.attention.dense_torch import DenseTorchBackend
     from agent_infer.cli import build_parser
     from tests.deepseek_models import write_deepseek_model
 
@@ -312,6 +315,10 @@ def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_pa
     path = write_deepseek_model("v2_lite", str(tmp_path / "v2"))
     with pytest.raises(ConfigError, match="batch_invariant covers dense models; .* (routed experts|latent attention)"):
         LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True))
+    layer = SimpleNamespace(cache_layout=None, num_heads=4)
+    with pytest.raises(ConfigError, match="batch_invariant on a GPU needs the triton attention backend"):
+        DenseTorchBackend(layer, 8, torch.device("cuda"), batch_invariant=True)
+    DenseTorchBackend(layer, 8, torch.device("cpu"), batch_invariant=True)  # the CPU path attends row by row
     with pytest.raises(ConfigError, match="batch_invariant covers the native families"):
         LLMEngine(EngineConfig(model=default_model_dir, device="cpu", dtype="float32", num_kv_blocks=64,
                                model_impl="transformers", batch_invariant=True))

@@ -7,12 +7,21 @@ import torch
 
 from agent_infer.attention.backend import AttentionBackend
 from agent_infer.attention.metadata import AttentionMetadata
+from agent_infer.config import ConfigError
 from agent_infer.kernels import reference
 from agent_infer.kvcache.layouts import DenseKVCache
 
 
 class DenseTorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
+        super().__init__(layer, max_batch, device, batch_invariant)
+        if batch_invariant and device.type == "cuda":
+            # Invariant rows gather exactly their own context, which needs the lengths on
+            # the host; a captured decode graph's are placeholders.
+            raise ConfigError("batch_invariant on a GPU needs the triton attention backend: the torch one's graph "
+                              "steps attend over padded block tables, whose width depends on the step")
 
     def attend(self, q: torch.Tensor, cache: DenseKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] over the cache, which already holds this step's K/V."""

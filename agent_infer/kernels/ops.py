@@ -119,7 +119,7 @@ def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
     step of one row does, so a token's logits do not depend on what else is in its step.
     On a GPU the batch-1 GEMV takes all the rows in one launch (a grid axis over them);
     elsewhere the rows go one by one through the batch-1 path."""
-    return x.dim() == 2 and 1 < x.shape[0] <= invariant_rows
+    return invariant_rows > 1 and x.dim() == 2 and 1 < x.shape[0] <= invariant_rows
 
 
 def _row_by_row(fn, x: torch.Tensor, *args) -> torch.Tensor:

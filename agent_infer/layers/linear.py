@@ -202,7 +202,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection, fused into the GEMM at batch 1."""
         assert len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
-        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block, invariant_rows(self.invariance))
+        return ops.linear_silu_mul(x, self.weight, self.bias, self.weight_scale, self.block,
+                                   invariant_rows(self.invariance))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
