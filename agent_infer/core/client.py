@@ -40,6 +40,11 @@ from agent_infer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# After the core's process exits: how long the reader must have been quiet before requests
+# in flight are failed, and the longest wait (a killed core sends nothing more).
+_DRAIN_QUIET_S = 0.1
+_DRAIN_MAX_S = 1.0
+
 
 # ---- errors --------------------------------------------------------------------------------
 
@@ -244,6 +249,7 @@ class CoreClient:
         self._watch: ProcessWatch | None = None
         self._watcher: asyncio.Task | None = None
         self._dead_reason: str | None = "the engine core is not connected yet"
+        self._received = 0  # messages read from the core (the drain after its exit watches it)
         self._on_dead: list[Callable[[str], None]] = []
 
     # ---- facts about the engine --------------------------------------------------------------
@@ -379,6 +385,7 @@ class CoreClient:
         try:
             while True:
                 message = self._decode((await self._sock.recv(copy=False)).buffer)
+                self._received += 1
                 if isinstance(message, P.Outputs):
                     self._on_outputs(message)
                 elif isinstance(message, P.Reply):
@@ -461,7 +468,21 @@ class CoreClient:
         else:
             while not watch.exited():
                 await asyncio.sleep(0.25)
+        await self._drain()
         self._die("the engine core process exited")
+
+    async def _drain(self) -> None:
+        """Let the reader take the core's last messages before failing what is in flight:
+        a core that fails a request (or says why it stops) and exits sends those words
+        first, but they cross a socket while its exit is seen at once. A request the core
+        failed must end with that failure, not with "the engine is gone". Waits until the
+        reader has been quiet for a moment, bounded, since a killed core says nothing."""
+        deadline = time.monotonic() + _DRAIN_MAX_S
+        while self._dead_reason is None and time.monotonic() < deadline:
+            seen = self._received
+            await asyncio.sleep(_DRAIN_QUIET_S)
+            if self._received == seen:
+                return
 
     def _die(self, reason: str, notify: bool = True) -> None:
         """Fail everything in flight; with `notify`, the core is gone (log it, tell the

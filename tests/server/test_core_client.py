@@ -256,3 +256,65 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_cores_last_words_reach_requests_before_its_exit_does(tmp_path):
+    """A core that reports a request failed, says it is dead and exits at once: the request
+    ends with the failure the core reported (the server answers 500), not with "the engine
+    is gone" (503), even when the front end sees the exit before the messages arrive (they
+    cross a socket; the exit is seen at once). A scripted core: it exits, the front end's
+    loop runs once, then its last messages are delivered."""
+    import subprocess
+
+    import zmq
+
+    from agent_infer.core import protocol as P
+    from agent_infer.core.client import EngineFailedError
+
+    address = f"ipc://{tmp_path}/core.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    stand_in = subprocess.Popen(["sleep", "60"])  # the core's process, for the front end's watch
+    info = P.CoreInfo(stand_in.pid, "m", None, "llama", 64, 100, [0], 8, 16, 4)
+    encode, decode = P.encoder().encode, P.core_decoder().decode
+
+    def receive(kind):
+        identity, payload = router.recv_multipart()
+        message = decode(payload)
+        assert isinstance(message, kind), message
+        return identity, message
+
+    async def main():
+        client = CoreClient(info, address)
+        await client.start()
+        try:
+            identity, _ = receive(P.Hello)
+            group = client.submit([EngineRequest([1, 2, 3], _long())])
+            _, add = receive(P.Add)
+            router.send_multipart([identity, encode(P.Outputs(admitted=[add.group]))])
+            await group.admitted()
+            stand_in.kill()
+            stand_in.wait()
+            await asyncio.sleep(0.02)  # the front end's watch sees the exit
+            router.send_multipart([identity, encode(P.Outputs(failed=[P.Failure([add.items[0].id], "step failed")]))])
+            router.send_multipart([identity, encode(P.Dead("the engine failed"))])
+            async with group:
+                with pytest.raises(EngineFailedError):
+                    async for _ in group:
+                        pass
+            for _ in range(100):  # then the core's own reason for stopping, not its exit
+                if not client.is_running:
+                    break
+                await asyncio.sleep(0.01)
+            return client.dead_reason
+        finally:
+            await client.close()
+
+    try:
+        reason = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        stand_in.kill()
+        router.close(linger=0)
+        ctx.term()
+    assert reason is not None and "the engine failed" in reason
