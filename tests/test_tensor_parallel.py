@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo): TP = 2 and 3 with async scheduling give the same
 tokens (greedy and seeded sampling) and the same fp32 logprobs as a synchronous TP = 1;
 bad sizes fail before any process starts; a dead worker, or a failed step on rank 0,
-makes the engine fail fast and leaves no process behind; torchrun launches work too."""
+makes the engine fail fast and leaves no process behind; shutdown ends the group's
+threads; torchrun launches work too."""
 
 from __future__ import annotations
 
@@ -326,6 +327,34 @@ def test_torchrun_launch(tiny_model_dirs, tmp_path):
     assert len(lines) == 1, r.stdout  # only rank 0 returns from LLM(); the worker ends with it
     expected = run(path, 1, [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert lines[0] == f"TOKENS {expected[0].token_ids}"
+
+
+def _gloo_worker_threads() -> int:
+    """This process's gloo worker threads (torch names them), read from /proc."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def test_shutdown_ends_the_groups_threads_while_the_engine_lives(tiny_model_dirs):
+    """Shutdown joins gloo's worker threads even though the engine (its layers, their
+    ParallelState) is still referenced, as a script's global engine is until exit. A thread
+    left running may still be releasing a collective's tensors when the interpreter
+    finalizes, which aborted ranks at exit ("terminate called without an active exception")."""
+    before = _gloo_worker_threads()
+    eng = make_engine(tiny_model_dirs["qwen2"], 2)
+    try:
+        eng.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert _gloo_worker_threads() > before  # the count sees the group's threads
+    finally:
+        eng.shutdown()
+    assert eng.runner.tp.world_size == 2  # still referenced
+    assert _gloo_worker_threads() == before, "the group's threads outlived its destruction"
 
 
 def test_two_tp_engines_on_one_host(tiny_model_dirs):

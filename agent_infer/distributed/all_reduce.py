@@ -6,6 +6,7 @@ import logging
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from agent_infer.config import ConfigError
 from agent_infer.distributed.state import ParallelState
@@ -27,11 +28,12 @@ def choose_all_reduce(tp: ParallelState, device: torch.device, dtype: torch.dtyp
         if tp.is_first:
             log.info("all-reduce: %s", "gloo" if device.type != "cuda" else "NCCL")
         return tp
-    impl = build_all_reduce(tp.group, device, dtype)
+    group = dist.group.WORLD if tp.group is None else tp.group  # symmetric memory needs its name
+    impl = build_all_reduce(group, device, dtype)
     if impl is None and mode in ("symm_mem", "symm_mem_fused"):
         raise ConfigError(f"--all-reduce {mode} was asked for but symmetric memory does not work here")
     # Collective: every rank agrees on `impl` (build_all_reduce's check), so all call it.
-    norm_impl = build_all_reduce_norm(tp.group, device, dtype) if impl is not None and mode != "symm_mem" else None
+    norm_impl = build_all_reduce_norm(group, device, dtype) if impl is not None and mode != "symm_mem" else None
     if fused and norm_impl is None:
         raise ConfigError("--all-reduce symm_mem_fused was asked for but the fused kernel does not work here")
     if tp.is_first:

@@ -81,7 +81,9 @@ def init_group(info: LaunchInfo, device: torch.device, timeout_s: float = 60.0) 
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
-    return ParallelState(rank=info.rank, world_size=info.world_size, group=dist.group.WORLD)
+    # No reference to the group object (`group=None`: the default group): only torch holds
+    # it, so `destroy_group` ends it for real (see there), however long the model lives.
+    return ParallelState(rank=info.rank, world_size=info.world_size)
 
 
 def store() -> dist.Store:
@@ -90,8 +92,17 @@ def store() -> dist.Store:
 
 
 def destroy_group(timeout_s: float = 10.0) -> None:
-    """Destroy the group without risking a hang: destroying after symmetric-memory use was
-    seen to block, so it runs in a daemon thread that is abandoned after `timeout_s`."""
+    """Destroy the group, and with it gloo's worker threads, before the interpreter exits.
+
+    Those threads release each finished collective's tensors, which takes the GIL. Once the
+    interpreter finalizes, Python ends a thread that asks for the GIL, and ending one inside
+    that destructor aborts the process ("terminate called without an active exception"):
+    a thread late to release the last step's tensors did so at exit on a loaded host. The
+    threads stop only when the group's last reference goes; `destroy_process_group` drops
+    torch's and `init_group` keeps none of ours, so they are joined here.
+
+    Without risking a hang: destroying after symmetric-memory use was seen to block, so it
+    runs in a daemon thread that is abandoned after `timeout_s`."""
     if not dist.is_initialized():
         return
     t = threading.Thread(target=_destroy_quietly, daemon=True)

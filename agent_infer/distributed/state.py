@@ -18,7 +18,9 @@ import torch.distributed as dist
 class ParallelState:
     rank: int = 0
     world_size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup when world_size > 1
+    # The torch.distributed group the collectives run on; None: the default group, which
+    # `init_group` forms (it keeps no reference, so destroying the group ends it).
+    group: Any = None
     # Replaces the plain NCCL/gloo all-reduce (e.g. a symmetric-memory one); in place.
     all_reduce_impl: Callable[[torch.Tensor], None] | None = None
     # The all-reduce of a row-parallel output fused with the residual add + RMSNorm after
