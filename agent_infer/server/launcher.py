@@ -4,7 +4,9 @@
       |- engine core   (agent_infer.core: the engine, the GPU, the TP workers)
       |- front end x N (agent_infer.server.frontend: HTTP, templates, text; one port)
 
-The front ends share the listening socket, so the kernel spreads connections over them;
+The front ends share the listening socket, one accept queue: each connection goes to
+whichever front end accepts it first, so a busy one leaves new connections to the others
+(how an idle server's connections spread is the scheduler's choice, not an even split);
 each talks to the core over ZMQ. They start with the core and import their modules while
 it loads; what they serve (the core's facts and address) reaches them once it is up. The
 children run in sessions of their own, so a terminal's Ctrl-C reaches the supervisor

@@ -73,6 +73,24 @@ def _children(pid: int) -> dict[str, list[int]]:
     return roles
 
 
+@contextmanager
+def _stopped(pid: int, timeout: float = 10.0):
+    """The process stopped (SIGSTOP) for the block: it runs no code, so it accepts no
+    connection; continued (SIGCONT) after it, whatever happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            assert time.monotonic() < deadline, f"process {pid} did not stop"
+            time.sleep(0.01)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def _stream(client: httpx.Client, body: dict) -> tuple[list[dict], bool]:
     """Every JSON event of a streamed completion, and whether it ended with [DONE]."""
     events, done = [], False
@@ -171,9 +189,9 @@ def test_a_killed_core_gives_503s_and_the_server_exits(default_model_dir):
 
 def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(default_model_dir):
     """Two front ends on one port: /health stays fast while a 10 MB prompt and a slow
-    request template are in flight, both front ends serve and /metrics gives the same
-    totals from either, one front end killed leaves the other serving, and Ctrl-C (SIGINT)
-    stops the rest."""
+    request template are in flight, each front end serves every new connection while the
+    other is stopped, /metrics gives the same totals from either, one front end killed
+    leaves the other serving, and Ctrl-C (SIGINT) stops the rest."""
     slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     flags = ("--api-server-count", "2", "--trust-request-chat-template", "--chat-template-timeout", "3")
     with serve(*flags) as (proc, url, lines):
@@ -200,9 +218,24 @@ def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(defa
         t_huge.join(60)
         t_tmpl.join(60)
         serving = _children(proc.pid)["front_end"]  # for the message below, if one has gone
-        for _ in range(24):  # a fresh connection each: the kernel spreads them over both
+        for _ in range(24):  # a fresh connection each, taken by whichever front end accepts first
             r = httpx.post(url + "/v1/completions", json=_body("Hi", 2), trust_env=False, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # The front ends share one accept queue (no kernel hash over sockets of their own):
+        # whichever runs first takes a connection, so how the 24 spread is up to the
+        # scheduler (a loaded machine once gave all 24 to one). Each in turn is made the only
+        # one that can accept, the other stopped: it must serve every new connection.
+        index = {int(m.group(2)): m.group(1) for line in list(lines)
+                 if (m := re.search(r"front end (\d+) ready \(pid (\d+)\)", line))}
+        for held, other in ((front_ends[1], front_ends[0]), (front_ends[0], front_ends[1])):
+            free = f"agent_infer_front_end_requests_total{{front_end={index[other]}}}"
+            with _stopped(held):
+                before = parse_metrics(httpx.get(url + "/metrics", trust_env=False, timeout=10).text).get(free, 0)
+                for _ in range(4):
+                    r = httpx.post(url + "/v1/completions", json=_body("Hi", 2), trust_env=False, timeout=60)
+                    assert r.status_code == 200
+                after = parse_metrics(httpx.get(url + "/metrics", trust_env=False, timeout=10).text)[free]
+            assert after - before == 4, (free, before, after)
         models = httpx.get(url + "/v1/models", trust_env=False).json()["data"]
         scrapes = [parse_metrics(httpx.get(url + "/metrics", trust_env=False, timeout=10).text) for _ in range(8)]
         os.kill(front_ends[0], signal.SIGKILL)
@@ -223,7 +256,7 @@ def test_two_front_ends_share_the_port_and_the_metrics_and_stall_on_nothing(defa
     per_front_end = {k: v for k, v in scrapes[0].items() if k.startswith("agent_infer_front_end_requests_total")}
     assert len(per_front_end) == 2 and all(v > 0 for v in per_front_end.values()), (
         per_front_end, f"front ends {front_ends}, {serving} before the 24 requests", "".join(lines[-30:]))
-    assert sum(per_front_end.values()) == 24  # the two refused above never reached the core
+    assert sum(per_front_end.values()) == 24 + 8  # the two refused above never reached the core
     for key in ("agent_infer_requests_received_total", "agent_infer_generation_tokens_total"):
         assert {s[key] for s in scrapes} == {scrapes[0][key]}  # the same totals whoever answered
     assert code == 1  # it shut down cleanly, but a front end had failed
