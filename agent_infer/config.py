@@ -268,9 +268,11 @@ class EngineConfig:
     # (projections, attention splits, LM head), so a decoded token does not depend on
     # what else shares its step, nor on speculation: greedy text with drafts equals
     # greedy text without, in bf16 too (as vLLM's VLLM_BATCH_INVARIANT and SGLang's
-    # --enable-deterministic-inference aim at). Prefill steps are unchanged: a prompt
-    # prefilled beside others may round differently than alone. Costs speed at larger
-    # batches; dense models on one device, no mixed steps (CausalLM.use_batch_invariance).
+    # --enable-deterministic-inference aim at). A prefill step takes one prompt (its
+    # projections' rounding depends on every row of the step), so a prompt is prefilled as
+    # it would be alone; a prefix found in the prefix cache keeps the rounding of the
+    # prompt that computed it. Costs speed at larger batches and in bursts of prompts;
+    # dense models on one device, no mixed steps (CausalLM.use_batch_invariance).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

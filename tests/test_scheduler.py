@@ -50,6 +50,21 @@ def test_prefill_batches_several_prompts_then_decodes_all():
     assert not batch.is_prefill and batch.seqs == [a, b] and batch.num_new_tokens == [1, 1]
 
 
+def test_one_prompt_per_prefill_step_chunks_as_alone_then_decodes_all():
+    """The batch-invariant mode's prefill: one prompt a step, a long one cut at the token
+    budget exactly as it would be alone; then every sequence decodes in one step."""
+    bm = BlockManager(64, BS, True)
+    s = Scheduler(SchedulerConfig(8, 16, 128, one_prompt_per_prefill=True), bm, {EOS})
+    a, b, c = seq("a", 5), seq("b", 20, first=100), seq("c", 3, first=200)
+    for x in (a, b, c):
+        s.add(x)
+    steps = [run_step(s)[0] for _ in range(4)]
+    assert [(batch.seqs, batch.num_new_tokens) for batch in steps] == [([a], [5]), ([b], [16]), ([b], [4]), ([c], [3])]
+    assert all(batch.is_prefill for batch in steps)
+    batch = s.schedule()
+    assert not batch.is_prefill and batch.seqs == [a, b, c]
+
+
 def test_prefill_comes_first_when_a_request_arrives():
     s = make()
     a = seq("a", 5)

@@ -260,9 +260,8 @@ def test_continuous_batching_with_arrivals(default_model_dir, smol_engine, mixed
 
 
 def _arrivals(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    """Greedy tokens of `prompts` arriving one per step: each prefills in a step of its own
-    (prefill steps are not made invariant), then decodes beside the others, which start
-    later and end at other lengths."""
+    """Greedy tokens of `prompts` arriving one per step: each prefills in a step of its own,
+    then decodes beside the others, which start later and end at other lengths."""
     got: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     while engine.has_unfinished_requests() or pending:
@@ -278,8 +277,9 @@ def _arrivals(engine: LLMEngine, prompts: list, params: SamplingParams | list[Sa
 def test_batch_invariant_bf16_tokens_equal_each_prompt_decoded_alone(default_model_dir):
     """bf16 on the CPU with batch_invariant: each prompt's greedy tokens, decoded beside
     others (plain steps of 1-5 rows, and with drafts verify steps of up to 25), equal its
-    tokens decoded alone. Without the mode, bf16 rows of a multi-row step round apart
-    from a one-row step's, and a greedy path turns at the first near-tie."""
+    tokens decoded alone, and so do they when the prompts are given all at once (each
+    prefilled in a step of its own). Without the mode, bf16 rows of a multi-row step round
+    apart from a one-row step's, and a greedy path turns at the first near-tie."""
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
                "a b c d e f g h a b c d e f g h a b c", "The capital of France is",
                "red green blue red green blue red green", "Once upon a time, in a land far away,"]
@@ -291,6 +291,10 @@ def test_batch_invariant_bf16_tokens_equal_each_prompt_decoded_alone(default_mod
     spec = spec_engine(**config)
     assert _arrivals(spec, prompts, params) == expected
     assert spec.draft_policy.stats.num_accepted_tokens > 20, spec.draft_policy.stats
+    # All at once: each prompt is prefilled in a step of its own, as it would be alone.
+    together = LLMEngine(EngineConfig(**config))
+    assert [o.token_ids for o in together.generate(prompts, params)] == expected
+    assert together.stats.prefill_steps == len(prompts)
 
 
 def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_path):

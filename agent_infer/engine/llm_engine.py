@@ -133,7 +133,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.preemption_mode,
-                config.mixed_batches,
+                config.mixed_batches, one_prompt_per_prefill=config.batch_invariant,
             ),
             self.block_manager,
             self.eos_token_ids,

@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str = "none"
     mixed_batches: bool = False
+    one_prompt_per_prefill: bool = False  # EngineConfig.batch_invariant
 
 
 @dataclass
@@ -174,6 +175,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n <= 0 or (n < remaining and seqs):
                 return False  # only the first sequence of a batch is ever cut into chunks
+            if seqs and self.config.one_prompt_per_prefill:
+                return False  # a prompt prefilled beside others rounds apart from it alone
             seqs.append(seq)
             counts.append(n)
             budget -= n

@@ -2,8 +2,8 @@
 by its projections and its LM head and set by the engine before each step: in a decode
 or verify step, projections of up to `max_rows` rows compute each row exactly as a step
 of that row alone would (ops.linear's `invariant_rows`); in a prefill step they run as
-usual, since a prompt's rows need not match anything and the row-by-row path re-reads
-the weights once per row."""
+usual, since the scheduler gives such a step one prompt (its rows are then those of the
+prompt alone) and the row-by-row path would re-read the weights once per prompt token."""
 
 from __future__ import annotations
 

@@ -42,9 +42,9 @@ def test_batch_invariant_tokens_equal_each_prompt_alone_in_bf16(eager):
     """bf16 with batch_invariant on the Qwen3-0.6B shape (random weights: near-uniform
     logits, so any change in rounding soon turns a greedy path): each prompt's greedy
     tokens decoded beside others (arriving one per step, ending at other lengths), with
-    and without drafts (replayed from its own path, some wrong), equal its tokens decoded
-    alone: the batch-1 GEMV takes a row axis, attention splits every row as a one-row
-    step does."""
+    and without drafts (replayed from its own path, some wrong), and all given at once,
+    equal its tokens decoded alone: the batch-1 GEMV takes a row axis, attention splits
+    every row as a one-row step does, a prefill step takes one prompt."""
     from agent_infer.bench.random_weights import ensure_random_model
     from tests.test_speculative import _arrivals
 
@@ -62,6 +62,8 @@ def test_batch_invariant_tokens_equal_each_prompt_alone_in_bf16(eager):
     assert _arrivals(eng, prompts, params) == expected
     stats = eng.draft_policy.stats
     assert 20 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    together = _engine(path, eager=eager, batch_invariant=True)  # all at once: a prefill step each
+    assert [o.token_ids for o in together.generate(prompts, params)] == expected
 
 
 def test_mtp_draft_passes_in_graphs_equal_eager(tmp_path):
