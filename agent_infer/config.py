@@ -270,9 +270,10 @@ class EngineConfig:
     # greedy text without, in bf16 too (as vLLM's VLLM_BATCH_INVARIANT and SGLang's
     # --enable-deterministic-inference aim at). A prefill step takes one prompt (its
     # projections' rounding depends on every row of the step), so a prompt is prefilled as
-    # it would be alone; a prefix found in the prefix cache keeps the rounding of the
-    # prompt that computed it. Costs speed at larger batches and in bursts of prompts;
-    # dense models on one device, no mixed steps (CausalLM.use_batch_invariance).
+    # it would be alone; a prompt that finds its start in the prefix cache computes only
+    # the rest, which rounds apart from a whole prefill (enable_prefix_caching off: a text
+    # never depends on what ran before). Costs speed at larger batches and in bursts of
+    # prompts; dense models on one device, no mixed steps (CausalLM.use_batch_invariance).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
