@@ -91,12 +91,16 @@ def warm_up(engine: LLMEngine) -> float:
         add(n, sampled if salt % 2 else greedy, salt)
         drain()
     # Two one-token prompts prefilled in one step: every projection and the LM head over
-    # two rows, which take a kernel of their own (ops.linear's few-row GEMV).
+    # two rows, which take a kernel of their own (ops.linear's few-row GEMV). Then a
+    # two-token prompt: the projections' two rows where a prefill step takes one prompt
+    # (the batch-invariant mode).
     salt = len(PROMPT_LENGTHS)
     add(1, greedy, salt)
     add(1, greedy, salt + 1)
     drain()
-    salt += 2
+    add(2, greedy, salt + 2)
+    drain()
+    salt += 3
     # Steps of the token counts the model asks for, up to the step budget: one prompt, or
     # several prompts prefilled together where one cannot hold that many tokens.
     budget = engine.config.max_num_batched_tokens
