@@ -1,20 +1,24 @@
 """The front end's CoreClient against a real engine-core process: streaming, text and stop
 strings done in the front end, abort on early exit or cancellation, refusals, and what
-happens when the core's process dies (killed, or a tensor-parallel worker gone)."""
+happens when the core's process dies (killed, or a tensor-parallel worker gone); a
+scripted core for what reaches requests when its exit is seen before its last messages."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from contextlib import asynccontextmanager
 
 import pytest
+import zmq
 
 from agent_infer.config import EngineConfig
+from agent_infer.core import protocol as P
 from agent_infer.core.client import (
-    CoreClient, EngineDeadError, EngineRequest, QueueFullError, RequestRejectedError,
+    CoreClient, EngineDeadError, EngineFailedError, EngineRequest, QueueFullError, RequestRejectedError,
 )
 from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
@@ -264,13 +268,6 @@ def test_the_cores_last_words_reach_requests_before_its_exit_does(tmp_path):
     is gone" (503), even when the front end sees the exit before the messages arrive (they
     cross a socket; the exit is seen at once). A scripted core: it exits, the front end's
     loop runs once, then its last messages are delivered."""
-    import subprocess
-
-    import zmq
-
-    from agent_infer.core import protocol as P
-    from agent_infer.core.client import EngineFailedError
-
     address = f"ipc://{tmp_path}/core.sock"
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
