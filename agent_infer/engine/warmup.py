@@ -91,16 +91,17 @@ def warm_up(engine: LLMEngine) -> float:
         add(n, sampled if salt % 2 else greedy, salt)
         drain()
     # Two one-token prompts prefilled in one step: every projection and the LM head over
-    # two rows, which take a kernel of their own (ops.linear's few-row GEMV). Then a
-    # two-token prompt: the projections' two rows where a prefill step takes one prompt
-    # (the batch-invariant mode).
+    # two rows, which take a kernel of their own (ops.linear's few-row GEMV). In the
+    # batch-invariant mode a prefill step takes one prompt, so its two-row prefill is a
+    # two-token prompt (its LM head has one row).
     salt = len(PROMPT_LENGTHS)
-    add(1, greedy, salt)
-    add(1, greedy, salt + 1)
+    if engine.config.batch_invariant:
+        add(2, greedy, salt)
+    else:
+        add(1, greedy, salt)
+        add(1, greedy, salt + 1)
     drain()
-    add(2, greedy, salt + 2)
-    drain()
-    salt += 3
+    salt += 2
     # Steps of the token counts the model asks for, up to the step budget: one prompt, or
     # several prompts prefilled together where one cannot hold that many tokens.
     budget = engine.config.max_num_batched_tokens

@@ -280,7 +280,9 @@ def _gemv_row_kernel(
     som, srm for x, out and the residual, one add + norm counter per row). Every row runs
     the M = 1 code unchanged, so each is bitwise what a launch for that row alone gives
     (`linear_m1` on several rows); the rows are the fast axis, so the programs that read
-    one weight tile run together and all but the first find it in L2. A constexpr, so the
+    one weight tile run together and all but the first find it in L2 (each still moves
+    the tile into its SM: a row costs about a third of a one-row step on an 8B model,
+    docs/PERFORMANCE.md). A constexpr, so the
     M = 1 launch compiles as it did without the axis (the offsets alone moved ptxas's
     register allocation in the K = 4,096 loop)."""
     if ROW_GRID:
