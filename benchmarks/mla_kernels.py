@@ -83,8 +83,13 @@ PIPELINED = (MlaDecodeConfig(16, 32, 4, 5), MlaDecodeConfig(16, 16, 4, 5), MlaDe
              MlaDecodeConfig(16, 32, 8, 5))
 
 
+def parse_config(text: str) -> MlaDecodeConfig:
+    """"block_h,block_n,warps,stages" (MlaDecodeConfig's fields in order)."""
+    return MlaDecodeConfig(*map(int, text.split(",")))
+
+
 def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
-                 grid: tuple[list[int], list[int]] | None = None) -> dict:
+                 grid: tuple[list[int], list[int]] | None = None, configs: list[MlaDecodeConfig] = ()) -> dict:
     latent_bytes = batch * ctx * WIDTH * 2
     copies = max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / latent_bytes)))
     caches, tables, lens, q = decode_inputs(batch, ctx, heads, copies)
@@ -152,6 +157,21 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
                  for s in sorted(set(split_counts) | {splits}) for st in stage_counts]
         print("    grid: " + " | ".join(f"{name} {t:.1f}" for name, t in cells), flush=True)
         row["grid"] = cells
+    if configs:
+        # Other tiles at the default split count and at --splits, each checked against the
+        # reference where it fits.
+        cells = []
+        for cfg in configs:
+            for s in sorted(set(grid[0] if grid else []) | {splits}):
+                kw = {"counters": counters, "num_splits": s, "config": cfg}
+                cell_err = float("nan")
+                if small:
+                    got = mla_decode(q, caches[0], tables, lens, SCALE, RANK, **kw).float()
+                    cell_err = ((got - ref).norm() / ref.norm()).item()
+                cells.append((f"{cfg} splits {s}", timed(**kw), cell_err))
+        for name, t, cell_err in cells:
+            print(f"    config {name}: {t:.1f} us ({latent_bytes / t / 1e6:.2f} TB/s), err {cell_err:.1e}", flush=True)
+        row["configs"] = cells
     del caches
     torch.cuda.empty_cache()
     return row
@@ -240,6 +260,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[],
                     help="also time the default tiles at these split counts (and the default count)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 5], help="... at these pipeline depths")
+    ap.add_argument("--configs", nargs="+", default=[],
+                    help='decode tiles to time beside the default, "block_h,block_n,warps,stages", '
+                         'at the default split count and --splits, each checked against the reference')
     args = ap.parse_args()
     only = set(args.only.split(","))
     print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__,
@@ -250,7 +273,8 @@ def main() -> None:
         for batch in args.batches:
             for ctx in args.contexts:
                 grid = (args.splits, args.stages) if args.splits else None
-                decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid))
+                decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid,
+                                                [parse_config(c) for c in args.configs]))
     if "prefill" in only:
         cases = [("14 x 562", [562] * 14, [0] * 14), ("128", [128], [0]), ("512", [512], [0]), ("1024", [1024], [0]),
                  ("100..1024 x 8", [100, 230, 360, 490, 620, 750, 880, 1024], [0] * 8),
