@@ -80,9 +80,10 @@ def _reference_outputs(path: str, prompts, monkeypatch, params: SamplingParams =
     def fp8_gemm(x, weight, bias, scale, block):
         return _reference_fp8_gemm(x, weight, bias, scale, block)
 
-    def m1_linear(x, weight, bias=None, scale=None, block=None, invariant_rows=0):
+    # The stand-ins pass on whatever else ops' functions take (row invariance, ...).
+    def m1_linear(x, weight, bias=None, scale=None, block=None, *rest, **kw):
         if scale is None or x.shape[0] != 1:
-            return original_linear(x, weight, bias, scale, block, invariant_rows)
+            return original_linear(x, weight, bias, scale, block, *rest, **kw)
         return reference.fp8_linear(x.float(), weight, scale, block, None if bias is None else bias.float()).to(x.dtype)
 
     def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None):
@@ -91,7 +92,7 @@ def _reference_outputs(path: str, prompts, monkeypatch, params: SamplingParams =
 
     original_linear = ops.linear
     with monkeypatch.context() as m:
-        m.setattr(ops, "_gemv_ok", lambda x, w, rows=False: False)
+        m.setattr(ops, "_gemv_ok", lambda *args, **kwargs: False)
         m.setattr(ops, "_fp8_gemm", fp8_gemm)
         m.setattr(ops, "linear", m1_linear)
         m.setattr(ops, "fused_moe", fused_moe)

@@ -145,7 +145,7 @@ def _reference_fp8_gemm_k_halves(x, weight, bias, scale, block):
 def _fp32_products(path: str, prompts, monkeypatch):
     """The bf16 engine's prompt logprobs with every projection's products summed in fp32
     and the experts by the reference's loop over them (eager), the rest unchanged."""
-    def linear(x, weight, bias=None, scale=None, block=None, invariant_rows=0):
+    def linear(x, weight, bias=None, scale=None, block=None, *rest, **kw):  # rest, kw: row invariance, ...
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
     def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None):
@@ -153,7 +153,7 @@ def _fp32_products(path: str, prompts, monkeypatch):
         return y if out is None else out.copy_(y)
 
     with monkeypatch.context() as m:
-        m.setattr(ops, "_gemv_ok", lambda x, w, rows=False: False)
+        m.setattr(ops, "_gemv_ok", lambda *args, **kwargs: False)
         m.setattr(ops, "linear", linear)
         m.setattr(ops, "fused_moe", fused_moe)
         return _generate(path, prompts, FORCED, eager=True)
