@@ -104,7 +104,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      TTFT and peak memory at 512, 8k, 32k and 128k tokens), batched (8 x 16k and
                      32 x 8k), kernel (the MLA decode kernel's latent read rate by batch and
                      context, with split-count and tile sweeps), profile (a PDL-off batch-1
-                     profile at 32k: the decode kernel against its split merge)
+                     profile at 32k: the decode kernel against its split merge), profile-pdl
+                     (batch-1 profiles with PDL on at 512 and 32k: what each kernel adds to
+                     the step, so what grows with the context)
   moe [PART...]      the Qwen3-30B-A3B shape; parts: lat (batch 1 with transformers in the same
                      process), thr (nano-vllm's workload, two rounds, empty Triton cache), both by
                      default; profile (a PDL-off batch-1 profile: each kernel's own time),
@@ -595,6 +597,13 @@ cmd_longctx() {  # DeepSeek-V2-Lite shape at long contexts: decode and TTFT by c
       profile) # PDL off, so each kernel's time is its own: the MLA decode against its merge at 32k
                AGENT_INFER_PDL=0 bench ds_ctx_prof_32k 300 latency --random-weights deepseek-v2-lite --input-len 32768 \
                  --output-len 16 --num-warmup 1 --num-iters 1 --max-model-len 32896 --profile "$FIG/ds_ctx_prof_32k" ;;
+      profile-pdl)  # PDL on, as the engine runs: each kernel's exposed time (past every earlier start)
+               for n in 512 32768; do
+                 bench "ds_ctx_prof_pdl_$n" 300 latency --random-weights deepseek-v2-lite --input-len $n \
+                   --output-len 16 --num-warmup 1 --num-iters 1 --max-model-len $((n + 128)) \
+                   --profile "$FIG/ds_ctx_prof_pdl_$n"
+                 grep -A17 '^profile' "$FIG/ds_ctx_prof_pdl_$n.log" | cut -c1-160
+               done ;;
       *)       echo "unknown longctx part: $part"; return 2 ;;
     esac
   done
