@@ -12,7 +12,6 @@ import random
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from agent_infer.config import ConfigError, EngineConfig
@@ -151,3 +150,30 @@ def test_missing_or_misshapen_scales_are_named(checkpoints, tmp_path):
         save_file(edited, str(broken / "model.safetensors"))
         with pytest.raises((ConfigError, ValueError), match=name.removesuffix("_scale_inv")):
             _engine(str(broken))
+
+
+def test_the_gpu_tests_reference_patches_take_what_the_layers_pass(checkpoints, monkeypatch):
+    """tests/gpu hold the fp8 engine to reference arithmetic made by patching `ops`
+    (`_reference_outputs` in test_fp8_engine.py, `_fp32_products` in
+    test_fp8_real_shapes.py). The stand-ins sit on the layers' own call paths, so they
+    must take whatever those pass: a row-invariance argument once broke every reference
+    run, unseen here. On the CPU, where fp8 weights are dequantized as they load, the
+    stand-ins pass everything on, so the patched runs give the engine's own tokens and
+    logprobs (the dense layers and the MoE's experts, through both)."""
+    from tests.gpu.test_fp8_engine import _reference_outputs
+    from tests.gpu.test_fp8_real_shapes import FORCED, _fp32_products
+
+    cpu = dict(device="cpu", dtype="float32", kv_cache_bytes=None, num_kv_blocks=128, block_size=16)
+    for name in ("qwen3-block", "deepseek-v3-block"):
+        fp8_dir, _ = checkpoints[name]
+        engine = _engine(fp8_dir)
+        prompts = _prompts(engine.model_config.vocab_size)
+        want = engine.generate(prompts, PARAMS)
+        got = _reference_outputs(fp8_dir, prompts, monkeypatch, PARAMS, **cpu)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], name
+        assert all(abs(a.logprob - b.logprob) < 1e-5 for o, w in zip(got, want) for a, b in zip(o.logprobs, w.logprobs))
+        want = engine.generate(prompts, FORCED)
+        got = _fp32_products(fp8_dir, prompts, monkeypatch, max_model_len=None, **cpu)
+        for o, w in zip(got, want):
+            assert len(o.prompt_logprobs) == len(w.prompt_logprobs) == len(o.prompt_token_ids), name
+            assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:]))

@@ -32,8 +32,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logpro
 
 
 def _engine(path: str, eager: bool = False, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16", enforce_eager=eager,
-                                  kv_cache_bytes=1 << 30, max_num_seqs=16, **kw))
+    """A GPU engine in bf16; `kw` adds to or replaces its settings (the CPU suite runs the
+    reference arithmetic on a CPU engine: tests/test_fp8_checkpoints.py)."""
+    settings = dict(device="cuda", dtype="bfloat16", kv_cache_bytes=1 << 30, max_num_seqs=16) | kw
+    return LLMEngine(EngineConfig(model=path, enforce_eager=eager, **settings))
 
 
 def _compare(ours, ref, name: str) -> float:

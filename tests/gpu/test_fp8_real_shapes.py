@@ -39,7 +39,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 
 
 def _generate(path: str, prompts, params: SamplingParams = PARAMS, **kw):
-    engine = _engine(path, max_model_len=2048, **kw)
+    engine = _engine(path, **({"max_model_len": 2048} | kw))
     try:
         return engine.generate(prompts, params)
     finally:
@@ -142,9 +142,10 @@ def _reference_fp8_gemm_k_halves(x, weight, bias, scale, block):
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def _fp32_products(path: str, prompts, monkeypatch):
+def _fp32_products(path: str, prompts, monkeypatch, **engine):
     """The bf16 engine's prompt logprobs with every projection's products summed in fp32
-    and the experts by the reference's loop over them (eager), the rest unchanged."""
+    and the experts by the reference's loop over them (eager), the rest unchanged;
+    `engine`: other engine settings (tests/test_fp8_checkpoints.py runs it on a CPU)."""
     def linear(x, weight, bias=None, scale=None, block=None, *rest, **kw):  # rest, kw: row invariance, ...
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
@@ -156,7 +157,7 @@ def _fp32_products(path: str, prompts, monkeypatch):
         m.setattr(ops, "_gemv_ok", lambda *args, **kwargs: False)
         m.setattr(ops, "linear", linear)
         m.setattr(ops, "fused_moe", fused_moe)
-        return _generate(path, prompts, FORCED, eager=True)
+        return _generate(path, prompts, FORCED, eager=True, **engine)
 
 
 def _agreement(ours, ref) -> tuple[float, float, float]:
