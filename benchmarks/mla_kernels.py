@@ -103,11 +103,16 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
         return graph_time_us(run) / copies
 
     small = latent_bytes * 4 * heads / 16 < 8 << 30  # the reference holds the gathered rows in fp32
-    err = float("nan")
-    if small:
-        ref = reference.mla_decode(q, caches[0], tables, lens, SCALE, RANK).float()
-        got = mla_decode(q, caches[0], tables, lens, SCALE, RANK, counters=counters).float()
-        err = ((got - ref).norm() / ref.norm()).item()
+    ref = reference.mla_decode(q, caches[0], tables, lens, SCALE, RANK).float() if small else None
+
+    def error(**kw) -> float:
+        """The relative error of a call against the reference (NaN where it does not fit)."""
+        if ref is None:
+            return float("nan")
+        got = mla_decode(q, caches[0], tables, lens, SCALE, RANK, **kw).float()
+        return ((got - ref).norm() / ref.norm()).item()
+
+    err = error(counters=counters)
     splits = mla_decode_num_splits(batch, heads, torch.device(DEV))
     row = {"batch": batch, "ctx": ctx, "splits": splits, "err": err,
            "roofline": latent_bytes / HBM_BYTES_PER_S * 1e6,
@@ -164,11 +169,7 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
         for cfg in configs:
             for s in sorted(set(grid[0] if grid else []) | {splits}):
                 kw = {"counters": counters, "num_splits": s, "config": cfg}
-                cell_err = float("nan")
-                if small:
-                    got = mla_decode(q, caches[0], tables, lens, SCALE, RANK, **kw).float()
-                    cell_err = ((got - ref).norm() / ref.norm()).item()
-                cells.append((f"{cfg} splits {s}", timed(**kw), cell_err))
+                cells.append((f"{cfg} splits {s}", timed(**kw), error(**kw)))
         for name, t, cell_err in cells:
             print(f"    config {name}: {t:.1f} us ({latent_bytes / t / 1e6:.2f} TB/s), err {cell_err:.1e}", flush=True)
         row["configs"] = cells

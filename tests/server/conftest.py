@@ -88,6 +88,16 @@ class ServerHandle:
         raise AssertionError(f"engine not idle after {timeout}s: {s}")
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc ("R", "S", "T" stopped, "Z" zombie...), or
+    "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):

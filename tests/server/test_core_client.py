@@ -24,6 +24,7 @@ from agent_infer.core.config import CoreConfig
 from agent_infer.core.process import CoreProcess
 from agent_infer.loader.tokenizer import load_tokenizer
 from agent_infer.sampling_params import SamplingParams
+from tests.server.conftest import process_state
 
 MAX_LEN = 256
 
@@ -246,20 +247,12 @@ def test_dead_tensor_parallel_worker_stops_the_core(tiny_model_dirs):
         proc.stop()
     assert 3 <= seen < 200
     assert any("WorkerError" in reason for reason in heard), heard
-    assert all(_state(pid) in ("gone", "Z") for pid in workers), "a worker outlived the core"
+    assert all(process_state(pid) in ("gone", "Z") for pid in workers), "a worker outlived the core"
 
 
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_the_cores_last_words_reach_requests_before_its_exit_does(tmp_path):

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from agent_infer.core.watch import alive
-from tests.server.conftest import parse_metrics
+from tests.server.conftest import parse_metrics, process_state
 
 MODEL = "life-model"
 
@@ -80,10 +80,7 @@ def _stopped(pid: int, timeout: float = 10.0):
     os.kill(pid, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    break
+        while process_state(pid) != "T":
             assert time.monotonic() < deadline, f"process {pid} did not stop"
             time.sleep(0.01)
         yield
