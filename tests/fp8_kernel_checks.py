@@ -3,10 +3,11 @@ references in agent_infer/quantization/fp8.py, shared by tests/test_triton_inter
 (CPU tensors through Triton's interpreter, tiny shapes) and tests/gpu/test_fp8_gemm.py
 (CUDA, Qwen3-8B shapes).
 
-Activation quantization must be bit-identical to the reference. The reference always
-runs on CPU: on CUDA, torch divides by a Python scalar as a multiplication by its fp32
-reciprocal (`amax / 448` there differs from the correctly rounded quotient in about half
-the cases), while the CPU divides, as the kernel does.
+Activation quantization must be bit-identical to the reference. The reference runs on
+CPU here; on a GPU it gives the same bits (`check_reference_quantizer_on_device`: its
+scales divide by a tensor, which CUDA rounds correctly, where division by the Python
+float 448 was a multiplication by its fp32 reciprocal), so references run on the GPU,
+as the GPU tests' engine references do, quantize as the kernels do.
 
 The GEMM is checked with operands quantized by the reference, so it is tested apart
 from the quantization; both sides multiply the same fp8 values and scales in fp32 (the
@@ -68,6 +69,21 @@ def check_quantize_token_groups(device, dtype: torch.dtype, m: int, k: int, grou
     assert same(s.cpu(), ref_s), f"scales differ in {(s.cpu() != ref_s).sum().item()} of {ref_s.numel()}"
     bad = (q.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()
     assert bad.numel() == 0, f"{len(bad)} fp8 values differ, first at {bad[0].tolist()}"
+
+
+def check_reference_quantizer_on_device(device, m: int, k: int, seed: int = 0) -> None:
+    """The reference quantizers (activations per token and per 128-feature group, weights
+    per row and per 128 x 128 block) give on `device` the bits they give on the CPU."""
+    x = _activations(m, k, torch.bfloat16, seed)
+    cases = {f"activations, groups of {g}": lambda t, g=g: ref_fp8.quantize_token_groups(t, g) for g in (128, k)}
+    cases["weights, per row"] = ref_fp8.quantize_channel
+    cases["weights, 128 x 128 blocks"] = lambda t: ref_fp8.quantize_block(t, (128, 128))
+    for name, quantize in cases.items():
+        ref_q, ref_s = quantize(x)
+        q, s = quantize(x.to(device))
+        assert same(s.cpu(), ref_s), f"{name}: scales differ in {(s.cpu() != ref_s).sum().item()} of {ref_s.numel()}"
+        bad = (q.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+        assert bad == 0, f"{name}: {bad} fp8 values differ"
 
 
 def check_e4m3_rounding(device, group: int = 32) -> None:

@@ -107,7 +107,11 @@ def _channel_config(quant: dict[str, Any]) -> Fp8Config:
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Divided by a tensor, not the Python float: on CUDA torch turns division by a scalar
+    # into multiplication by its fp32 reciprocal, one ulp off the quotient in about half
+    # the cases, which moves values across e4m3 rounding boundaries. A tensor divisor is
+    # divided correctly rounded on every device, as the kernels do.
+    return torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

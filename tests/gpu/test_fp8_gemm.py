@@ -2,8 +2,8 @@
 linear shapes, against the references of agent_infer/quantization/fp8.py
 (tests/fp8_kernel_checks.py); and fp8_linear captured in a CUDA graph and replayed.
 
-The activation quantization must match the reference bit for bit; the reference runs on
-CPU (see tests/fp8_kernel_checks.py for why). The GEMM's bound is relative to the largest
+The activation quantization must match the reference bit for bit, and the reference
+gives the same bits on the GPU as on the CPU (tests/fp8_kernel_checks.py). The GEMM's bound is relative to the largest
 output: on Hopper the tensor cores accumulate fp8 products with fewer bits than fp32
 within each BLOCK_K step, and a bf16 output rounds to 2^-8.
 
@@ -40,6 +40,11 @@ def test_quantize_token_groups_bit_exact(dtype, m, group):
 def test_quantize_token_groups_odd_shapes(m, k, group):
     """Per token over a row wider than one tile (read in chunks), partial last groups."""
     fc.check_quantize_token_groups(DEV, torch.bfloat16, m, k, group)
+
+
+@pytest.mark.parametrize("m,k", [(475, 4096), (33, 12288)])
+def test_the_reference_quantizes_on_the_gpu_as_on_the_cpu(m, k):
+    fc.check_reference_quantizer_on_device(DEV, m, k)
 
 
 def test_e4m3_rounding():
