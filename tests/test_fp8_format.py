@@ -102,6 +102,72 @@ COMPRESSED_TENSORS_FP8 = {  # llm-compressor's FP8_DYNAMIC scheme
 }
 
 
+def _tensor_core_sum(xs: list[float], ws: list[float], step: int, bits: int, promote: int | None) -> float:
+    """One output of reference.fp8_mma_sums, written out in Python floats."""
+    import math
+
+    total, k = 0.0, len(xs)
+    interval = promote or k
+    for k0 in range(0, k, interval):
+        acc = 0.0
+        for s in range(k0, min(k0 + interval, k), step):
+            terms = [a * b for a, b in zip(xs[s:min(s + step, k0 + interval)], ws[s:min(s + step, k0 + interval)])]
+            top = max([abs(t) for t in terms] + [abs(acc)])
+            unit = math.ldexp(1.0, math.frexp(top)[1] - 1 - bits)
+            acc = math.trunc(acc / unit) * unit + sum(math.trunc(t / unit) * unit for t in terms)
+        total = float(torch.tensor(total, dtype=torch.float32) + torch.tensor(acc, dtype=torch.float32))
+    return total
+
+
+@pytest.mark.parametrize("step,promote", [(16, 64), (32, None), (8, 48)])
+def test_the_tensor_core_accumulator_model(step, promote):
+    """reference.fp8_mma_sums against the same rule written out one output at a time (K of
+    200: partial steps and intervals at the end), and the rule's own bound: with positive
+    operands a cut sum never exceeds the exact one and falls short by at most one unit per
+    term a step."""
+    from agent_infer.kernels import reference
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 200, generator=g) * 40).to(torch.float8_e4m3fn)
+    w = (torch.randn(4, 200, generator=g) * 40).to(torch.float8_e4m3fn)
+    got = reference.fp8_mma_sums(x, w, step=step, bits=13, promote=promote)
+    assert got.dtype == torch.float32 and got.shape == (3, 4)
+    for i in range(3):
+        for j in range(4):
+            assert got[i, j].item() == _tensor_core_sum(x[i].tolist(), w[j].tolist(), step, 13, promote), (i, j)
+    exact = x.double() @ w.double().t()
+    assert (got.double() != exact).any(), "13 bits cut nothing: the model would be exact sums"
+    xp, wp = x.float().abs().to(torch.float8_e4m3fn), w.float().abs().to(torch.float8_e4m3fn)
+    cut, exact = reference.fp8_mma_sums(xp, wp, step=step, bits=13, promote=None).double(), xp.double() @ wp.double().t()
+    assert (cut <= exact).all()
+    assert ((exact - cut) / exact <= (200 / step + 1) * (step + 1) * 2.0**-13).all()
+
+
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_the_accumulator_model_applies_the_scales_as_the_kernels_do(block):
+    """Scaled: per 128-feature interval for block weights (each promoted sum times its
+    token-group and weight-block scales), once at the end per row."""
+    from agent_infer.kernels import reference
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 384, generator=g).to(torch.bfloat16)
+    w = torch.randn(256, 384, generator=g) * 0.05
+    wq, ws = F.quantize_block(w, block) if block else F.quantize_channel(w)
+    xq, xs = F.quantize_token_groups(x, block[1] if block else 384)
+    got = reference.fp8_mma_sums(xq, wq, x_scale=xs, w_scale=ws, block=block, n_chunk=100)
+    raw = [reference.fp8_mma_sums(xq[:, k0:k0 + 128], wq[:, k0:k0 + 128]) for k0 in (0, 128, 256)]
+    if block:
+        want = torch.zeros(5, 256)
+        for kb, part in enumerate(raw):
+            want = want + part * (xs[:, kb, None] * ws[:, kb].repeat_interleave(128)[None, :])
+    else:
+        want = (raw[0] + raw[1] + raw[2]) * (xs * ws.reshape(1, -1))
+    assert torch.equal(got, want)
+    exact = F.w8a8_block_matmul(x, wq, ws, block).float() if block else None
+    if exact is not None:
+        assert ((got - exact).abs().max() / exact.abs().max()).item() < 2e-2
+
+
 def test_quantization_configs_of_published_checkpoints():
     assert F.Fp8Config.from_hf(None) is None
     assert F.Fp8Config.from_hf(DEEPSEEK_V3) == F.Fp8Config("block", (128, 128))

@@ -80,6 +80,53 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return F.linear(x, fp8_weight_values(weight, scale, block).to(x.dtype), bias)
 
 
+def fp8_mma_sums(x_fp8: torch.Tensor, w_fp8: torch.Tensor, step: int = 32, bits: int = 13, promote: int | None = 128,
+                 x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                 block: tuple[int, int] | None = None, n_chunk: int = 4096) -> torch.Tensor:
+    """x_fp8 [M, K] @ w_fp8 [N, K]^T in fp32 as fp8 tensor cores sum it, by a model of
+    their accumulator: every `step` products are added to it at once, each term (and the
+    accumulator) cut toward zero to `bits` bits below the largest exponent among them;
+    every `promote` features of K (None: never) the accumulator is added to an fp32 sum
+    and restarts from zero, as the kernels do to bound the loss. With scales: per token
+    and group of block[1] features (x_scale [M, K / block[1]]) and per weight block
+    (w_scale), each promoted sum is scaled before the add (the W8A8 GEMM's block layout);
+    per token and row (block None), the fp32 sum is scaled at the end.
+    benchmarks/fp8_accumulation.py measures how well it matches the kernels.
+
+    Everything inside a promotion interval is exact in fp32: e4m3 products have at most 8
+    significant bits, and the cut terms and their sums are multiples of one power of two
+    spanning fewer than 24 bits (for bits <= 17)."""
+    m, k = x_fp8.shape
+    interval = promote or k
+    assert bits <= 17, "exact in fp32 only while a step's sum spans fewer than 24 bits"
+    if block is not None:
+        assert interval == block[1], "the block layout promotes once per weight block's columns"
+    x = x_fp8.float()
+    outs = []
+    for n0 in range(0, w_fp8.shape[0], n_chunk):
+        w = w_fp8[n0:n0 + n_chunk].float()
+        total = torch.zeros(m, w.shape[0], dtype=torch.float32, device=x.device)
+        for k0 in range(0, k, interval):
+            acc = torch.zeros(m, w.shape[0], dtype=torch.float32, device=x.device)
+            for s in range(k0, min(k0 + interval, k), step):
+                terms = x[:, None, s:s + step] * w[None, :, s:s + step]  # exact: 4-bit significands
+                top = torch.maximum(torch.linalg.vector_norm(terms, float("inf"), dim=2), acc.abs())
+                unit = torch.ldexp(torch.ones_like(top), torch.frexp(top).exponent - 1 - bits)
+                # Whole units, summed as integers (exact), then scaled back.
+                cut = torch.div(terms, unit[..., None], rounding_mode="trunc").sum(2)
+                acc = (torch.div(acc, unit, rounding_mode="trunc") + cut) * unit
+            part = acc
+            if block is not None and x_scale is not None:
+                kb = k0 // block[1]
+                rows = w_scale[:, kb].repeat_interleave(block[0])[n0:n0 + w.shape[0]]
+                part = part * (x_scale[:, kb, None] * rows[None, :])
+            total = total + part
+        if block is None and x_scale is not None:
+            total = total * (x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)[:, n0:n0 + w.shape[0]])
+        outs.append(total)
+    return torch.cat(outs, dim=1)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0,
