@@ -131,7 +131,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      tiles swept with PDL),
                      attention (batch-1 decode attention inside its layer's chain, launches swept),
                      fp8 (the fp8 GEMV chains of the Qwen3-8B and V2-Lite shapes, the W8A8 GEMMs,
-                     decode attention over an fp8 cache),
+                     decode attention over an fp8 cache), fp8-sums (how far the fp8 GEMMs' sums
+                     land from exact ones, against the model of the tensor cores' accumulator),
                      rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too;
                      the few-row GEMV's tiles at 2 and 5 rows in a chain, against cuBLAS)
   default-model      stage a half of the default model's GGUF; with both halves, install it
@@ -767,6 +768,7 @@ cmd_kernels() {
               kernel_part fp8_gemv_v2lite 200 python3 benchmarks/gemv_chain.py --fp8 channel --tp 1 --model deepseek-v2-lite
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph
               kernel_part fp8_decode 120 python3 benchmarks/throughput_kernels.py --only decode --kv-cache-dtype fp8 ;;
+      fp8-sums) kernel_part fp8_sums 200 python3 benchmarks/fp8_accumulation.py ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;
     esac
   done

@@ -95,16 +95,17 @@ def test_fp8_teacher_forced_beside_the_noise_floor(preset, monkeypatch):
     each projection summed by `reference.fp8_mma_sums` (13 bits below the largest term a
     32-product step, promoted to fp32 every 128 features: as often as the kernels and
     cuBLAS differ from exact sums at these shapes, benchmarks/fp8_accumulation.py). The
-    bf16 engine against its products summed in fp32 is printed beside them. Per pair: the
-    share of positions whose top tokens agree, the share that meets vLLM's rule (each
-    side's top token in the other's top five) and the mean |logprob difference| of the
-    prompt's token. The test asserts the rule's share is no worse than the floor's by
-    more than 5 points."""
+    bf16 engine against its products summed in fp32, and fp8 against bf16, are printed
+    beside them. Per pair: the share of positions whose top tokens agree, the share that
+    meets vLLM's rule (each side's top token in the other's top five) and the mean
+    |logprob difference| of the prompt's token. The test asserts the rule's share is no
+    worse than the floor's by more than 5 points."""
     from agent_infer.bench.random_weights import ensure_random_model
 
     path = ensure_random_model(preset)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 30000) for _ in range(n)] for n in (5, 40, 130, 300)]
+
     def tensor_cores():
         # The model is slow (every product written out, a launch per 32 of K): no warm-up,
         # and start-up's profiling pass takes no more rows than the 475 scored.
@@ -128,7 +129,8 @@ def test_fp8_teacher_forced_beside_the_noise_floor(preset, monkeypatch):
     bf16 = _agreement(runs["bf16"], runs["bf16 in fp32"])
     for name, (top1, rule, diff) in (("fp8 against its reference", fp8),
                                      ("fp8's reference summed as the tensor cores sum, against itself", fp8_floor),
-                                     ("bf16 against its products summed in fp32", bf16)):
+                                     ("bf16 against its products summed in fp32", bf16),
+                                     ("fp8 against bf16", _agreement(runs["fp8"], runs["bf16"]))):
         print(f"{preset}, teacher-forced, {name}: top tokens agree at {top1:.1%} of positions, vLLM's rule "
               f"holds at {rule:.1%}, mean |logprob diff| {diff:.4f}")
     # Activations quantized per token turn a one-ulp difference of a bf16 input into a
