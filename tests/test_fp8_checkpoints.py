@@ -177,3 +177,32 @@ def test_the_gpu_tests_reference_patches_take_what_the_layers_pass(checkpoints, 
         for o, w in zip(got, want):
             assert len(o.prompt_logprobs) == len(w.prompt_logprobs) == len(o.prompt_token_ids), name
             assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:]))
+    # The teacher-forced test's floor runs the reference with these settings.
+    fp8_dir, _ = checkpoints["qwen3-block"]
+    got = _reference_outputs(fp8_dir, prompts, monkeypatch, PARAMS, **(cpu | dict(max_num_batched_tokens=512,
+                                                                                  warmup=False)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in _engine(fp8_dir).generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_the_gpu_tests_tensor_core_reference_stands_in_for_the_fp8_gemm(block):
+    """The teacher-forced GPU test's floor replaces the fp8 GEMM's reference with the
+    tensor cores' accumulator model (a GPU engine calls it where the CPU's dequantized
+    weights never do): it takes the GEMM's arguments (x [M, K]), keeps x's dtype, adds
+    the bias, and lands from exact sums of the same quantized values no further than the
+    accumulator's bits allow, yet not on them."""
+    import torch
+
+    from tests.gpu.test_fp8_engine import _reference_fp8_gemm
+    from tests.gpu.test_fp8_real_shapes import _reference_fp8_gemm_tensor_cores
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 512, generator=g).to(torch.bfloat16)
+    w = torch.randn(384, 512, generator=g) * 0.05
+    bias = torch.randn(384, generator=g).to(torch.bfloat16)
+    wq, ws = F.quantize_block(w, block) if block else F.quantize_channel(w)
+    exact = _reference_fp8_gemm(x, wq, bias, ws, block)
+    got = _reference_fp8_gemm_tensor_cores(x, wq, bias, ws, block)
+    assert got.shape == exact.shape == (6, 384) and got.dtype == torch.bfloat16
+    assert not torch.equal(got, exact)
+    assert ((got.float() - exact.float()).abs().max() / exact.float().abs().max()).item() < 2e-2
