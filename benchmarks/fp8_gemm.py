@@ -176,8 +176,8 @@ def run_shape(name: str, n: int, k: int, rows: list[int], do_sweep: bool) -> Non
         for layout, (t, cfg) in row.best.items():
             print(f"      best {layout:7s} {_cfg_str(cfg):32s} {t:8.1f} us {tf(t):6.1f} TF "
                   f"(default {_cfg_str(default_config(m, n, k, BLOCK if layout == 'block' else None))})", flush=True)
-        del x, xq, xs, xcq, xcs, y
-    del w, wq, ws, wcq, wcs
+        x = xq = xs = xcq = xcs = y = None  # freed before the next row count's tensors (the lambdas are done)
+    w = wq = ws = wcq = wcs = None
     torch.cuda.empty_cache()
 
 

@@ -221,7 +221,7 @@ def bench_decode() -> None:
             vd = v_cache[tables].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
             qd = q.unsqueeze(2)
             t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
-            del kd, vd
+            kd = vd = None  # freed; the SDPA lambda is done
             t_ref = bench(lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale), rep=20) \
                 if batch * ctx <= 8 * 32768 else float("nan")  # the reference needs ~25 GB beyond that
             add(Row("decode_attn", f"B={batch} ctx={ctx}", t, gbps(nbytes, t), t_sdpa, "sdpa(contig)", err,
@@ -325,7 +325,7 @@ def bench_gemv() -> None:
                      f"{('dot-swapped' if cfg.swap_ab else 'dot') if cfg.use_dot else 'fma'}")
             add(Row("gemv", f"{name} {k}->{n} M={m}", t, f"{wbytes / t / 1e6:5.2f} TB/s", t_torch, "cuBLAS", err,
                     f"cuBLAS {wbytes / t_torch / 1e6:.2f} TB/s; best {cfg_s} {tb:.1f} us = {wbytes / tb / 1e6:.2f} TB/s"))
-        del w, w32
+        w = w32 = None
 
 
 def print_table() -> None:

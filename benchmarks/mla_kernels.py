@@ -173,7 +173,7 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
         for name, t, cell_err in cells:
             print(f"    config {name}: {t:.1f} us ({latent_bytes / t / 1e6:.2f} TB/s), err {cell_err:.1e}", flush=True)
         row["configs"] = cells
-    del caches
+    caches.clear()  # the cache copies go before the next cell's
     torch.cuda.empty_cache()
     return row
 
