@@ -6,8 +6,8 @@ model of the tensor cores' accumulator (GPU; no checkpoint).
 fp8 tensor-core MMAs do not sum in fp32: each step's products are aligned to the largest
 exponent among them and the accumulator, and bits below a fixed width are dropped. The
 kernels therefore promote to an fp32 register every 128 features of K (the W8A8 GEMM's
-scaled add per K step; cuBLAS's promotion interval); what is left is the error of those
-128-feature partial sums. `reference.fp8_mma_sums` models it with three parameters:
+scaled add per K step; torch._scaled_mm's sums match it here); what is left is the error
+of those 128-feature partial sums. `reference.fp8_mma_sums` models it with three parameters:
 products per aligned step, bits kept below the largest exponent, promotion interval.
 
 Part 1 (calibration): e4m3 operands with unit scales, so each kernel's fp32 output is
