@@ -16,16 +16,28 @@ from tests.test_triton_interpreter import IN_CHILD
 
 if IN_CHILD:
 
+    def _route_to_triton(monkeypatch, backend) -> None:
+        """Every kernel through Triton, attention through `backend`."""
+        from agent_infer.engine import model_runner
+        from agent_infer.kernels import ops
+
+        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: backend)
+
+    def _same_tokens_on_triton(monkeypatch, run, backend) -> None:
+        """`run()` gives the same tokens on the torch path and on the Triton path."""
+        expected = run()
+        _route_to_triton(monkeypatch, backend)
+        assert run() == expected
+
     def test_engine_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):
         """A tiny checkpoint run by the engine (fp32) with every kernel and the attention
         backend routed to Triton gives the torch path's greedy tokens: ragged prefill,
         a prefix-cache hit (prefill over cached blocks), decode with GQA and q/k norms
         (fused with RoPE and the KV write), and batch-1 decode through the GEMV kernels."""
         from agent_infer.config import EngineConfig
-        from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.attention.dense_triton import DenseTritonBackend
-        from agent_infer.kernels import ops
         from agent_infer.sampling_params import SamplingParams
         from tests.tiny_models import write_tiny_model
 
@@ -48,18 +60,13 @@ if IN_CHILD:
                 calls.append(meta.is_prefill)
                 return super().attend(q, cache, meta, scale)
 
-        expected = run()
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
-        assert run() == expected
+        _same_tokens_on_triton(monkeypatch, run, CountingBackend)
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
 
     def test_mixed_batches_on_triton_kernels_match_torch_path(tmp_path, monkeypatch):
         """Mixed steps on the Triton path (decode rows through the decode kernel, prompt
         chunks through the prefill kernel, in one step) give the torch path's tokens."""
-        from agent_infer.engine import model_runner
         from agent_infer.attention.dense_triton import DenseTritonBackend
-        from agent_infer.kernels import ops
         from tests.test_mixed_batches import _run
         from tests.tiny_models import write_tiny_model
 
@@ -73,8 +80,7 @@ if IN_CHILD:
                     mixed_calls.append(meta.num_decode)
                 return super().attend(q, cache, meta, scale)
 
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
+        _route_to_triton(monkeypatch, CountingBackend)
         got, _ = _run(path, mixed=True, async_scheduling=True, max_tokens=4)
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"
@@ -132,9 +138,7 @@ if IN_CHILD:
         MoE) gives the torch path's greedy tokens, a prefix-cache hit included."""
         from agent_infer.attention.mla import LatentTritonBackend
         from agent_infer.config import EngineConfig
-        from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
-        from agent_infer.kernels import ops
         from agent_infer.sampling_params import SamplingParams
         from tests.deepseek_models import write_deepseek_model
 
@@ -158,10 +162,7 @@ if IN_CHILD:
                 calls.append(True)
                 return super().prefill(*args)
 
-        expected = run()
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
-        assert run() == expected
+        _same_tokens_on_triton(monkeypatch, run, CountingBackend)
         assert {True, False} <= set(calls), "the Triton backend ran no prefill or no decode"
 
     def test_deepseek_prefill_in_context_windows_on_triton_matches_torch_path(tmp_path, monkeypatch):
@@ -169,9 +170,7 @@ if IN_CHILD:
         prefill kernel, merged, gives the torch path's greedy tokens."""
         from agent_infer.attention.mla import LatentTorchBackend, LatentTritonBackend
         from agent_infer.config import EngineConfig
-        from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
-        from agent_infer.kernels import ops
         from agent_infer.sampling_params import SamplingParams
         from tests.deepseek_models import write_deepseek_model
 
@@ -192,10 +191,7 @@ if IN_CHILD:
                 windowed.append(window.key_start is not None)
                 return super().prefill(q_nope, q_pe, k_nope, k_pe, v, ctx, window, scale)
 
-        expected = run()
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
-        assert run() == expected
+        _same_tokens_on_triton(monkeypatch, run, CountingBackend)
         assert any(windowed), "no prefill ran in windows"
 
     @pytest.mark.parametrize("family", ["qwen3", "v3"])
@@ -206,9 +202,7 @@ if IN_CHILD:
         from agent_infer.attention.dense_triton import DenseTritonBackend
         from agent_infer.attention.mla import LatentTritonBackend
         from agent_infer.config import EngineConfig
-        from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
-        from agent_infer.kernels import ops
         from agent_infer.sampling_params import SamplingParams
         from tests.deepseek_models import write_deepseek_model
         from tests.drafters import Replay
@@ -235,8 +229,7 @@ if IN_CHILD:
                     verify_rows.append(len(meta.context_lens_host))
                 return super().prepare(meta)
 
-        monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-        monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: CountingBackend)
+        _route_to_triton(monkeypatch, CountingBackend)
         eng = engine(speculative_config=spec)
         eng.draft_policy.batch_drafts = lambda num_decoding: True
         eng.drafter = Replay(plain)
