@@ -6,8 +6,8 @@ references in agent_infer/quantization/fp8.py, shared by tests/test_triton_inter
 Activation quantization must be bit-identical to the reference. The reference runs on
 CPU here; on a GPU it gives the same bits (`check_reference_quantizer_on_device`: its
 scales divide by a tensor, which CUDA rounds correctly, where division by the Python
-float 448 was a multiplication by its fp32 reciprocal), so references run on the GPU,
-as the GPU tests' engine references do, quantize as the kernels do.
+float 448 was a multiplication by its fp32 reciprocal), so a reference run on the GPU,
+as the GPU tests' engine references are, quantizes as the kernels do.
 
 The GEMM is checked with operands quantized by the reference, so it is tested apart
 from the quantization; both sides multiply the same fp8 values and scales in fp32 (the

@@ -3,9 +3,10 @@ linear shapes, against the references of agent_infer/quantization/fp8.py
 (tests/fp8_kernel_checks.py); and fp8_linear captured in a CUDA graph and replayed.
 
 The activation quantization must match the reference bit for bit, and the reference
-gives the same bits on the GPU as on the CPU (tests/fp8_kernel_checks.py). The GEMM's bound is relative to the largest
-output: on Hopper the tensor cores accumulate fp8 products with fewer bits than fp32
-within each BLOCK_K step, and a bf16 output rounds to 2^-8.
+gives the same bits on the GPU as on the CPU (tests/fp8_kernel_checks.py). The GEMM's
+bound is relative to the largest output: on Hopper the tensor cores accumulate fp8
+products with fewer bits than fp32 within each BLOCK_K step, and a bf16 output rounds
+to 2^-8.
 
 Run on the GPU machine: python -m pytest -q tests/gpu/test_fp8_gemm.py
 """
