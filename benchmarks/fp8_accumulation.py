@@ -93,7 +93,7 @@ def to_bf16(m: int, shape: str, device: str, step: int, bits: int) -> list[tuple
         wq, ws = F8.quantize_channel(w) if block is None else F8.quantize_block(w, block)
         group = block[1] if block else k
         xq, xs = F8.quantize_token_groups(x, group)  # the kernels' bits (tests/gpu/test_fp8_gemm.py)
-        xv = (xq.float() * xs.repeat_interleave(group, 1)[:, :k]).double()
+        xv = F8.dequantize_token_groups(xq, xs, group).double()
         wv = reference.fp8_weight_values(wq, ws, block).double()
         exact = (xv @ wv.t()).to(torch.bfloat16)
         h = k // 2

@@ -116,10 +116,6 @@ def _weights(n: int, k: int, block: tuple[int, int] | None, seed: int) -> tuple[
     return ref_fp8.quantize_block(w, block) if block is not None else ref_fp8.quantize_channel(w)
 
 
-def _dequant_x(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:
-    return x_fp8.float() * x_scale.repeat_interleave(group, 1)[:, : x_fp8.shape[1]]
-
-
 def _report(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
     """Both the norm-wise relative error and max |out - ref| / max |ref| within tol."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
@@ -145,7 +141,7 @@ def check_w8a8_matmul(
     b = torch.randn(n, generator=_gen(seed + 2)).to(device=device, dtype=out_dtype) if bias else None
     # The reference product in fp32 on the same device (torch's fp32 matmul: no TF32 by default).
     assert not torch.backends.cuda.matmul.allow_tf32
-    x_deq = _dequant_x(x_fp8, x_scale, group)
+    x_deq = ref_fp8.dequantize_token_groups(x_fp8, x_scale, group)
     if block is not None:
         ref = ref_fp8.w8a8_block_matmul(x_deq, w_fp8, w_scale, block, quantize_activations=False)
     else:

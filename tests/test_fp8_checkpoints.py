@@ -12,6 +12,7 @@ import random
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from agent_infer.config import ConfigError, EngineConfig
@@ -191,8 +192,6 @@ def test_the_gpu_tests_tensor_core_reference_stands_in_for_the_fp8_gemm(block):
     weights never do): it takes the GEMM's arguments (x [M, K]), keeps x's dtype, adds
     the bias, and lands from exact sums of the same quantized values no further than the
     accumulator's bits allow, yet not on them."""
-    import torch
-
     from tests.gpu.test_fp8_engine import _reference_fp8_gemm
     from tests.gpu.test_fp8_real_shapes import _reference_fp8_gemm_tensor_cores
 

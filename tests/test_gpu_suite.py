@@ -19,4 +19,5 @@ def test_gpu_tests_collect_on_a_cpu():
     assert proc.returncode == 0, f"tests/gpu does not collect:\n{out[-6000:]}"
     found = re.search(r"(\d+) tests? collected", out)
     assert found and int(found.group(1)) > 100, f"unexpected collection:\n{out[-3000:]}"
-    assert "error" not in out.lower(), f"collection reported errors:\n{out[-6000:]}"
+    # Not a bare "error": test names may hold the word.
+    assert "ERROR " not in out and "during collection" not in out, f"collection reported errors:\n{out[-6000:]}"

@@ -115,12 +115,11 @@ def fp8_mma_sums(x_fp8: torch.Tensor, w_fp8: torch.Tensor, step: int = 32, bits:
                 # Whole units, summed as integers (exact), then scaled back.
                 cut = torch.div(terms, unit[..., None], rounding_mode="trunc").sum(2)
                 acc = (torch.div(acc, unit, rounding_mode="trunc") + cut) * unit
-            part = acc
             if block is not None and x_scale is not None:
                 kb = k0 // block[1]
                 rows = w_scale[:, kb].repeat_interleave(block[0])[n0:n0 + w.shape[0]]
-                part = part * (x_scale[:, kb, None] * rows[None, :])
-            total = total + part
+                acc = acc * (x_scale[:, kb, None] * rows[None, :])
+            total = total + acc
         if block is None and x_scale is not None:
             total = total * (x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)[:, n0:n0 + w.shape[0]])
         outs.append(total)

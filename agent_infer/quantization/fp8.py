@@ -111,7 +111,7 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
     # into multiplication by its fp32 reciprocal, one ulp off the quotient in about half
     # the cases, which moves values across e4m3 rounding boundaries. A tensor divisor is
     # divided correctly rounded on every device, as the kernels do.
-    return torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +209,12 @@ def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return q.view(t, -1)[:, :k].contiguous(), scale
 
 
+def dequantize_token_groups(x_fp8: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The values `quantize_token_groups` stands for, in fp32: each e4m3 element times its
+    token's scale for its group of `group` features."""
+    return x_fp8.float() * scale.repeat_interleave(group, 1)[:, : x_fp8.shape[1]]
+
+
 def w8a8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                       quantize_activations: bool = True) -> torch.Tensor:
     """y = x W^T for a block-fp8 W, in fp32, returned in x's dtype. With
@@ -218,9 +224,7 @@ def w8a8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tenso
     w = dequantize_block(w_fp8, w_scale, block)
     xf = x.float()
     if quantize_activations:
-        x_fp8, x_scale = quantize_token_groups(xf, block[1])
-        cols = block[1]
-        xf = x_fp8.float() * x_scale.repeat_interleave(cols, 1)[:, : x.shape[1]]
+        xf = dequantize_token_groups(*quantize_token_groups(xf, block[1]), block[1])
     return (xf @ w.t()).to(x.dtype)
 
 

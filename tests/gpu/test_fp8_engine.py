@@ -69,9 +69,8 @@ def _reference_fp8_gemm(x, weight, bias, scale, block):
     token and group of block[1] features, per token without a block), dequantized
     weights, fp32 products."""
     k = x.shape[-1]
-    x_fp8, x_scale = F8.quantize_token_groups(x.reshape(-1, k).float(), block[1] if block is not None else k)
     group = block[1] if block is not None else k
-    xf = x_fp8.float() * x_scale.repeat_interleave(group, 1)[:, :k]
+    xf = F8.dequantize_token_groups(*F8.quantize_token_groups(x.reshape(-1, k).float(), group), group)
     return reference.fp8_linear(xf, weight, scale, block, None if bias is None else bias.float()).to(x.dtype)
 
 
