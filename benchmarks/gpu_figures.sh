@@ -133,6 +133,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      fp8 (the fp8 GEMV chains of the Qwen3-8B and V2-Lite shapes, the W8A8 GEMMs,
                      decode attention over an fp8 cache), fp8-sums (how far the fp8 GEMMs' sums
                      land from exact ones, against the model of the tensor cores' accumulator),
+                     moe-fp8 (the fused MoE over bf16, per-row e4m3 and 128 x 128 block e4m3
+                     experts at the V2-Lite and Qwen3-30B-A3B shapes),
                      rows (the skinny GEMM's tiles at 1-16 rows against cuBLAS, operands swapped too;
                      the few-row GEMV's tiles at 2 and 5 rows in a chain, against cuBLAS)
   default-model      stage a half of the default model's GGUF; with both halves, install it
@@ -770,6 +772,8 @@ cmd_kernels() {
               kernel_part fp8_gemm 200 python3 benchmarks/fp8_gemm.py --rows 1,16,64,256,2048,8192 --graph
               kernel_part fp8_decode 120 python3 benchmarks/throughput_kernels.py --only decode --kv-cache-dtype fp8 ;;
       fp8-sums) kernel_part fp8_sums 200 python3 benchmarks/fp8_accumulation.py ;;
+      moe-fp8) kernel_part moe_fp8 300 python3 benchmarks/tune_fused_moe.py --compare-weights \
+                 --family v2-lite qwen3-30b-a3b --tokens 1 8 64 512 ;;
       *)      echo "unknown kernels part: $part"; return 2 ;;
     esac
   done

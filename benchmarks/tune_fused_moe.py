@@ -8,6 +8,9 @@ on the GPU, and compare the result with the plain loops.
                                                      # and per-expert torch.matmul (~1 min)
     python benchmarks/tune_fused_moe.py --weights fp8 --family v2-lite-shared --tokens 1 2 4
                                                      # e4m3 experts (one scale per row): TUNED_FP8
+    python benchmarks/tune_fused_moe.py --compare-weights --family v2-lite qwen3-30b-a3b --tokens 1 8 64 512
+                                                     # the table's configs over bf16, e4m3 per-row
+                                                     # and e4m3 128 x 128 block experts (~1 min)
     python benchmarks/tune_fused_moe.py --family qwen3-30b-a3b
     python benchmarks/tune_fused_moe.py --family qwen3-30b-a3b --tokens 1 \
         --write /tmp/t/agent_infer/kernels/triton/fused_moe_configs.py   # merged into a copied tree (for `ab`)
@@ -127,23 +130,33 @@ def block_m_candidates(tokens: int, fam: Family) -> list[int]:
 class Layer:
     w13: torch.Tensor
     w2: torch.Tensor
-    scales: dict  # fused_moe's w13_scale / w2_scale for e4m3 experts, else empty
+    scales: dict  # fused_moe's w13_scale / w2_scale (and block) for e4m3 experts, else empty
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights as the reference takes them: fp32, or the e4m3 values themselves."""
         return (self.w13, self.w2) if self.scales else (self.w13.float(), self.w2.float())
 
 
-def make_layers(fam: Family, layers: int, fp8: bool) -> list[Layer]:
+# The experts' forms: bf16; e4m3 with one scale per row (--quantization fp8, per-channel
+# checkpoints); e4m3 with one per 128 x 128 block of each expert's matrices (DeepSeek-V3's
+# and Qwen3's FP8 checkpoints), as the loader stores each.
+WEIGHTS = ("bf16", "fp8", "fp8-block")
+BLOCK = (128, 128)
+
+
+def make_layers(fam: Family, layers: int, weights: str) -> list[Layer]:
     out = []
     for _ in range(layers):
         w13 = (torch.randn(fam.num_local, 2 * fam.inter, fam.hidden, device=DEV) * fam.hidden**-0.5).to(DTYPE)
         w2 = (torch.randn(fam.num_local, fam.hidden, fam.inter, device=DEV) * fam.inter**-0.5).to(DTYPE)
         scales = {}
-        if fp8:  # one scale per row, as the loader stores per-channel e4m3 experts
+        if weights == "fp8":
             (w13, s13), (w2, s2) = (F8.quantize_channel(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
             w13, w2 = w13.view(fam.num_local, 2 * fam.inter, fam.hidden), w2.view(fam.num_local, fam.hidden, fam.inter)
             scales = {"w13_scale": s13.view(fam.num_local, -1), "w2_scale": s2.view(fam.num_local, -1)}
+        elif weights == "fp8-block":
+            (w13, s13), (w2, s2) = (F8.quantize_experts(w, BLOCK) for w in (w13, w2))
+            scales = {"w13_scale": s13, "w2_scale": s2, "block": BLOCK}
         out.append(Layer(w13, w2, scales))
     return out
 
@@ -274,7 +287,7 @@ def tune_bucket(fam: Family, tokens: int, ws: list[Layer], emap, quick: bool) ->
 def tune_family(name: str, tokens: list[int], layers: int, quick: bool, summary: list[str],
                 fp8: bool) -> dict[int, MoeConfig]:
     fam = FAMILIES[name]
-    ws = make_layers(fam, layers, fp8)
+    ws = make_layers(fam, layers, "fp8" if fp8 else "bf16")
     emap = expert_map(fam)
     configs = {}
     for t in tokens:
@@ -357,7 +370,7 @@ def compare(families: list[str], tokens: list[int], layers: int) -> None:
 
 def compare_family(name: str, tokens: list[int], layers: int) -> None:
     fam = FAMILIES[name]
-    ws = make_layers(fam, layers, fp8=False)
+    ws = make_layers(fam, layers, "bf16")
     emap = expert_map(fam)
     print(f"{name}: fused_moe (table config) | per-expert torch.matmul, graph | reference loop, eager")
     for t in tokens:
@@ -381,6 +394,32 @@ def compare_family(name: str, tokens: list[int], layers: int) -> None:
               f"vs matmul, x{t_ref / t_fused:5.1f} vs reference", flush=True)
 
 
+def compare_weights(families: list[str], tokens: list[int], layers: int) -> None:
+    """The whole fused MoE at the engine's configuration (the table, fitted to the blocks)
+    for each form of the experts in WEIGHTS, on the same steps: µs per layer and the
+    touched experts' bytes per µs (scales not counted)."""
+    for name in families:
+        fam = FAMILIES[name]
+        emap = expert_map(fam)
+        steps = {t: make_step(fam, t, layers, emap, seed=2000 + t) for t in tokens}
+        timed: dict[str, dict[int, tuple[float, str]]] = {}
+        for weights in WEIGHTS:
+            ws = make_layers(fam, layers, weights)
+            timed[weights] = {}
+            for t, step in steps.items():
+                us = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
+                                                          emap, **ws[i].scales), layers)
+                timed[weights][t] = (us, rates(fam, step, us, ws).split(" TB/s")[0].strip())
+            ws = []  # freed before the next form is made (the timing lambdas are done with it)
+            torch.cuda.empty_cache()
+        print(f"{name} ({fam.note}): µs per layer (TB/s of touched weights)")
+        print("      T | " + " | ".join(f"{w:>18s}" for w in WEIGHTS) + " | block / row | row / bf16")
+        for t in tokens:
+            cells = " | ".join(f"{timed[w][t][0]:9.1f} ({timed[w][t][1]:>5s})" for w in WEIGHTS)
+            print(f"  {t:5d} | {cells} | {timed['fp8-block'][t][0] / timed['fp8'][t][0]:11.3f} | "
+                  f"{timed['fp8'][t][0] / timed['bf16'][t][0]:9.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", nargs="+", choices=list(FAMILIES), default=DEFAULT_FAMILIES)
@@ -388,6 +427,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK} tiles per block_m only")
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--compare-weights", action="store_true",
+                    help="the table's configurations over bf16, per-row e4m3 and 128 x 128 block e4m3 experts")
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: e4m3 experts with one scale per row (tunes TUNED_FP8)")
     ap.add_argument("--write", metavar="CONFIGS_PY", default=None,
@@ -399,6 +440,8 @@ def main() -> None:
     start = time.time()
     if args.compare:
         compare(args.family, args.tokens, args.layers)
+    elif args.compare_weights:
+        compare_weights(args.family, args.tokens, args.layers)
     else:
         tune(args.family, args.tokens, args.layers, args.quick, args.weights == "fp8", args.write)
     print(f"# {time.time() - start:.0f} s")

@@ -102,14 +102,15 @@ def check_fused_moe(
     device, dtype: torch.dtype, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, *,
     local: tuple[int, int] | None = None, config=None, repeat: bool = False, seed: int = 0,
     weights: tuple[torch.Tensor, torch.Tensor] | None = None, id_dtype: torch.dtype = torch.int32,
-    one_program: bool | None = None, direct: bool | None = None, fp8: bool = False,
+    one_program: bool | None = None, direct: bool | None = None, fp8: bool | tuple[int, int] = False,
 ) -> None:
     """fused_moe against the fp32 reference. `local` = (first, count): this rank holds
     experts [first, first + count) of `num_experts` (an expert map); tokens with no local
     expert must come out exactly 0. A second call into a given `out` must return it and
     match the first bit for bit. `one_program` forces moe_align's path, `direct` the slot
     layout (default: direct for one token). `fp8`: the experts in e4m3 with one scale per
-    row, against the reference on the same e4m3 values and scales."""
+    row (True) or per block of (rows, columns) of each expert's matrices, against the
+    reference on the same e4m3 values and scales."""
     from unittest import mock
 
     from agent_infer.kernels.triton import fused_moe as moe
@@ -118,10 +119,13 @@ def check_fused_moe(
     e_local = num_experts if local is None else local[1]
     w13, w2 = weights or moe_weights(e_local, inter, hidden, dtype, device, seed)
     scales = {}
-    if fp8:
+    if fp8 is True:
         (w13, s13), (w2, s2) = (F8.quantize_channel(w.float().reshape(-1, w.shape[-1])) for w in (w13, w2))
         w13, w2 = w13.view(e_local, 2 * inter, hidden), w2.view(e_local, hidden, inter)
         scales = {"w13_scale": s13.view(e_local, 2 * inter), "w2_scale": s2.view(e_local, hidden)}
+    elif fp8:
+        (w13, s13), (w2, s2) = (F8.quantize_experts(w, fp8) for w in (w13, w2))
+        scales = {"w13_scale": s13, "w2_scale": s2, "block": fp8}
     x = dev_randn(tokens, hidden, dtype=dtype, device=device, seed=seed + 2)
     topw, ids = make_routing(tokens, num_experts, top_k, device, seed + 3, repeat=repeat, id_dtype=id_dtype)
     emap = make_expert_map(num_experts, local[0], local[1], device) if local else None

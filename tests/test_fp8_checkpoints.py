@@ -123,19 +123,48 @@ def test_fp8_checkpoint_equals_transformers_on_the_dequantized_weights(checkpoin
     assert all(abs(a.logprob - b.logprob) < 1e-5 for o, p in zip(outs, plain) for a, b in zip(o.logprobs, p.logprobs))
 
 
-@pytest.mark.parametrize("name", ["qwen3-block", "deepseek-v3-block"])
-def test_tensor_parallel_fp8_equals_one_rank(checkpoints, name):
+@pytest.mark.parametrize("name,placement", [("qwen3-block", "ep"), ("deepseek-v3-block", "ep"),
+                                            ("deepseek-v3-block", "tp")])
+def test_tensor_parallel_fp8_equals_one_rank(checkpoints, name, placement):
+    """Both expert placements: whole experts per rank, or every expert's intermediate
+    dimension split on block boundaries (16 rows of 32 on each rank)."""
     fp8_dir, _ = checkpoints[name]
     reference = _engine(fp8_dir, async_scheduling=False)
     prompts = _prompts(reference.model_config.vocab_size)
     one = reference.generate(prompts, PARAMS)
-    two = _engine(fp8_dir, tensor_parallel_size=2)
+    two = _engine(fp8_dir, tensor_parallel_size=2, moe_parallel=placement)
     try:
         got = two.generate(prompts, PARAMS)
     finally:
         two.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in one]
     assert all(abs(a.logprob - b.logprob) < 1e-3 for o, p in zip(got, one) for a, b in zip(o.logprobs, p.logprobs))
+
+
+def test_experts_keep_the_checkpoints_blocks_or_refuse_a_split_by_name():
+    """Routed experts hold a block layout's e4m3 values and scales as stored when this
+    rank's intermediate size is whole blocks of rows and of columns; tensor-parallel
+    experts that would cut a block are refused before anything loads, naming the sizes;
+    on one rank an intermediate size no published checkpoint has (not whole blocks)
+    falls back to dequantizing the experts as they load."""
+    from agent_infer.distributed.state import SINGLE, ParallelState
+    from agent_infer.layers.moe import MoE, RouterConfig
+
+    router = RouterConfig(num_experts=4, top_k=2)
+    config = F.Fp8Config("block", (16, 8))
+    whole = MoE(40, 32, router, 1, SINGLE)
+    assert whole.use_fp8(config) and whole.experts.w13.dtype == F.FP8 and whole.experts.block == (16, 8)
+    assert tuple(whole.experts.w13_scale.shape) == (5, 4, 5) and tuple(whole.experts.w2_scale.shape) == (5, 3, 4)
+    ranks = MoE(40, 32, router, 1, ParallelState(rank=1, world_size=2, moe_parallel="tp"))
+    assert ranks.use_fp8(config) and tuple(ranks.experts.w13_scale.shape) == (4, 2, 5)
+    assert ranks.shared_experts is not None and ranks.shared_experts.gate_up_proj.quantizable
+    cut = MoE(40, 32, router, 1, ParallelState(rank=1, world_size=2, moe_parallel="tp"))
+    with pytest.raises(ConfigError, match=r"routed experts of intermediate size 16 on this rank \(tp over 2\) "
+                                          r"would split the checkpoint's 32 x 8 fp8 blocks"):
+        cut.use_fp8(F.Fp8Config("block", (32, 8)))
+    odd = MoE(40, 24, router, 1, ParallelState(rank=0, world_size=2, moe_parallel="ep"))
+    assert not odd.use_fp8(F.Fp8Config("block", (16, 8))) and odd.experts.fp8 is None
+    assert not odd.shared_experts.gate_up_proj.quantizable  # computed as one rank computes it
 
 
 def test_missing_or_misshapen_scales_are_named(checkpoints, tmp_path):

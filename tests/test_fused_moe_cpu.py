@@ -179,30 +179,49 @@ def test_tuner_writes_its_entries_into_the_table():
                                                     "")  # nothing else touched
 
 
+@pytest.mark.parametrize("fp8", [None, "channel", (4, 8)], ids=str)
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_shared_experts_joined_to_the_routed_ones(tokens):
+def test_shared_experts_joined_to_the_routed_ones(tokens, fp8):
     """Shared experts of S x I loaded into RoutedExperts as S experts of I: the fused form
     (routing columns at weight 1) and the prefill form (dense GEMMs) both give the
-    routed sum plus the shared MLP computed whole from the checkpoint's tensors."""
+    routed sum plus the shared MLP computed whole from the checkpoint's tensors. `fp8`:
+    the checkpoint's tensors in e4m3 with scales per row or per block of 4 x 8 (H = 20
+    leaves partial blocks), loaded as the loader hands them over (`Fp8Weight`) into the
+    experts' fp8 form; the sums are those of the dequantized tensors."""
     from agent_infer.distributed.state import SINGLE
     from agent_infer.layers.moe import RoutedExperts
+    from agent_infer.quantization import fp8 as F8
 
-    experts, top_k, hidden, inter, shared = 5, 2, 24, 8, 2
+    experts, top_k, hidden, inter, shared = 5, 2, 20, 8, 2
     g = torch.Generator().manual_seed(4)
+    config = None if fp8 is None else F8.Fp8Config("channel", None) if fp8 == "channel" else F8.Fp8Config("block", fp8)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
+    def stored(name: str, w: torch.Tensor):
+        """(what the loader passes, the values it stands for)."""
+        if config is None:
+            return w, w
+        q, scale = F8.quantize(w, config)
+        return F8.Fp8Weight(name, q, scale, config), F8.dequantize(q, scale, config).double()
+
     moe = RoutedExperts(experts, top_k, hidden, inter, SINGLE, "ep", num_shared=shared).double()
+    if config is not None:
+        moe.to_fp8(config)
     w13, w2 = moe_weights(experts, inter, hidden, torch.float64, "cpu", seed=5)
     for e in range(experts):
-        moe.weight_loader(moe.w13, w13[e, :inter], shard_id=0, expert_id=e)
-        moe.weight_loader(moe.w13, w13[e, inter:], shard_id=1, expert_id=e)
-        moe.weight_loader(moe.w2, w2[e], expert_id=e)
-    gate, up, down = rand(shared * inter, hidden), rand(shared * inter, hidden), rand(hidden, shared * inter)
-    moe.weight_loader(moe.w13, gate, shard_id=0)
-    moe.weight_loader(moe.w13, up, shard_id=1)
-    moe.weight_loader(moe.w2, down)
+        (gate_e, w13[e, :inter]), (up_e, w13[e, inter:]), (down_e, w2[e]) = (
+            stored(n, w) for n, w in (("gate", w13[e, :inter]), ("up", w13[e, inter:]), ("down", w2[e])))
+        moe.weight_loader(moe.w13, gate_e, shard_id=0, expert_id=e)
+        moe.weight_loader(moe.w13, up_e, shard_id=1, expert_id=e)
+        moe.weight_loader(moe.w2, down_e, expert_id=e)
+    (gate_s, gate), (up_s, up), (down_s, down) = (
+        stored(n, w) for n, w in (("gate", rand(shared * inter, hidden)), ("up", rand(shared * inter, hidden)),
+                                  ("down", rand(hidden, shared * inter))))
+    moe.weight_loader(moe.w13, gate_s, shard_id=0)
+    moe.weight_loader(moe.w13, up_s, shard_id=1)
+    moe.weight_loader(moe.w2, down_s)
 
     x = rand(tokens, hidden)
     router = rand(experts, hidden).float()
@@ -211,6 +230,7 @@ def test_shared_experts_joined_to_the_routed_ones(tokens):
     assert weights[:, top_k:].tolist() == [[1.0, 1.0]] * tokens
     want = reference.fused_moe(x, w13, w2, weights[:, :top_k], ids[:, :top_k]) + F.linear(
         F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    tol = dict(rtol=1e-10, atol=1e-12) if config is None else dict(rtol=1e-5, atol=1e-5)  # fp8: products in fp32
     for got in (moe(x, weights, ids), moe.forward_shared_dense(x, weights, ids)):
-        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(got, want, **tol), (got - want).abs().max()
     assert want.abs().max() > 0.1

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from agent_infer.kernels.triton.fused_moe_configs import (
-    BUCKETS, TUNED, TUNED_FP8, MoeConfig, Tile, default_config, fp8_rows_config,
+    BUCKETS, TUNED, TUNED_FP8, MoeConfig, Tile, default_config, fit_blocks, fp8_rows_config,
 )
 from benchmarks.tune_fused_moe import FP8_ROWS
 
@@ -105,6 +105,18 @@ def test_moe_gemm_fp8_experts_compile_with_few_spills(block_m, gemm, tile):
     _check_gemm(block_m, gemm, tile, direct=(block_m, gemm, tile) in DIRECT_TILES, fp8=True)
 
 
+BLOCK_TILES = sorted({(b, g, fit_blocks(MoeConfig(b, t, t), (128, 128)).up, (b, g, t) in DIRECT_TILES)
+                      for b, g, t in FP8_TILES}, key=str)
+
+
+@pytest.mark.parametrize("block_m,gemm,tile,direct", BLOCK_TILES, ids=str)
+def test_moe_gemm_block_fp8_experts_compile_with_few_spills(block_m, gemm, tile, direct):
+    """The same tiles with DeepSeek-V3's 128 x 128 block scales, fitted to the blocks as
+    fused_moe fits them (K steps of at most 128, FMA rows within a block of rows): each
+    K step's partial sums scaled per column before they are added."""
+    _check_gemm(block_m, gemm, tile, direct=direct, fp8=True, block=(128, 128))
+
+
 # e4m3 experts at one slot a block read int32 words: the default tiles of the V2-Lite and
 # Qwen3-30B-A3B shapes and TUNED_FP8's (K tails masked where the tile does not divide K)
 # and the tuner's first candidates, in the direct layout of one token.
@@ -115,9 +127,11 @@ WORD_TILES = sorted({(g, t, k % t.block_k == 0) for (i, d), c in _WORD_CONFIGS
                     | {(g, t, True) for g in ("up", "down") for t in FP8_ROWS[:4]}, key=str)
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["row", "block"])
 @pytest.mark.parametrize("gemm,tile,even_k", WORD_TILES, ids=str)
-def test_moe_gemm_fp8_word_rows_compile_without_spills(gemm, tile, even_k):
-    _check_gemm(1, gemm, tile, direct=True, fp8=True, even_k=even_k)
+def test_moe_gemm_fp8_word_rows_compile_without_spills(gemm, tile, even_k, block):
+    """Per-row scales after the sums, or block scales on x (gemv_fp8.py)."""
+    _check_gemm(1, gemm, tile, direct=True, fp8=True, even_k=even_k, block=block)
 
 
 def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> list[tuple[str, str]]:
@@ -129,18 +143,26 @@ def _gemm_args(gemm: str, dtype: str = "bf16", weight: str | None = None) -> lis
     if gemm == "up":
         return [("x_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("h_ptr", f"*{dtype}")] + rows + [
             ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "top_k", "num_slots", "num_experts", "num_tiles_n",
-                                                        "sxm", "swe", "swn", "shm", "sse")]
+                                                        "sxm", "swe", "swn", "shm", "sse", "ssn")]
     return [("h_ptr", f"*{dtype}"), ("w_ptr", f"*{weight}"), ("y_ptr", f"*{dtype}")] + rows + [
         ("topw_ptr", "*fp32"), ("s_ptr", "*fp32")] + [(n, "i32") for n in ("N", "K", "num_slots", "num_experts",
                                                                            "num_tiles_n", "shm", "swe", "swn", "sym",
-                                                                           "sse")]
+                                                                           "sse", "ssn")]
 
 
-def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False, even_k: bool = True) -> None:
+def _scale_constexprs(fp8: bool, block: tuple[int, int] | None = None) -> dict:
+    """The GEMMs' scale constexprs (fused_moe._scale_args): none, per row, per block."""
+    if block is not None:
+        return {"SCALE": 2, "S_ROWS": block[0], "S_COLS": block[1]}
+    return {"SCALE": int(fp8), "S_ROWS": 1, "S_COLS": 1}
+
+
+def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = False, even_k: bool = True,
+                block: tuple[int, int] | None = None) -> None:
     from agent_infer.kernels.triton import fused_moe as moe
 
     common = {"HAS_MAP": False, "DIRECT": direct, "EVEN_K": even_k, "BLOCK_M": block_m, "BLOCK_N": tile.block_n,
-              "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, "SCALED": fp8}
+              "BLOCK_K": tile.block_k, "PRECISION": "tf32", "PDL": True, **_scale_constexprs(fp8, block)}
     common |= {"TRIGGER": direct} if gemm == "up" else {"PRELOAD": direct}  # as fused_moe launches them under PDL
     fn = moe._moe_gate_up_kernel if gemm == "up" else moe._moe_down_kernel
     # e4m3 experts at one slot a block arrive as int32 words (fused_moe._as_words).
@@ -149,7 +171,7 @@ def _check_gemm(block_m: int, gemm: str, tile: Tile, direct: bool, fp8: bool = F
     aligned = {name for name, ty in args if ty.startswith("*")} | {"N", "K", "sxm", "swe", "swn", "shm", "sym"}
     kernel = _compile(fn, args, common, aligned, tile.num_warps, tile.num_stages)
     what = f"{gemm} block_m={block_m} {tile}{' direct' if direct else ''}{' fp8' if fp8 else ''}" \
-           f"{'' if even_k else ' masked K'}"
+           f"{f' blocks {block}' if block else ''}{'' if even_k else ' masked K'}"
     # fp8 experts in tensor-core tiles: the bf16 table's tiles, not yet retuned for them;
     # three GEMM-1 tiles spill a few registers converting the e4m3 tiles (up to 16 B),
     # none more. The word rows spill nothing.
@@ -263,7 +285,7 @@ def test_moe_variants_compile(dtype, precision, block_m, even_k):
     tile = Tile(32, 64, 4, 3) if block_m > 1 else Tile(8, 256, 4, 2)
     constexprs = {"HAS_MAP": True, "DIRECT": block_m == 1, "EVEN_K": even_k, "BLOCK_M": block_m,
                   "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "PRECISION": precision, "PDL": False,
-                  "SCALED": False}
+                  **_scale_constexprs(False)}
     for fn, args, launch in ((moe._moe_gate_up_kernel, _gemm_args("up", dtype), {"TRIGGER": False}),
                              (moe._moe_down_kernel, _gemm_args("down", dtype), {"PRELOAD": block_m == 1})):
         kernel = _compile(fn, args, constexprs | launch, {n for n, ty in args if ty.startswith("*")}, tile.num_warps,

@@ -544,6 +544,17 @@ else:
         expert map."""
         moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 48, 40, local=local, config=MOE_CONFIGS[config], fp8=True)
 
+    @pytest.mark.parametrize("tokens,local,config,dtype,block", [
+        (1, None, "rows", torch.float32, (16, 32)), (1, (2, 3), "rows-even", torch.bfloat16, (8, 16)),
+        (9, (2, 3), "rows", torch.float16, (8, 16)), (37, None, "dot16", torch.float32, (16, 32)),
+        (37, (2, 3), "default", torch.float32, (16, 32)), (37, None, "dot32", torch.float16, (8, 16))], ids=str)
+    def test_fused_moe_fp8_block_experts(tokens, local, config, dtype, block):
+        """e4m3 experts with one scale per block of each expert's matrices (DeepSeek-V3's
+        layout, small blocks): D = 40 and I = 48 leave partial blocks of columns in both
+        GEMMs and of rows in GEMM 2; tiles wider than a block are fitted to it (FMA rows
+        of 16 to blocks of 8 rows, K steps of 128 or 32 to blocks of 32 or 16 columns)."""
+        moe.check_fused_moe(DEV, dtype, tokens, 7, 3, 40, 48, local=local, config=MOE_CONFIGS[config], fp8=block)
+
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize("config", ["default", "rows", "dot16"])
     @pytest.mark.parametrize("tokens,first,count", [(1, 2, 3), (37, 2, 3), (37, 0, 4), (37, 6, 1)])

@@ -101,8 +101,7 @@ class Roofline:
 def fp8_weight_params(cfg: ModelConfig, quant: Fp8Config, batch: int = 1) -> tuple[float, float]:
     """(e4m3 elements, float32 scales) a decode step of `batch` tokens reads of what fp8
     weights put in fp8: every linear layer that can be, and the routed experts the step
-    touches where they take `quant`'s layout (per-row scales; block-scaled experts stay
-    in the model's dtype)."""
+    touches where they take `quant`'s layout (`MoE.use_fp8`)."""
     from agent_infer.distributed.state import SINGLE
     from agent_infer.layers.moe import RoutedExperts
     from agent_infer.models.registry import resolve_model_class

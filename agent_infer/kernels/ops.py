@@ -102,6 +102,14 @@ def fp8_kernels(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def moe_takes_scales(block: tuple[int, int] | None) -> bool:
+    """Whether the fused MoE on fp8 kernels takes e4m3 experts with these scales (per
+    row: None, or per block) as they are."""
+    from agent_infer.kernels.triton.fused_moe_configs import takes_blocks
+
+    return takes_blocks(block)
+
+
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, rows: bool = False) -> bool:
     """Batch-1 projections go through the Triton GEMV (reads the weight faster than
     cuBLAS at M = 1, see docs/PERFORMANCE.md); everything else through F.linear (fp8
@@ -349,18 +357,21 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) -> [T, D]: w13 [E_local,
     2I, D] (gate rows, then up rows), w2 [E_local, D, I], topk_weights [T, k] fp32,
     topk_ids [T, k]; expert_map [E_global] int32 (local index or -1) under EP; e4m3
-    weights with one scale per row (w13_scale [E_local, 2I], w2_scale [E_local, D]). The
+    weights with one scale per row (w13_scale [E_local, 2I], w2_scale [E_local, D]) or
+    per `block` of each expert's matrices (reference.fused_moe gives the shapes). The
     Triton path is graph-safe (no host sync); the reference loops over experts."""
     if _use_triton(x):
         from agent_infer.kernels.triton import fused_moe as moe
 
         return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out=out, w13_scale=w13_scale,
-                             w2_scale=w2_scale)
-    return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale))
+                             w2_scale=w2_scale, block=block)
+    return _into(out, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
+                                          block))
 
 
 def moe_route(

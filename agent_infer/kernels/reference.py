@@ -454,15 +454,18 @@ def merge_attention_partials(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), expert e(x) =
     silu(x @ gate_e^T) * (x @ up_e^T) @ w2[e]^T, with w13 [E_local, 2I, D] = [gate | up]
     rows and w2 [E_local, D, I]. Under EP, expert_map [E_global] gives the local index
     or -1 (that slot contributes 0). One expert at a time, in x's dtype like the dense
-    MLP; the weighted sum over k in fp32 (or x's dtype when wider). e4m3 weights with
-    one scale per row (w13_scale [E, 2I], w2_scale [E, D]): each projection in fp32,
-    times its rows' scales, then in x's dtype."""
+    MLP; the weighted sum over k in fp32 (or x's dtype when wider). e4m3 weights come
+    with one scale per row (w13_scale [E, 2I], w2_scale [E, D]) or, with `block` (rows,
+    columns), one per block of each expert's matrix (w13_scale [E, 2I / rows, ceil(D /
+    columns)], w2_scale [E, ceil(D / rows), ceil(I / columns)]; I a multiple of rows, so
+    no block mixes gate and up rows): each projection in fp32 on the weights' values
+    (`fp8_weight_values`), then in x's dtype."""
     local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
@@ -470,6 +473,8 @@ def fused_moe(
     def project(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:
             return F.linear(a, w)
+        if block is not None:
+            return F.linear(a.float(), fp8_weight_values(w, scale, block)).to(a.dtype)
         return (F.linear(a.float(), w.float()) * scale.float()).to(a.dtype)
 
     for e in range(w13.shape[0]):

@@ -117,9 +117,13 @@ class RoutedExperts(nn.Module):
     """w13 [E_local + S, 2 I_local, H] (each expert's gate rows, then its up rows) and w2
     [E_local + S, H, I_local], the S shared experts (if joined) last; `forward` gives this
     rank's partial sum over the routed slots and the shared experts. In fp8 form
-    (`to_fp8`), e4m3 with one fp32 scale per row: w13_scale [E_local + S, 2 I_local] and
-    w2_scale [E_local + S, H] (a row of w2 spans the whole intermediate dimension, so its
-    scale is the whole row's, on every rank and for the shared experts' split rows too)."""
+    (`to_fp8`), e4m3 with fp32 scales, either one per row: w13_scale [E_local + S, 2
+    I_local] and w2_scale [E_local + S, H] (a row of w2 spans the whole intermediate
+    dimension, so its scale is the whole row's, on every rank and for the shared experts'
+    split rows too); or the checkpoint's blocks of (rows, columns) as stored, each
+    expert's matrices on their own: w13_scale [E_local + S, 2 I_local / rows, ceil(H /
+    columns)] (gate's scale rows, then up's) and w2_scale [E_local + S, ceil(H / rows),
+    I_local / columns] (`holds_blocks`)."""
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: ParallelState, placement: str,
@@ -162,27 +166,46 @@ class RoutedExperts(nn.Module):
         else:
             self.expert_map = None
 
+    def holds_blocks(self, block: tuple[int, int]) -> bool:
+        """Whether this rank's experts keep a block layout's scales as stored: every slice
+        the loader takes (gate and up rows stacked, a rank's or a shared expert's share
+        of the intermediate dimension) starts and ends on block boundaries."""
+        return self.inter % block[0] == 0 and self.inter % block[1] == 0
+
     def to_fp8(self, config: Fp8Config) -> None:
-        """Hold the experts as e4m3 values with one scale per row from now on (before
-        loading); the fused MoE multiplies them as they are."""
-        assert config.layout == "channel", "the fused MoE takes per-row scales"
+        """Hold the experts as e4m3 values with their scales from now on (before loading),
+        one per row or per block as `config` says; the fused MoE multiplies them as they
+        are. A block layout must fit this rank's experts (`holds_blocks`)."""
+        if config.layout == "block" and not self.holds_blocks(config.block):
+            raise ConfigError(
+                f"routed experts of intermediate size {self.inter} on this rank ({self.placement} over "
+                f"{self.tp.world_size}) would split the checkpoint's {config.block[0]} x {config.block[1]} fp8 "
+                f"blocks (weight_block_size): the size must be a multiple of both; choose another "
+                f"tensor_parallel_size or moe_parallel='ep'")
         for name in ("w13", "w2"):
             old = getattr(self, name)
             new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
             new.weight_loader, new.expected_pieces = old.weight_loader, old.expected_pieces
-            scale = nn.Parameter(torch.ones(old.shape[:2], device=old.device), requires_grad=False)
+            shape = old.shape[:2] if config.layout == "channel" else (old.shape[0], *config.scale_shape(*old.shape[1:]))
+            scale = nn.Parameter(torch.ones(shape, device=old.device), requires_grad=False)
             scale.expected_pieces = set()  # loaded with the weight
             setattr(self, name, new)
             setattr(self, name + "_scale", scale)
         self.fp8, self.full_dtype = config, old.dtype
 
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The scales' blocks (None: one per row, or not fp8)."""
+        return self.fp8.block if self.fp8 is not None else None
+
     def finish_loading(self) -> None:
-        """Without fp8 kernels on this device, the dequantized experts in the model's dtype."""
-        if self.fp8 is None or ops.fp8_kernels(self.w13.device):
+        """Without fp8 kernels on this device, or with blocks the kernels do not take
+        (`fused_moe.takes_blocks`), the dequantized experts in the model's dtype."""
+        if self.fp8 is None or ops.fp8_kernels(self.w13.device) and ops.moe_takes_scales(self.block):
             return
         for name in ("w13", "w2"):
             w, s = getattr(self, name).data, getattr(self, name + "_scale").data
-            full = dequantize(w.flatten(0, 1), s.reshape(-1, 1), self.fp8, self.full_dtype).view(w.shape)
+            full = torch.stack([dequantize(w[i], s[i], self.fp8, self.full_dtype) for i in range(w.shape[0])])
             setattr(self, name, nn.Parameter(full, requires_grad=False))
             setattr(self, name + "_scale", None)
         self.fp8 = None
@@ -194,7 +217,7 @@ class RoutedExperts(nn.Module):
         if self.fp8 is None:
             return _slice(loaded, dim, start, size), None
         q, scale = fp8_slice(loaded, dim, start, size, self.fp8, self.w13.device)
-        return q, scale.reshape(-1)
+        return q, scale.reshape(-1) if self.fp8.layout == "channel" else scale
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id=None, expert_id=None) -> None:
         """One expert's gate (shard 0) or up (shard 1) projection [I, H] into w13, or its
@@ -216,7 +239,8 @@ class RoutedExperts(nn.Module):
         rows = slice(shard_id * self.inter, (shard_id + 1) * self.inter)
         copy_into(self.w13.data[index, rows], values)
         if scale is not None:
-            copy_into(self.w13_scale.data[index, rows], scale)
+            per = self.w13_scale.shape[1] // 2  # the gate's scale rows, then the up's
+            copy_into(self.w13_scale.data[index, shard_id * per : (shard_id + 1) * per], scale)
 
     def _put_w2(self, index: int, values: torch.Tensor, scale: torch.Tensor | None) -> None:
         copy_into(self.w2.data[index], values)
@@ -231,16 +255,21 @@ class RoutedExperts(nn.Module):
                 self._put_w13(self.num_local + s, shard_id, *self._rows(loaded, 0, s * i, i))
             return
         # Quantized (if at all) as the whole [H, S I] down projection, each shared expert
-        # keeping its columns and the rows' scales: what the tensor-parallel MLP holds.
+        # keeping its columns and the rows' scales (what the tensor-parallel MLP holds), or
+        # its columns' blocks.
         values, scale = self._rows(loaded, 1, 0, self.num_shared * i)
         for s in range(self.num_shared):
-            self._put_w2(self.num_local + s, values.narrow(1, s * i, i), scale)
+            if self.block is not None:
+                cols = i // self.block[1]
+                self._put_w2(self.num_local + s, values.narrow(1, s * i, i), scale.narrow(1, s * cols, cols))
+            else:
+                self._put_w2(self.num_local + s, values.narrow(1, s * i, i), scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """weights, ids [T, k + S] (the router's, shared columns last)."""
         if not self.num_shared or x.shape[0] <= FUSED_SHARED_MAX_TOKENS:
             return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, w13_scale=self.w13_scale,
-                                 w2_scale=self.w2_scale)
+                                 w2_scale=self.w2_scale, block=self.block)
         return self.forward_shared_dense(x, weights, ids)
 
     def forward_shared_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -250,16 +279,20 @@ class RoutedExperts(nn.Module):
         the rows, so no kernel specialises on it beyond what decode steps compile."""
         e, k, s = self.num_local, self.top_k, self.num_shared
         tokens, hidden = x.shape
-        s13, s2 = (self.w13_scale, self.w2_scale) if self.fp8 is not None else (None, None)
+        s13, s2, block = self.w13_scale, self.w2_scale, self.block
         y = ops.fused_moe(x, self.w13[:e], self.w2[:e], weights[:, :k], ids[:, :k], self.expert_map,
-                          w13_scale=None if s13 is None else s13[:e], w2_scale=None if s2 is None else s2[:e])
+                          w13_scale=None if s13 is None else s13[:e], w2_scale=None if s2 is None else s2[:e],
+                          block=block)
         w13 = self.w13[e:].reshape(s * 2 * self.inter, hidden)
-        gate_up = ops.linear(x, w13, None, None if s13 is None else s13[e:].reshape(-1, 1))
+        # As one [S 2I, H] weight: per-row scales as a column, block scales' rows stacked
+        # alike (I is a multiple of the block's rows).
+        gate_up = ops.linear(x, w13, None, None if s13 is None else s13[e:].reshape(-1, s13.shape[-1] if block else 1),
+                             block)
         h = ops.silu_and_mul(gate_up.view(tokens, s, 2 * self.inter))  # [T, S, I]
         if s2 is None:
             return y + torch.bmm(h.transpose(0, 1), self.w2[e:].transpose(1, 2)).sum(dim=0)
         for j in range(s):  # fp8: one GEMM per shared expert (S is 1 or 2)
-            y = y + ops.linear(h[:, j], self.w2[e + j], None, s2[e + j].reshape(-1, 1))
+            y = y + ops.linear(h[:, j], self.w2[e + j], None, s2[e + j] if block else s2[e + j].reshape(-1, 1), block)
         return y
 
 
@@ -275,8 +308,9 @@ class MoE(nn.Module):
     """A mixture-of-experts MLP: the router (`gate`), the routed experts (`experts`) and
     `num_shared` shared experts of the same intermediate size, which every token uses. On
     one rank the shared experts join the routed ones (RoutedExperts); under tensor
-    parallelism they are a tensor-parallel MLP (`shared_experts`). The experts stay in
-    the model's dtype (fp8 checkpoints' are dequantized as they load)."""
+    parallelism they are a tensor-parallel MLP (`shared_experts`). With fp8 weights
+    (`use_fp8`) the experts hold e4m3 values and scales, in the checkpoint's blocks or
+    one per row."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, num_shared: int,
                  tp: ParallelState):
@@ -290,12 +324,17 @@ class MoE(nn.Module):
                                if num_shared and not joined else None)
 
     def use_fp8(self, config: Fp8Config) -> bool:
-        """Before loading: the experts in fp8 form where the fused MoE takes it (one scale
-        per row); returns whether they are. Block-scaled experts are dequantized as they
-        load instead, and then the shared experts under TP stay in the model's dtype too:
-        on one rank they run inside the fused MoE, and every TP size computes alike."""
-        if config.layout == "channel":
-            self.experts.to_fp8(config)
+        """Before loading: the experts in fp8 form (per row, or the checkpoint's blocks);
+        returns whether they are. Blocks that this rank's experts cannot keep whole
+        (`RoutedExperts.holds_blocks`) are refused under TP placement over several ranks,
+        where the split is the user's choice; on one rank or under EP (an intermediate
+        size no published checkpoint has) the experts are dequantized as they load, and
+        then the shared experts under TP stay in the model's dtype too: on one rank they
+        run inside the fused MoE, and every TP size computes alike."""
+        experts = self.experts
+        if (config.layout == "channel" or experts.holds_blocks(config.block)
+                or experts.placement == "tp" and self.tp.world_size > 1):
+            experts.to_fp8(config)
             return True
         if self.shared_experts is not None:
             self.shared_experts.gate_up_proj.quantizable = False

@@ -67,8 +67,8 @@ class CausalLM(nn.Module):
         hold fp8 weights, and return their names. Online (`config.online`), every one
         that can be; else those the checkpoint stores in e4m3 (`stored_fp8`: its tensor
         names), so what its config leaves unquantized (embeddings, norms, router gates,
-        lm_head and any listed module) loads as stored. Experts take per-row scales only:
-        block-scaled ones are dequantized as they load."""
+        lm_head and any listed module) loads as stored. Experts take per-row or block
+        scales (`MoE.use_fp8` says when they are dequantized instead)."""
         wanted: set[str] = set()
         if not config.online:
             weight_map = self.weight_map()

@@ -142,6 +142,14 @@ def dequantize_block(w_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return dequantize(w_fp8, scale, Fp8Config("block", block), dtype)
 
 
+def quantize_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert matrices [E, N, K] in the block layout, each expert's matrix on its
+    own as a checkpoint stores it: (e4m3 values [E, N, K], scales [E, ceil(N / rows),
+    ceil(K / columns)])."""
+    pairs = [quantize_block(m, block) for m in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8 [N, K], scale [N, 1] float32): compressed-tensors' per-channel FP8."""
     scale = _scales(w.float().abs().amax(dim=1, keepdim=True))

@@ -1,10 +1,11 @@
 """fp8 weights on the GPU, through the engine, under vLLM's closeness rule (identical until
 the first difference, where each pick is in the other's top 5), with CUDA graphs and
 eagerly:
-- a block-fp8 and a per-channel checkpoint of a tiny Qwen3 against the reference
-  arithmetic: the dequantized weights in fp32 with the same activation quantization
-  (per token and group for the W8A8 GEMM of several rows; none for the batch-1 GEMV,
-  which reads x as it is);
+- a block-fp8 and a per-channel checkpoint of a tiny Qwen3, and a block-fp8 tiny
+  DeepSeek-V3 (its routed and shared experts e4m3 with block scales in the fused MoE),
+  against the reference arithmetic: the dequantized weights in fp32 with the same
+  activation quantization (per token and group for the W8A8 GEMM of several rows; none
+  for the batch-1 GEMV, which reads x as it is, nor for the experts);
 - the default model quantized on load (`quantization="fp8"`) against its bf16 self.
 The mean absolute logprob difference of the greedy tokens against the full-precision
 weights is printed (run with -s)."""
@@ -56,9 +57,10 @@ def tiny_pairs(tmp_path_factory):
     saved, T.BLOCK = T.BLOCK, (16, 32)  # fp8 tl.dot takes K tiles of 32 or more
     try:
         pairs = {}
-        for layout in ("block", "channel"):
-            pairs[layout] = (str(root / f"{layout}-fp8"), str(root / f"{layout}-ref"))
-            T._quantized_pair(src, *pairs[layout], layout)
+        sources = {"block": src, "channel": src, "deepseek-v3-block": T._deepseek_v3(str(root / "v3"))}
+        for name, source in sources.items():
+            pairs[name] = (str(root / f"{name}-fp8"), str(root / f"{name}-ref"))
+            T._quantized_pair(source, *pairs[name], name.rsplit("-", 1)[-1])
         return pairs
     finally:
         T.BLOCK = saved
@@ -87,8 +89,9 @@ def _reference_outputs(path: str, prompts, monkeypatch, params: SamplingParams =
             return original_linear(x, weight, bias, scale, block, *rest, **kw)
         return reference.fp8_linear(x.float(), weight, scale, block, None if bias is None else bias.float()).to(x.dtype)
 
-    def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None):
-        y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None,
+                  block=None):
+        y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block)
         return y if out is None else out.copy_(y)
 
     original_linear = ops.linear
@@ -104,14 +107,20 @@ def _reference_outputs(path: str, prompts, monkeypatch, params: SamplingParams =
             engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["block", "channel"])
+@pytest.mark.parametrize("layout", ["block", "channel", "deepseek-v3-block"])
 def test_fp8_checkpoint_close_to_the_reference_arithmetic(tiny_pairs, layout, monkeypatch):
+    from agent_infer.layers.moe import RoutedExperts
+
     fp8_dir, ref_dir = tiny_pairs[layout]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (3, 17, 40, 90)]
     reference_outs = _reference_outputs(fp8_dir, prompts, monkeypatch)
     engine = _engine(fp8_dir)
-    assert engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    experts = [m for m in engine.runner.model.modules() if isinstance(m, RoutedExperts)]
+    if experts:  # the fused MoE runs them as stored
+        assert all(e.w13.dtype == torch.float8_e4m3fn and e.block == (16, 32) for e in experts)
+    else:
+        assert engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     graphs = engine.generate(prompts, PARAMS)
     eager = _engine(fp8_dir, eager=True).generate(prompts, PARAMS)
     err = _compare(graphs, reference_outs, layout)

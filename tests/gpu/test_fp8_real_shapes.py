@@ -158,8 +158,9 @@ def _fp32_products(path: str, prompts, monkeypatch, **engine):
     def linear(x, weight, bias=None, scale=None, block=None, *rest, **kw):  # rest, kw: row invariance, ...
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
-    def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None):
-        y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=None, out=None, w13_scale=None, w2_scale=None,
+                  block=None):
+        y = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block)
         return y if out is None else out.copy_(y)
 
     with monkeypatch.context() as m:

@@ -64,6 +64,14 @@ def test_fused_moe_fp8_experts(shape, tokens):
     _check(shape, torch.bfloat16, tokens, fp8=True)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 2048])
+@pytest.mark.parametrize("shape", ["v3-ep8", "qwen3-30b-a3b"])
+def test_fused_moe_block_fp8_experts(shape, tokens):
+    """e4m3 experts with one scale per 128 x 128 block, as DeepSeek-V3's and Qwen3's FP8
+    checkpoints store them, bf16 activations."""
+    _check(shape, torch.bfloat16, tokens, fp8=(128, 128))
+
+
 ROWS = MoeConfig(1, Tile(8, 256, 4, 2), Tile(16, 256, 4, 2))
 
 

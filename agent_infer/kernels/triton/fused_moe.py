@@ -30,7 +30,9 @@ fp32 accumulation throughout; bf16, fp16 and fp32 inputs (fp32 dots in IEEE prec
 BLOCK_M = 1 switches both GEMMs to FMA rows (one slot per block, no padding, a
 [BLOCK_N, BLOCK_K] fp32 accumulator reduced once), the GEMV form of the batch-1 case;
 e4m3 experts there are read as int32 words of four values and converted with integer
-operations, by the dense fp8 GEMV's row dot (gemv_fp8.py).
+operations, by the dense fp8 GEMV's row dot (gemv_fp8.py). e4m3 experts carry one
+scale per row or per block of each expert's matrices (DeepSeek-V3's 128 x 128), with
+tiles fitted so that no K step or row tile crosses a block (`fit_blocks`).
 The reference is `agent_infer.kernels.reference.fused_moe`.
 """
 
@@ -43,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, get_config
+from agent_infer.kernels.triton.fused_moe_configs import MoeConfig, Tile, fit_blocks, get_config, takes_blocks
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.utils import dot_precision, pdl_begin, pdl_enabled, pdl_opts
 
@@ -340,11 +342,21 @@ def _b_tile(b_rows, k0, kk, k_in, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(a, b, acc, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a times the weight tile b (_b_tile's layout); e4m3 weights become a's dtype
-    exactly in the dots (their scales come after the K loop)."""
+def _accumulate(a, b, acc, s_rows, k0, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SCALE: tl.constexpr,
+                S_COLS: tl.constexpr):
+    """acc + a times the weight tile b (_b_tile's layout). e4m3 weights with per-row
+    scales become a's dtype exactly in the dots (the scales come after the K loop); with
+    block scales (SCALE == 2) each column is multiplied by its scale in the column of
+    blocks holding k0 (s_rows [BLOCK_N]: each column's scale row; a step must not cross
+    a block: BLOCK_K divides S_COLS) and the product rounded to a's dtype, the weight a
+    model in that dtype holding the dequantized checkpoint has. Scaling the step's
+    partial sums instead would be exact, but needs a second accumulator tile: GEMM 1's
+    paired 128 x 128 tiles then spill (twice the registers a thread has)."""
     if BLOCK_M == 1:
         acc = acc + b.to(tl.float32) * a.to(tl.float32)  # a is [1, BLOCK_K]
+    elif SCALE == 2:
+        w = (b.to(tl.float32) * tl.load(s_rows + k0 // S_COLS)[None, :]).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     else:
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
     return acc
@@ -352,17 +364,20 @@ def _accumulate(a, b, acc, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _grouped_tiles(
-    a_rows, a_valid, b_rows, pair_offset, K,
+    a_rows, a_valid, b_rows, pair_offset, s_rows, s_pair, K,
     PAIR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALE: tl.constexpr, S_COLS: tl.constexpr,
+    PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """The K loop of one program: rows a_rows [BLOCK_M] (pointers, masked by a_valid) times
     weight rows b_rows [BLOCK_N] (K contiguous), fp32 [BLOCK_M, BLOCK_N]; with PAIR, also
     times the weight rows pair_offset further on (GEMM 1's up rows), on the same A loads.
     BLOCK_M == 1: FMA rows, [BLOCK_N, BLOCK_K] partial products reduced once at the end.
-    Without PAIR the second result is zeros. PRELOAD: the first weight tile is loaded
-    before the PDL wait (`pdl_begin(PDL)`), which the caller has not passed yet: the
-    weights must not depend on the previous kernel, the rows of a may."""
+    Without PAIR the second result is zeros. SCALE == 2: block-scaled e4m3 weights, the
+    scale rows of b_rows' blocks at s_rows (pointers), the pair's s_pair further on
+    (`_accumulate`); otherwise s_rows and s_pair are unread. PRELOAD: the first weight
+    tile is loaded before the PDL wait (`pdl_begin(PDL)`), which the caller has not
+    passed yet: the weights must not depend on the previous kernel, the rows of a may."""
     kk = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -378,17 +393,18 @@ def _grouped_tiles(
             b2 = _b_tile(b_rows + pair_offset, 0, kk, k_in, EVEN_K, BLOCK_M)
         pdl_begin(PDL)
         a = tl.load(a_rows[:, None] + kk[None, :], mask=a_valid[:, None] & k_in[None, :], other=0.0)
-        acc = _accumulate(a, b, acc, BLOCK_M, PRECISION)
+        acc = _accumulate(a, b, acc, s_rows, 0, BLOCK_M, PRECISION, SCALE, S_COLS)
         if PAIR:
-            acc2 = _accumulate(a, b2, acc2, BLOCK_M, PRECISION)
+            acc2 = _accumulate(a, b2, acc2, s_rows + s_pair, 0, BLOCK_M, PRECISION, SCALE, S_COLS)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         k_in = (k0 + kk) < K
         a = tl.load(a_rows[:, None] + k0 + kk[None, :], mask=a_valid[:, None] & k_in[None, :], other=0.0)
-        acc = _accumulate(a, _b_tile(b_rows, k0, kk, k_in, EVEN_K, BLOCK_M), acc, BLOCK_M, PRECISION)
+        acc = _accumulate(a, _b_tile(b_rows, k0, kk, k_in, EVEN_K, BLOCK_M), acc, s_rows, k0, BLOCK_M, PRECISION,
+                          SCALE, S_COLS)
         if PAIR:
-            acc2 = _accumulate(a, _b_tile(b_rows + pair_offset, k0, kk, k_in, EVEN_K, BLOCK_M), acc2, BLOCK_M,
-                               PRECISION)
+            acc2 = _accumulate(a, _b_tile(b_rows + pair_offset, k0, kk, k_in, EVEN_K, BLOCK_M), acc2,
+                               s_rows + s_pair, k0, BLOCK_M, PRECISION, SCALE, S_COLS)
     if BLOCK_M == 1:
         out, out2 = tl.sum(acc, axis=1)[None, :], tl.sum(acc2, axis=1)[None, :]
     else:
@@ -399,16 +415,19 @@ def _grouped_tiles(
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, s_ptr,
-    N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm, sse,
+    N, K, top_k, num_slots, num_experts, num_tiles_n, sxm, swe, swn, shm, sse, ssn,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, TRIGGER: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     """h[pos, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, N + n]) for a block of one
     expert's sorted slots (tok = slot // top_k) and BLOCK_N of the N = I columns; gate
-    and up are rounded to h's dtype first, as the unfused reference does. SCALED: w is
-    e4m3 with one scale per row, s[e, row] (row stride 1, expert stride sse). TRIGGER:
-    let the next kernel (GEMM 2, launched as a programmatic dependent) start at once."""
+    and up are rounded to h's dtype first, as the unfused reference does. SCALE: w is
+    e4m3 with one scale per row (1: s[e, row], row stride 1) or per block of S_ROWS x
+    S_COLS (2: s[e, row // S_ROWS, k // S_COLS], row stride ssn; N a multiple of
+    S_ROWS), expert stride sse. TRIGGER: let the next kernel (GEMM 2, launched as a
+    programmatic dependent) start at once."""
     if TRIGGER:
         gdc_launch_dependents()
     pdl_begin(PDL)
@@ -417,13 +436,17 @@ def _moe_gate_up_kernel(
     if e < 0:
         return
     out_ty = h_ptr.dtype.element_ty
-    if SCALED and BLOCK_M == 1:
+    s_e = s_ptr + e.to(tl.int64) * sse
+    if SCALE > 0 and BLOCK_M == 1:
         # e4m3 experts at one slot a block: w is their bytes as int32 words, read and
         # converted as the dense fp8 GEMV does (gemv_fp8.py), whose SiLU-and-mul epilogue
-        # rounds as the branch below does. BLOCK_N rows, BLOCK_K values a tile.
+        # rounds as the branch below does. BLOCK_N rows, BLOCK_K values a tile; with block
+        # scales the tile's rows lie in one block (BLOCK_N divides S_ROWS), the up rows'
+        # N / S_ROWS scale rows further on.
         tok = tl.max(tl.where(valid, slot, 0), axis=0) // top_k
+        s_row = (tl.program_id(0) % num_tiles_n) * BLOCK_N // S_ROWS
         h = row_dot_e4m3(x_ptr + tok.to(tl.int64) * sxm, w_ptr + e.to(tl.int64) * swe, h_ptr, n, n < N, K, swn, N,
-                         False, True, False, BLOCK_K, out_ty, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1,
+                         False, True, False, BLOCK_K, out_ty, 1, s_e, s_row, s_row + N // S_ROWS, ssn, SCALE, S_COLS,
                          EVEN_K)[None, :]
     else:
         # Tail columns wrap onto real rows, so weight loads need no mask; their results
@@ -431,10 +454,11 @@ def _moe_gate_up_kernel(
         w_gate = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn
         x_rows = x_ptr + (slot // top_k).to(tl.int64) * sxm
         # The up rows are N rows on: I * D < 2**31 for every DeepSeek shape.
-        gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  PRECISION)
-        if SCALED:
-            scales = s_ptr + e.to(tl.int64) * sse + n % N
+        gate, up = _grouped_tiles(x_rows, valid, w_gate, N * swn, s_e + (n % N) // S_ROWS * ssn,
+                                  N // S_ROWS * ssn, K, True, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SCALE,
+                                  S_COLS)
+        if SCALE == 1:
+            scales = s_e + n % N
             gate = gate * tl.load(scales)[None, :]
             up = up * tl.load(scales + N)[None, :]
         g = gate.to(out_ty).to(tl.float32)
@@ -447,14 +471,15 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=_STEP_SIZES)
 def _moe_down_kernel(
     h_ptr, w_ptr, y_ptr, slots_ptr, blocks_ptr, npad_ptr, ids_ptr, map_ptr, topw_ptr, s_ptr,
-    N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym, sse,
+    N, K, num_slots, num_experts, num_tiles_n, shm, swe, swn, sym, sse, ssn,
     HAS_MAP: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, PRELOAD: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (h[pos] . w[e, n]) for a block of one expert's
     sorted positions (h rows contiguous) and BLOCK_N of the N = D columns; rows go back
-    to slot order. SCALED: w is e4m3 with one scale per row, as in GEMM 1.
+    to slot order. SCALE: e4m3 weights with per-row or block scales, as in GEMM 1.
 
     PRELOAD: the block's slots and expert, and its first weight tile, are read before the
     PDL wait: only h is GEMM 1's output; the routing and the alignment come from kernels
@@ -465,17 +490,19 @@ def _moe_down_kernel(
                                          num_tiles_n, HAS_MAP, DIRECT, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    if SCALED and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
+    s_e = s_ptr + e.to(tl.int64) * sse
+    if SCALE > 0 and BLOCK_M == 1:  # e4m3 words at one slot a block, as in GEMM 1
         h_row = h_ptr + tl.max(pos, axis=0).to(tl.int64) * shm
+        s_row = (tl.program_id(0) % num_tiles_n) * BLOCK_N // S_ROWS
         acc = row_dot_e4m3(h_row, w_ptr + e.to(tl.int64) * swe, y_ptr, n, n < N, K, swn, 0, False, False,
-                           PDL and PRELOAD, BLOCK_K, tl.float32, 1, s_ptr + e.to(tl.int64) * sse, 0, 0, 0, 1, 1,
+                           PDL and PRELOAD, BLOCK_K, tl.float32, 1, s_e, s_row, s_row, ssn, SCALE, S_COLS,
                            EVEN_K)[None, :]
     else:
         w_rows = w_ptr + e.to(tl.int64) * swe + (n % N).to(tl.int64) * swn  # tail columns wrap, as in GEMM 1
-        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, K, False, EVEN_K, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PRECISION, PRELOAD, PDL)
-        if SCALED:
-            acc = acc * tl.load(s_ptr + e.to(tl.int64) * sse + n % N)[None, :]
+        acc, _ = _grouped_tiles(h_ptr + pos.to(tl.int64) * shm, valid, w_rows, 0, s_e + (n % N) // S_ROWS * ssn, 0,
+                                K, False, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SCALE, S_COLS, PRELOAD, PDL)
+        if SCALE == 1:
+            acc = acc * tl.load(s_e + n % N)[None, :]
     weight = tl.load(topw_ptr + slot, mask=valid, other=0.0)
     mask = valid[:, None] & (n < N)[None, :]
     y = acc * weight[:, None]
@@ -512,6 +539,16 @@ def _as_words(w: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def _gemm_opts(tile: Tile, pdl: bool = False) -> dict:
     return {"num_warps": tile.num_warps, "num_stages": tile.num_stages, **pdl_opts(pdl)}
+
+
+def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> dict:
+    """The GEMMs' scale layout: none, one per row, or one per block of rows x columns
+    (expert stride, scale-row stride and the constexprs)."""
+    if scale is None:
+        return {"sse": 0, "ssn": 0, "SCALE": 0, "S_ROWS": 1, "S_COLS": 1}
+    if block is None:
+        return {"sse": scale.stride(0), "ssn": 0, "SCALE": 1, "S_ROWS": 1, "S_COLS": 1}
+    return {"sse": scale.stride(0), "ssn": scale.stride(1), "SCALE": 2, "S_ROWS": block[0], "S_COLS": block[1]}
 
 
 @dataclass(frozen=True)
@@ -557,24 +594,25 @@ def slot_layout(
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: int, tile: Tile,
-                 w13_scale: torch.Tensor | None = None, trigger: bool = False) -> torch.Tensor:
+                 w13_scale: torch.Tensor | None = None, trigger: bool = False,
+                 block: tuple[int, int] | None = None) -> torch.Tensor:
     """GEMM 1 + SiLU-and-mul over the slots: h [P, I] in x's dtype (P = blocks x
     block_m), row p = silu(gate) * up of the slot at position p (rows of padding
-    positions unwritten). An e4m3 w13 comes with w13_scale [E, 2I] (one per row).
+    positions unwritten). An e4m3 w13 comes with w13_scale [E, 2I] (one per row) or,
+    with `block`, [E, 2I / rows, ceil(D / columns)] (`fit_blocks` tiles).
     `trigger`: the next kernel is a programmatic dependent launch, let it start at once."""
     num_tokens, d = x.shape
     inter = w13.shape[1] // 2
     bm = layout.block_m
     h = torch.empty(layout.num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     tiles_n = triton.cdiv(inter, tile.block_n)
-    scaled = w13_scale is not None
     w = _as_words(w13, bm)
     _moe_gate_up_kernel[(layout.num_blocks * tiles_n,)](
-        x, w, h, *layout.kernel_args(), w13_scale if scaled else h,
+        x, w, h, *layout.kernel_args(), w13_scale if w13_scale is not None else h,
         inter, d, top_k, num_tokens * top_k, layout.num_local, tiles_n, x.stride(0), w.stride(0), w.stride(1),
-        h.stride(0), w13_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
+        h.stride(0), **_scale_args(w13_scale, block), **layout.kernel_flags(),
         EVEN_K=d % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(x.dtype), SCALED=scaled, TRIGGER=trigger, **_gemm_opts(tile),
+        PRECISION=dot_precision(x.dtype), TRIGGER=trigger, **_gemm_opts(tile),
     )
     return h
 
@@ -582,10 +620,12 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, layout: SlotLayout, top_k: 
 def down_weighted(
     h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: SlotLayout, tile: Tile,
     w2_scale: torch.Tensor | None = None, preload: bool = False, pdl: bool = False,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """GEMM 2 over the slots: y [T * k, D] in h's dtype, row slot = its routed weight
     (topk_weights [T, k] fp32, flattened) times h[pos] @ w2[e]^T (rows of non-local slots
-    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row). `preload`: each
+    unwritten). An e4m3 w2 comes with w2_scale [E, D] (one per row) or, with `block`,
+    [E, ceil(D / rows), ceil(I / columns)] (`fit_blocks` tiles). `preload`: each
     program loads its first weight tile before it reads h; `pdl` (with preload): launched
     as a programmatic dependent of GEMM 1 (whose launch must trigger it), so those loads
     overlap GEMM 1's end."""
@@ -595,15 +635,14 @@ def down_weighted(
     d = w2.shape[1]
     y = torch.empty(num_slots, d, dtype=h.dtype, device=h.device)
     tiles_n = triton.cdiv(d, tile.block_n)
-    scaled = w2_scale is not None
     bm = layout.block_m
     w = _as_words(w2, bm)
     _moe_down_kernel[(layout.num_blocks * tiles_n,)](
-        h, w, y, *layout.kernel_args(), topk_weights, w2_scale if scaled else topk_weights,
+        h, w, y, *layout.kernel_args(), topk_weights, w2_scale if w2_scale is not None else topk_weights,
         d, inter, num_slots, layout.num_local, tiles_n, h.stride(0), w.stride(0), w.stride(1), y.stride(0),
-        w2_scale.stride(0) if scaled else 0, **layout.kernel_flags(),
+        **_scale_args(w2_scale, block), **layout.kernel_flags(),
         EVEN_K=inter % tile.block_k == 0, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION=dot_precision(h.dtype), SCALED=scaled, PRELOAD=preload, **_gemm_opts(tile, pdl),
+        PRECISION=dot_precision(h.dtype), PRELOAD=preload, **_gemm_opts(tile, pdl),
     )
     return y
 
@@ -630,6 +669,7 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None, config: MoeConfig | None = None, out: torch.Tensor | None = None,
     direct: bool | None = None, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
 
@@ -640,9 +680,14 @@ def fused_moe(
     local. Returns [T, D] in x's dtype (written into `out` when given). `config`
     defaults to the table in fused_moe_configs.py for the shape and T; `direct`
     overrides `slot_layout`'s choice (direct for one token). e4m3 weights come with one
-    fp32 scale per row: w13_scale [E_local, 2I], w2_scale [E_local, D] (x stays as it
-    is: the weights' values are converted exactly to x's dtype in the GEMMs, to fp32 in
-    the FMA rows)."""
+    fp32 scale per row, w13_scale [E_local, 2I] and w2_scale [E_local, D], or with
+    `block` (rows, columns: DeepSeek-V3's 128 x 128) one per block of each expert's
+    matrices, w13_scale [E_local, 2I / rows, ceil(D / columns)] and w2_scale [E_local,
+    ceil(D / rows), ceil(I / columns)], I a multiple of rows and `takes_blocks(block)`
+    (the config's tiles are fitted to the blocks: `fit_blocks`). x stays as it is: the
+    weights' values are converted exactly to x's dtype in the GEMMs, to fp32 in the FMA
+    rows (per-row scales multiply the sums after the K loop, block scales the weights in
+    each K step: `_accumulate`)."""
     num_tokens, d = x.shape
     num_experts, two_i, d_w = w13.shape
     inter = two_i // 2
@@ -654,8 +699,17 @@ def fused_moe(
     assert (w13_scale is not None) == fp8 == (w2_scale is not None) == (w2.dtype == torch.float8_e4m3fn)
     assert fp8 or x.dtype == w13.dtype == w2.dtype, f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
     if fp8:
-        assert w13_scale.shape == (num_experts, two_i) and w2_scale.shape == (num_experts, d)
-        assert w13_scale.stride(1) == 1 and w2_scale.stride(1) == 1 and w13_scale.dtype == w2_scale.dtype == torch.float32
+        assert w13_scale.dtype == w2_scale.dtype == torch.float32
+        if block is None:
+            assert w13_scale.shape == (num_experts, two_i) and w2_scale.shape == (num_experts, d)
+            assert w13_scale.stride(1) == 1 and w2_scale.stride(1) == 1
+        else:
+            rows, cols = block
+            assert inter % rows == 0 and takes_blocks(block), f"experts of I = {inter} in blocks {block}"
+            assert w13_scale.shape == (num_experts, two_i // rows, triton.cdiv(d, cols)), tuple(w13_scale.shape)
+            assert w2_scale.shape == (num_experts, triton.cdiv(d, rows), triton.cdiv(inter, cols)), \
+                tuple(w2_scale.shape)
+            assert w13_scale.stride(2) == 1 and w2_scale.stride(2) == 1
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "last dims must be contiguous"
     if out is None:
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
@@ -664,8 +718,8 @@ def fused_moe(
         return out
     if expert_map is not None:
         assert expert_map.dim() == 1 and not expert_map.is_floating_point()
-    cfg = config or get_config(num_experts, inter, d, num_tokens, top_k,
-                               expert_map.numel() if expert_map is not None else num_experts, fp8)
+    cfg = fit_blocks(config or get_config(num_experts, inter, d, num_tokens, top_k,
+                                          expert_map.numel() if expert_map is not None else num_experts, fp8), block)
     weights = topk_weights.to(torch.float32).contiguous()  # no copy when already fp32 and contiguous
     ids = topk_ids.contiguous()
     layout = slot_layout(ids, num_experts, cfg.block_m, expert_map, direct)
@@ -673,6 +727,6 @@ def fused_moe(
     # held across the wait costs the large tiles a third more shared memory (98 against
     # 74 KB at 64 slots a block), a resident program fewer per SM.
     pdl = layout.direct and pdl_enabled(x.device)
-    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale, trigger=pdl)
-    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale, preload=layout.direct, pdl=pdl)
+    h = gate_up_silu(x, w13, layout, top_k, cfg.up, w13_scale, trigger=pdl, block=block)
+    y = down_weighted(h, w2, weights, layout, cfg.down, w2_scale, preload=layout.direct, pdl=pdl, block=block)
     return sum_topk(y, ids, expert_map, num_experts, out)

@@ -23,7 +23,7 @@ Pure data and Python: importable without triton (the tuning script and CPU tests
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,34 @@ def get_config(
     if family is not None and b in family:
         return family[b]
     return default_config(tokens, top_k, num_experts or num_local_experts)
+
+
+def _low_bit(n: int) -> int:
+    return n & -n
+
+
+def takes_blocks(block: tuple[int, int] | None) -> bool:
+    """Whether the fused MoE's GEMMs take e4m3 experts with these block scales as they
+    are (None: one scale per row, always): a tensor-core K step lies in one block of
+    columns, so blocks of fewer than 16 columns (the smallest tl.dot step) would need
+    weights scaled before the dot."""
+    return block is None or _low_bit(block[1]) >= 16
+
+
+def fit_blocks(cfg: MoeConfig, block: tuple[int, int] | None) -> MoeConfig:
+    """`cfg` with tiles that never straddle a scale block: FMA rows (block_m 1) of BLOCK_N
+    rows within one block of rows (the tile's scale row is its first row's), tensor-core
+    K steps within one block of columns (the scale multiplies each step's partial sums).
+    Per-row scales and full-precision experts take any tile."""
+    if block is None:
+        return cfg
+    if cfg.block_m == 1:
+        def fit(t: Tile) -> Tile:
+            return replace(t, block_n=min(t.block_n, _low_bit(block[0])))
+    else:
+        def fit(t: Tile) -> Tile:
+            return replace(t, block_k=min(t.block_k, _low_bit(block[1])))
+    return replace(cfg, up=fit(cfg.up), down=fit(cfg.down))
 
 
 def format_tile(t: Tile) -> str:
