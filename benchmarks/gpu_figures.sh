@@ -77,7 +77,9 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      folder; on 2+ GPUs, per-rank allocation at TP = 1 and 2 (a 4 GiB KV cache)
   fp8 [PART]         weights: batch 1 and an 8k-token prefill, bf16 and --quantization fp8;
                      workload: nano-vllm's workload with fp8 weights, then with an fp8 KV
-                     cache too, then V2-Lite with fp8 weights; kv (the default): the workload
+                     cache too, then V2-Lite with fp8 weights; checkpoints: batch 1 of the
+                     DeepSeek-V3-small shape written in the published block-fp8 layout and in
+                     bf16, then Qwen3-30B-A3B's in block fp8; kv (the default): the workload
                      and batch 1 with a bf16 and an fp8 KV cache, alternating
   server             nano-vllm's workload offline at batch 64 and 256 and the same requests
                      through the server: streamed at concurrency 64 and 256, not streamed
@@ -215,20 +217,21 @@ cmd_setup() {
 # room for it, other random checkpoints go, largest first, until it has (the MoE shapes take 31-61 GB
 # of a 64 GB disk: two of them do not fit at once; the next sub-command that needs one
 # writes it again).
-room_for() {
-  python3 - "$1" <<'PY'
+room_for() {  # room_for PRESET [LAYOUT]: disk for a random checkpoint, other ones removed if need be
+  python3 - "$1" "${2:-bf16}" <<'PY'
 import os, shutil, sys
 from agent_infer.bench.random_weights import checkpoint_bytes, get_preset, random_model_dir, random_model_ready
 
-name = sys.argv[1]
-if not random_model_ready(name):
-    need = checkpoint_bytes(get_preset(name)) + (1 << 30)
-    root = os.path.dirname(random_model_dir(name))
+name, fp8 = sys.argv[1], sys.argv[2] == "fp8-block"
+if not random_model_ready(name, fp8_blocks=fp8):
+    need = checkpoint_bytes(get_preset(name), fp8) + (1 << 30)
+    target = random_model_dir(name, fp8)
+    root = os.path.dirname(target)
     os.makedirs(root, exist_ok=True)
     def size(d):
         return sum(os.path.getsize(os.path.join(w, f)) for w, _, fs in os.walk(d) for f in fs)
-    others = sorted(((size(os.path.join(root, d)), os.path.join(root, d)) for d in os.listdir(root) if d != name),
-                    reverse=True)
+    others = sorted(((size(os.path.join(root, d)), os.path.join(root, d)) for d in os.listdir(root)
+                     if d != os.path.basename(target)), reverse=True)
     if shutil.disk_usage(root).free + sum(n for n, _ in others) < need:
         others = []  # no room even without them: leave them, and the write says how much is missing
     for _, other in others:
@@ -241,8 +244,13 @@ PY
 
 bench() {
   local name=$1 limit=$2; shift 2
-  local a prev=
-  for a in "$@"; do [ "$prev" = --random-weights ] && room_for "$a"; prev=$a; done
+  local a prev= preset= layout=bf16
+  for a in "$@"; do
+    [ "$prev" = --random-weights ] && preset=$a
+    [ "$prev" = --random-weights-layout ] && layout=$a
+    prev=$a
+  done
+  [ -n "$preset" ] && room_for "$preset" "$layout"
   timeout "$limit" python3 -m agent_infer.cli -v bench "$@" --output-json "$FIG/$name.json" > "$FIG/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc  $(grep -E 'decode tok/s|output tok/s' "$FIG/$name.log" | head -1 | cut -c1-150)"
@@ -277,7 +285,7 @@ cmd_memory() {
 
 cmd_fp8() {
   local part=${1:-kv} r v
-  m8 || return 1
+  [ "$part" = checkpoints ] || m8 || return 1
   case $part in
     weights)  # batch 1 and an 8k-token prefill, bf16 and --quantization fp8
       for v in bf16 fp8; do
@@ -293,6 +301,16 @@ cmd_fp8() {
       bench thr_w_fp8_ds 300 throughput --random-weights deepseek-v2-lite --quantization fp8
       bench thr_w_fp8_ds_kv 300 throughput --random-weights deepseek-v2-lite --quantization fp8 --kv-cache-dtype fp8
       table "$FIG"/thr_w_fp8*.json ;;
+    checkpoints)  # published block-fp8 layouts (random weights), batch 1: the DeepSeek-V3-small shape
+      # beside its bf16 self, then Qwen3-30B-A3B's (31 GB in fp8; its bf16 self, 61 GB, is
+      # `moe lat`: the disk holds one of the two)
+      for v in bf16 fp8-block; do
+        bench "lat_ckpt_v3small_$v" 200 latency --random-weights deepseek-v3-small --random-weights-layout $v \
+          --num-iters 3
+      done
+      bench lat_ckpt_qwen3moe_fp8-block 400 latency --random-weights qwen3-30b-a3b --random-weights-layout fp8-block \
+        --num-iters 3
+      table "$FIG"/lat_ckpt_*.json ;;
     kv)  # the fp8 KV cache alone against bf16, alternating
       for r in 1 2; do
         for v in $( [ $r = 1 ] && echo auto fp8 || echo fp8 auto ); do

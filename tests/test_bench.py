@@ -184,6 +184,55 @@ def test_writer_shards_index_values_and_cache_reuse(tmp_path, monkeypatch, defau
     assert rw.random_model_ready("tiny") and not rw.random_model_ready("tiny", seed=1)
 
 
+def test_writer_lays_out_block_fp8_as_the_published_checkpoints(tmp_path, monkeypatch):
+    """`fp8_blocks`: the projections (the experts' too) in e4m3 with 128 x 128 block scales
+    beside them as `weight_scale_inv`, the same random values quantized; router gates,
+    norms, embeddings and the LM head in bf16; the block-fp8 quantization_config; its own
+    directory next to the bf16 one. The engine loads it as an fp8 checkpoint."""
+    from agent_infer.quantization import fp8 as F8
+    from tests.deepseek_models import write_deepseek_model
+
+    monkeypatch.setenv("AGENT_INFER_CACHE", str(tmp_path))
+    # Merged projections (gate and up, q_a and kv_a) meet on block boundaries, as at full size.
+    src = write_deepseek_model("v3", str(tmp_path / "v3"), hub_spelling=True, intermediate_size=128,
+                               moe_intermediate_size=128, q_lora_rank=128)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    monkeypatch.setitem(rw.PRESETS, "v3-test", rw.HubPreset(config["architectures"][0], config))
+    path = rw.ensure_random_model("v3-test", max_shard_bytes=200_000, log=lambda _: None, fp8_blocks=True)
+    assert path == str(tmp_path / "random" / "v3-test-fp8-block") and rw.random_model_ready("v3-test", fp8_blocks=True)
+    assert not rw.random_model_ready("v3-test")
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
+                                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    stored = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(os.path.join(path, shard), "pt") as f:
+            stored |= {n: f.get_tensor(n) for n in f.keys()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values()) \
+        == rw.checkpoint_bytes(rw.PRESETS["v3-test"], fp8_blocks=True)
+    fp8 = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in fp8 and "model.layers.0.self_attn.kv_b_proj.weight" in fp8
+    for name, shape in rw.tensor_shapes(rw.PRESETS["v3-test"]):
+        t = stored[name]
+        if name in fp8:
+            scale = stored[name + "_scale_inv"]
+            want = F8.quantize_block(rw.random_tensor(name, shape, 0, torch.device("cpu")), (128, 128))
+            assert torch.equal(t.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1]), name
+        else:
+            assert t.dtype == torch.bfloat16 and name + "_scale_inv" not in stored, name
+            assert name.endswith(("norm.weight", "mlp.gate.weight", "embed_tokens.weight", "lm_head.weight",
+                                  "e_score_correction_bias")) or ".layers.3." in name, name  # layer 3: the MTP layer
+    assert len(fp8) > 20
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=16))
+    assert engine.model_config.quantization.layout == "block" and engine.model_config.quantization.block == (128, 128)
+    from agent_infer.sampling_params import SamplingParams
+
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
 def test_writer_is_deterministic_and_rewrites_stale_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_INFER_CACHE", str(tmp_path))
     path = rw.ensure_random_model("tiny", log=lambda _: None)

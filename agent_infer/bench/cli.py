@@ -40,6 +40,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", default=None, choices=PRESETS, metavar="NAME",
                    help=f"use a random checkpoint of a real shape, written once under $AGENT_INFER_CACHE/random "
                         f"({', '.join(PRESETS)}); replaces --model")
+    g.add_argument("--random-weights-layout", default="bf16", choices=("bf16", "fp8-block"),
+                   help="fp8-block: the random checkpoint laid out as DeepSeek-V3's and Qwen3's FP8 releases are "
+                        "(e4m3 projections, experts included, with one scale per 128 x 128 block)")
     g.add_argument("--compare-hf", action="store_true",
                    help="run Hugging Face transformers on the same checkpoint first and print the ratio")
     g.add_argument("--profile", default=None, metavar="DIR",

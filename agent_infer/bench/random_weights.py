@@ -4,7 +4,11 @@
 `$AGENT_INFER_CACHE/random/NAME` (default `~/.cache/agent-infer/random/NAME`):
 config.json (the classic transformers 4.x layout, which 5.x converts on load),
 generation_config.json, bf16 safetensors shards of at most ~4 GB with
-model.safetensors.index.json, and, when given, a tokenizer's files.
+model.safetensors.index.json, and, when given, a tokenizer's files. With `fp8_blocks`
+(directory NAME-fp8-block) the checkpoint is laid out as DeepSeek-V3's and Qwen3's FP8
+releases are: every projection of the attention and MLP blocks (the experts' included)
+in e4m3 with one float32 scale per 128 x 128 block in `<name>.weight_scale_inv`, the
+same random values quantized; embeddings, norms, router gates and the LM head in bf16.
 
 The shards are written by hand (the safetensors format is an 8-byte header length, a
 JSON header and the raw bytes), one tensor at a time, so the host never holds more
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -30,6 +35,7 @@ import torch
 from agent_infer.config import ConfigError, ModelConfig
 from agent_infer.loader.default_model import cache_root
 from agent_infer.models.registry import resolve_model_class
+from agent_infer.quantization.fp8 import quantize_block
 
 SHARD_BYTES = 4 * 10**9  # like HF's "4GB" shards
 STD = 0.02  # normal std of weight matrices (the usual initializer_range)
@@ -161,8 +167,18 @@ def get_preset(name: str) -> RandomPreset:
         raise ConfigError(f"unknown --random-weights preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def random_model_dir(name: str) -> str:
-    return os.path.join(cache_root(), "random", name)
+# DeepSeek-V3's `quantization_config`, which Qwen3's FP8 checkpoints share.
+FP8_BLOCK = (128, 128)
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(FP8_BLOCK)}
+# The tensors such a checkpoint stores in e4m3: the matrices of the layers' attention and
+# MLP blocks but the router gates (`mlp.gate.weight`); not norms, embeddings or LM head.
+_FP8_STORED = re.compile(r"\.(self_attn|mlp)\.(?!gate\.weight$).*\.weight$")
+_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+
+
+def random_model_dir(name: str, fp8_blocks: bool = False) -> str:
+    return os.path.join(cache_root(), "random", name + ("-fp8-block" if fp8_blocks else ""))
 
 
 # ---- what the checkpoint holds --------------------------------------------------------
@@ -175,29 +191,49 @@ def tensor_shapes(p: RandomPreset) -> list[tuple[str, tuple[int, ...]]]:
     return resolve_model_class(cfg.architecture, cfg.impl).checkpoint_tensors(cfg)
 
 
-def checkpoint_bytes(p: RandomPreset) -> int:
-    return sum(math.prod(s) * 2 for _, s in tensor_shapes(p))  # bf16
+def tensor_entries(p: RandomPreset, fp8_blocks: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every tensor the checkpoint stores, in file
+    order: `tensor_shapes` in bf16, or with `fp8_blocks` each projection in e4m3 followed
+    by its block scales."""
+    out = []
+    for name, shape in tensor_shapes(p):
+        if fp8_blocks and len(shape) == 2 and _FP8_STORED.search(name):
+            scales = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK))
+            out += [(name, shape, "F8_E4M3"), (name + "_scale_inv", scales, "F32")]
+        else:
+            out.append((name, shape, "BF16"))
+    return out
 
 
-def plan_shards(
-    shapes: list[tuple[str, tuple[int, ...]]], max_bytes: int
-) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Greedy split in file order; a tensor bigger than max_bytes gets a shard of its own."""
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+def _nbytes(shape: tuple[int, ...], dtype: str = "BF16") -> int:
+    return math.prod(shape) * _BYTES[dtype]
+
+
+def checkpoint_bytes(p: RandomPreset, fp8_blocks: bool = False) -> int:
+    return sum(_nbytes(s, d) for _, s, d in tensor_entries(p, fp8_blocks))
+
+
+def plan_shards(shapes: list[tuple], max_bytes: int) -> list[list[tuple]]:
+    """Greedy split in file order of (name, shape[, dtype]) entries (bf16 when no dtype);
+    a tensor bigger than max_bytes gets a shard of its own."""
+    shards: list[list[tuple]] = [[]]
     size = 0
-    for name, shape in shapes:
-        n = math.prod(shape) * 2
+    for entry in shapes:
+        n = _nbytes(*entry[1:])
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append(entry)
         size += n
     return shards
 
 
-def hf_config(p: RandomPreset) -> dict:
+def hf_config(p: RandomPreset, fp8_blocks: bool = False) -> dict:
     """config.json in the layout both transformers 4.x (rope_theta + rope_scaling) and 5.x
-    (which converts those into rope_parameters) read."""
+    (which converts those into rope_parameters) read; with `fp8_blocks`, the block-fp8
+    `quantization_config`."""
+    if fp8_blocks:
+        return {**hf_config(p), "quantization_config": dict(FP8_BLOCK_CONFIG)}
     if isinstance(p, HubPreset):
         return {"architectures": [p.architecture], **p.config}
     cfg = {
@@ -234,10 +270,10 @@ def hf_config(p: RandomPreset) -> dict:
     return cfg
 
 
-def write_config(p: RandomPreset, out_dir: str) -> None:
+def write_config(p: RandomPreset, out_dir: str, fp8_blocks: bool = False) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(p), f, indent=2)
+        json.dump(hf_config(p, fp8_blocks), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": p.bos_token_id, "eos_token_id": p.eos_token_id, "do_sample": False}, f, indent=2)
 
@@ -260,15 +296,19 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.de
     return t.normal_(0.0, STD, generator=g)
 
 
-def write_safetensors(
-    path: str, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str, tuple[int, ...]], torch.Tensor]
-) -> None:
-    """A bf16 safetensors file, tensor by tensor: the header is known from the shapes alone."""
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
+
+
+def write_safetensors(path: str, entries: list[tuple], make: Callable[..., torch.Tensor]) -> None:
+    """A safetensors file, tensor by tensor: the header is known from the shapes alone.
+    Entries are (name, shape) in bf16 or (name, shape, dtype); `make(name, shape)` (or
+    `make(name, shape, dtype)`) gives each tensor."""
+    entries = [(e[0], tuple(e[1]), e[2] if len(e) > 2 else "BF16") for e in entries]
     header: dict = {}
     offset = 0
-    for name, shape in entries:
-        n = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+    for name, shape, dtype in entries:
+        n = _nbytes(shape, dtype)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -276,10 +316,10 @@ def write_safetensors(
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape in entries:
-            t = make(name, shape)
-            if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(shape):
-                raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, header says bf16 {shape}")
+        for name, shape, dtype in entries:
+            t = make(name, shape) if dtype == "BF16" else make(name, shape, dtype)
+            if t.dtype != _TORCH_DTYPES[dtype] or tuple(t.shape) != tuple(shape):
+                raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}")
             data = t.contiguous().cpu().view(torch.uint8).numpy()  # little-endian raw bytes
             f.write(memoryview(data).cast("B"))
             del t, data
@@ -306,17 +346,18 @@ def _copy_tokenizer(src: str, dst: str) -> list[str]:
     return copied
 
 
-def _provenance(name: str, p: RandomPreset, seed: int) -> dict:
-    return {"format": _FORMAT, "preset": name, "seed": seed, "std": STD, "norm_noise": NORM_NOISE, "shape": asdict(p)}
+def _provenance(name: str, p: RandomPreset, seed: int, fp8_blocks: bool = False) -> dict:
+    stamp = {"format": _FORMAT, "preset": name, "seed": seed, "std": STD, "norm_noise": NORM_NOISE, "shape": asdict(p)}
+    return stamp | ({"fp8_block": list(FP8_BLOCK)} if fp8_blocks else {})
 
 
-def random_model_ready(name: str, seed: int = 0) -> bool:
+def random_model_ready(name: str, seed: int = 0, fp8_blocks: bool = False) -> bool:
     """True when the cache holds NAME written with the current preset and seed."""
-    done = os.path.join(random_model_dir(name), _DONE)
+    done = os.path.join(random_model_dir(name, fp8_blocks), _DONE)
     if not os.path.isfile(done):
         return False
     with open(done) as f:
-        return json.load(f) == _provenance(name, get_preset(name), seed)
+        return json.load(f) == _provenance(name, get_preset(name), seed, fp8_blocks)
 
 
 def ensure_random_model(
@@ -326,27 +367,29 @@ def ensure_random_model(
     max_shard_bytes: int = SHARD_BYTES,
     device: torch.device | None = None,
     log: Callable[[str], None] | None = None,
+    fp8_blocks: bool = False,
 ) -> str:
-    """Path of the random checkpoint NAME, writing it first when it is missing or stale."""
+    """Path of the random checkpoint NAME, writing it first when it is missing or stale;
+    `fp8_blocks`: in the block-fp8 layout (the module's docstring)."""
     preset = get_preset(name)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    target = random_model_dir(name)
-    want = _provenance(name, preset, seed)
+    target = random_model_dir(name, fp8_blocks)
+    want = _provenance(name, preset, seed, fp8_blocks)
     done = os.path.join(target, _DONE)
-    if random_model_ready(name, seed):
+    if random_model_ready(name, seed, fp8_blocks):
         return target
     if os.path.exists(target):
         say(f"agent-infer: {target} is incomplete or was written with other settings; rewriting it")
         shutil.rmtree(target)
     parent = os.path.dirname(target)
-    total = checkpoint_bytes(preset)
+    total = checkpoint_bytes(preset, fp8_blocks)
     _check_disk(parent, total, name)
     device = device or _generator_device()
-    say(f"agent-infer: writing random {name} weights ({total / 1e9:.2f} GB bf16, drawn on {device.type}) "
-        f"into {target} (once)...")
-    work = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    say(f"agent-infer: writing random {name} weights ({total / 1e9:.2f} GB {'block fp8' if fp8_blocks else 'bf16'}, "
+        f"drawn on {device.type}) into {target} (once)...")
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
     try:
-        _write_all(preset, work, seed, max_shard_bytes, device, say)
+        _write_all(preset, work, seed, max_shard_bytes, device, say, fp8_blocks)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the engine sizes its KV cache from free memory next
         if tokenizer_from:
@@ -366,20 +409,41 @@ def ensure_random_model(
     return target
 
 
+class _TensorMaker:
+    """Tensors for `write_safetensors`: bf16 random ones, or a projection's random values
+    quantized to e4m3 in FP8_BLOCK blocks, its scales kept for the entry that follows."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed, self.device = seed, device
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: str = "BF16") -> torch.Tensor:
+        if dtype == "F32":
+            return self.scales.pop(name)
+        t = random_tensor(name, shape, self.seed, self.device)
+        if dtype == "BF16":
+            return t
+        q, scale = quantize_block(t, FP8_BLOCK)
+        self.scales[name + "_scale_inv"] = scale
+        return q
+
+
 def _write_all(
-    p: RandomPreset, out_dir: str, seed: int, max_shard_bytes: int, device: torch.device, say: Callable[[str], None]
+    p: RandomPreset, out_dir: str, seed: int, max_shard_bytes: int, device: torch.device, say: Callable[[str], None],
+    fp8_blocks: bool = False,
 ) -> None:
-    write_config(p, out_dir)
-    shards = plan_shards(tensor_shapes(p), max_shard_bytes)
+    write_config(p, out_dir, fp8_blocks)
+    shards = plan_shards(tensor_entries(p, fp8_blocks), max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
+    make = _TensorMaker(seed, device)
     for i, entries in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        write_safetensors(os.path.join(out_dir, fname), entries, lambda nm, sh: random_tensor(nm, sh, seed, device))
-        for nm, sh in entries:
+        write_safetensors(os.path.join(out_dir, fname), entries, make)
+        for nm, sh, dtype in entries:
             weight_map[nm] = fname
-            total += math.prod(sh) * 2
+            total += _nbytes(sh, dtype)
         if n > 1:
             say(f"agent-infer:   shard {i}/{n} written")
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
