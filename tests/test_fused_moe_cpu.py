@@ -135,6 +135,27 @@ def test_fp8_experts_take_word_rows_at_one_token(inter, hidden):
                                          not whole and -(-k // tile.block_k) == -(-k // 2048))
 
 
+@pytest.mark.parametrize("inter,hidden", [(32, 42), (30, 48)])
+def test_fp8_experts_whose_k_is_not_whole_words_take_tensor_core_tiles(inter, hidden):
+    """One token over e4m3 experts whose K (hidden for GEMM 1, I for GEMM 2) is not a
+    multiple of 4 cannot be read as int32 words: the bf16 table's tiles instead."""
+    c = cfgs.get_config(6, inter, hidden, 1, 2, fp8=True)
+    assert c.block_m > 1 and c == cfgs.get_config(6, inter, hidden, 1, 2)
+
+
+def test_fit_blocks_keeps_tiles_inside_the_scale_blocks():
+    """Block-scaled experts: FMA rows shrink to the block's rows, tensor-core K steps to
+    its columns; per-row scales (None) leave a configuration as it is."""
+    rows, dots = cfgs.fp8_rows_config(2048, 7168), cfgs.default_config(64, 8, 256)
+    assert cfgs.fit_blocks(rows, None) is rows and cfgs.fit_blocks(rows, (128, 128)) == rows  # 4 and 8 rows fit
+    fitted = cfgs.fit_blocks(cfgs.MoeConfig(1, cfgs.Tile(16, 512), cfgs.Tile(32, 256)), (8, 128))
+    assert (fitted.up.block_n, fitted.up.block_k, fitted.down.block_n) == (8, 512, 8)
+    fitted = cfgs.fit_blocks(cfgs.MoeConfig(16, cfgs.Tile(32, 256), cfgs.Tile(64, 64)), (128, 96))
+    assert (fitted.up.block_n, fitted.up.block_k, fitted.down.block_k) == (32, 32, 32)
+    assert cfgs.takes_blocks((128, 128)) and cfgs.takes_blocks(None) and not cfgs.takes_blocks((16, 8))
+    assert all(_valid(cfgs.fit_blocks(c, (128, 128))) for c in (rows, dots))
+
+
 def test_tuner_candidates_cover_every_bucket():
     """benchmarks/tune_fused_moe.py has launchable candidates for every family and bucket
     (its GPU run is too costly to find an empty or invalid candidate set)."""

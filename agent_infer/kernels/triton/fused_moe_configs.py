@@ -149,12 +149,13 @@ def get_config(
 ) -> MoeConfig:
     """The configuration for a step of `tokens` tokens over experts of shape family
     (num_local_experts, inter, hidden); `num_experts` is the global expert count (the
-    local one when None); `fp8`: e4m3 experts."""
+    local one when None); `fp8`: e4m3 experts (one token reads them as int32 words when
+    both GEMMs' K are whole words, else in tensor-core tiles like bf16 ones)."""
     key, b = (num_local_experts, inter, hidden), bucket(tokens)
     if fp8:
         if b in TUNED_FP8.get(key, {}):
             return TUNED_FP8[key][b]
-        if tokens == 1:
+        if tokens == 1 and hidden % 4 == 0 and inter % 4 == 0:  # rows of whole int32 words
             return fp8_rows_config(inter, hidden)
     family = TUNED.get(key)
     if family is not None and b in family:
