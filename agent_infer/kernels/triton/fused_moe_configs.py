@@ -98,6 +98,9 @@ TUNED_FP8: dict[tuple[int, int, int], dict[int, MoeConfig]] = {
     (64, 1408, 2048): {  # V2-Lite, EP = 1; measured: H200, torch 2.11, 2026-12-04
         1: MoeConfig(1, Tile(8, 1024, 4, 1), Tile(16, 512, 4, 1)),
     },
+    (128, 768, 2048): {  # Qwen3-30B-A3B, EP = 1
+        1: MoeConfig(1, Tile(8, 512, 4, 2), Tile(16, 256, 4, 2)),  # NVIDIA H100 80GB HBM3, torch 2.11, 2026-12-06
+    },
 }
 
 

@@ -40,28 +40,39 @@ def _e4m3(words, i: tl.constexpr):
 
 
 @triton.jit
-def _x_byte(x_ptr, k, mask, s_ptr, s_row, s_stride, SCALE: tl.constexpr, S_COLS: tl.constexpr,
+def _x_byte(x_ptr, k, mask, word_scale, s_ptr, s_row, s_stride, SCALE: tl.constexpr, S_COLS: tl.constexpr,
             MASKED: tl.constexpr):
     """x[k] in fp32 as a [1, W] row; block-scaled weights (SCALE == 2): times the scale of
-    each column's block in scale row s_row."""
+    each column's block in scale row s_row, which is the word's (`word_scale`, loaded
+    once for its four columns) when blocks are whole words."""
     if MASKED:
         x = tl.load(x_ptr + k, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(x_ptr + k).to(tl.float32)
     if SCALE == 2:
-        x = x * tl.load(s_ptr + s_row * s_stride + k // S_COLS, mask=mask, other=0.0)
+        if S_COLS % 4 == 0:
+            x = x * word_scale
+        else:
+            x = x * tl.load(s_ptr + s_row * s_stride + k // S_COLS, mask=mask, other=0.0)
     return x[None, :]
 
 
 @triton.jit
 def _words_dot(words, x_ptr, k0, jj, mask, s_ptr, s_row, s_stride, SCALE: tl.constexpr, S_COLS: tl.constexpr,
                MASKED: tl.constexpr):
-    """[BLOCK_N, W] partial sums of one tile of words [BLOCK_N, W] (columns k0 + 4 jj + i)."""
+    """[BLOCK_N, W] partial sums of one tile of words [BLOCK_N, W] (columns k0 + 4 jj + i).
+    Block scales of blocks that hold whole words are loaded once per word, not per
+    column: a quarter of the scale loads, which as many as x's own were the tile's
+    largest cost after the weights (the MoE's one-token rows and the dense GEMV at
+    DeepSeek-V3's and Qwen3's 128 x 128 blocks)."""
     k = k0 + 4 * jj
-    acc = _e4m3(words, 0) * _x_byte(x_ptr, k, mask, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
-    acc += _e4m3(words, 1) * _x_byte(x_ptr, k + 1, mask, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
-    acc += _e4m3(words, 2) * _x_byte(x_ptr, k + 2, mask, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
-    acc += _e4m3(words, 3) * _x_byte(x_ptr, k + 3, mask, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
+    word_scale = 1.0
+    if SCALE == 2 and S_COLS % 4 == 0:
+        word_scale = tl.load(s_ptr + s_row * s_stride + k // S_COLS, mask=mask, other=0.0)
+    acc = _e4m3(words, 0) * _x_byte(x_ptr, k, mask, word_scale, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
+    acc += _e4m3(words, 1) * _x_byte(x_ptr, k + 1, mask, word_scale, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
+    acc += _e4m3(words, 2) * _x_byte(x_ptr, k + 2, mask, word_scale, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
+    acc += _e4m3(words, 3) * _x_byte(x_ptr, k + 3, mask, word_scale, s_ptr, s_row, s_stride, SCALE, S_COLS, MASKED)
     return acc
 
 
