@@ -29,6 +29,7 @@ from agent_infer.arguments import add_engine_args
 from agent_infer.config import ConfigError, EngineConfig, ModelConfig
 from agent_infer.engine.llm_engine import LLMEngine
 from agent_infer.loader.default_model import DEFAULT_MODEL_NAME
+from agent_infer.sampling_params import SamplingParams
 from tests.scheduling import record_batches
 from tests.tiny_models import VOCAB
 
@@ -228,9 +229,8 @@ def test_writer_lays_out_block_fp8_as_the_published_checkpoints(tmp_path, monkey
     assert len(fp8) > 20
     engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=16))
     assert engine.model_config.quantization.layout == "block" and engine.model_config.quantization.block == (128, 128)
-    from agent_infer.sampling_params import SamplingParams
-
-    assert len(engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
 
 
 def test_writer_is_deterministic_and_rewrites_stale_cache(tmp_path, monkeypatch):

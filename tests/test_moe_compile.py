@@ -113,7 +113,7 @@ BLOCK_TILES = sorted({(b, g, fit_blocks(MoeConfig(b, t, t), (128, 128)).up, (b, 
 def test_moe_gemm_block_fp8_experts_compile_with_few_spills(block_m, gemm, tile, direct):
     """The same tiles with DeepSeek-V3's 128 x 128 block scales, fitted to the blocks as
     fused_moe fits them (K steps of at most 128, FMA rows within a block of rows): each
-    K step's partial sums scaled per column before they are added."""
+    K step's weight tile times its columns' scales before the dot."""
     _check_gemm(block_m, gemm, tile, direct=direct, fp8=True, block=(128, 128))
 
 

@@ -80,7 +80,8 @@ def prepare(args: argparse.Namespace) -> Setup:
         from agent_infer.bench.random_weights import ensure_random_model, random_model_ready
 
         fp8_blocks = args.random_weights_layout == "fp8-block"
-        tokenizer = None if random_model_ready(args.random_weights, fp8_blocks=fp8_blocks) else default_tokenizer_source()
+        ready = random_model_ready(args.random_weights, fp8_blocks=fp8_blocks)
+        tokenizer = None if ready else default_tokenizer_source()
         args.model = ensure_random_model(args.random_weights, tokenizer_from=tokenizer, fp8_blocks=fp8_blocks)
     from agent_infer.arguments import engine_config_from_args
 

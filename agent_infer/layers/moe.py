@@ -200,7 +200,7 @@ class RoutedExperts(nn.Module):
 
     def finish_loading(self) -> None:
         """Without fp8 kernels on this device, or with blocks the kernels do not take
-        (`fused_moe.takes_blocks`), the dequantized experts in the model's dtype."""
+        (`fused_moe_configs.takes_blocks`), the dequantized experts in the model's dtype."""
         if self.fp8 is None or ops.fp8_kernels(self.w13.device) and ops.moe_takes_scales(self.block):
             return
         for name in ("w13", "w2"):
