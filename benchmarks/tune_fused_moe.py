@@ -206,10 +206,14 @@ def per_layer_us(fn, layers: int) -> float:
     return graph_time_us(lambda: [fn(layer) for layer in range(layers)]) / layers
 
 
+def weight_tbs(fam: Family, step: Step, us: float, ws: list[Layer]) -> float:
+    """The touched experts' weights read per second, in TB/s (scales not counted)."""
+    return step.touched * 3 * fam.inter * fam.hidden * ws[0].w13.element_size() / us / 1e6
+
+
 def rates(fam: Family, step: Step, us: float, ws: list[Layer]) -> str:
-    weight_bytes = step.touched * 3 * fam.inter * fam.hidden * ws[0].w13.element_size()
     flops = step.local_slots * 6 * fam.inter * fam.hidden
-    return f"{weight_bytes / us / 1e6:5.2f} TB/s {flops / us / 1e6:6.1f} TFLOP/s"
+    return f"{weight_tbs(fam, step, us, ws):5.2f} TB/s {flops / us / 1e6:6.1f} TFLOP/s"
 
 
 def try_time(fn, layers: int) -> float | None:
@@ -402,20 +406,20 @@ def compare_weights(families: list[str], tokens: list[int], layers: int) -> None
         fam = FAMILIES[name]
         emap = expert_map(fam)
         steps = {t: make_step(fam, t, layers, emap, seed=2000 + t) for t in tokens}
-        timed: dict[str, dict[int, tuple[float, str]]] = {}
+        timed: dict[str, dict[int, tuple[float, float]]] = {}
         for weights in WEIGHTS:
             ws = make_layers(fam, layers, weights)
             timed[weights] = {}
             for t, step in steps.items():
                 us = per_layer_us(lambda i: moe.fused_moe(step.x, ws[i].w13, ws[i].w2, step.weights[i], step.ids[i],
                                                           emap, **ws[i].scales), layers)
-                timed[weights][t] = (us, rates(fam, step, us, ws).split(" TB/s")[0].strip())
+                timed[weights][t] = (us, weight_tbs(fam, step, us, ws))
             ws = []  # freed before the next form is made (the timing lambdas are done with it)
             torch.cuda.empty_cache()
         print(f"{name} ({fam.note}): µs per layer (TB/s of touched weights)")
         print("      T | " + " | ".join(f"{w:>18s}" for w in WEIGHTS) + " | block / row | row / bf16")
         for t in tokens:
-            cells = " | ".join(f"{timed[w][t][0]:9.1f} ({timed[w][t][1]:>5s})" for w in WEIGHTS)
+            cells = " | ".join(f"{timed[w][t][0]:9.1f} ({timed[w][t][1]:5.2f})" for w in WEIGHTS)
             print(f"  {t:5d} | {cells} | {timed['fp8-block'][t][0] / timed['fp8'][t][0]:11.3f} | "
                   f"{timed['fp8'][t][0] / timed['bf16'][t][0]:9.3f}", flush=True)
 

@@ -258,9 +258,10 @@ def test_writer_refuses_clearly_without_disk_space(tmp_path, monkeypatch):
 
 
 def test_plan_shards_keeps_order_and_limit():
-    shapes = [("a", (10,)), ("b", (20,)), ("c", (30,)), ("d", (100,)), ("e", (5,))]
+    shapes = [("a", (10,), "BF16"), ("b", (20,), "BF16"), ("c", (30,), "BF16"), ("d", (100,), "BF16"),
+              ("e", (5,), "BF16")]
     shards = rw.plan_shards(shapes, max_bytes=80)
-    assert [[n for n, _ in s] for s in shards] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert [[n for n, _, _ in s] for s in shards] == [["a", "b"], ["c"], ["d"], ["e"]]
 
 
 # ---- roofline -------------------------------------------------------------------------

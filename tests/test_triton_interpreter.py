@@ -327,6 +327,12 @@ else:
     def test_gemv_m1_fp8(dtype, fp8, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config, fp8=fp8)
 
+    @pytest.mark.parametrize("silu_mul", [False, True])
+    def test_gemv_m1_fp8_blocks_narrower_than_whole_words(silu_mul):
+        """Blocks of 6 columns: a word's four columns can span two blocks, so each column
+        loads its own scale (the per-word load serves blocks that hold whole words)."""
+        kc.check_gemv_m1(DEV, torch.float32, 48, 192, True, silu_mul, RowConfig(4, 64), fp8=(8, 6))
+
     def test_gemv_m1_every_e4m3_value():
         kc.check_gemv_m1_every_e4m3_value(DEV, RowConfig(4, 128, prefetch=2))
 

@@ -175,6 +175,7 @@ FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
 # MLP blocks but the router gates (`mlp.gate.weight`); not norms, embeddings or LM head.
 _FP8_STORED = re.compile(r"\.(self_attn|mlp)\.(?!gate\.weight$).*\.weight$")
 _BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+Entry = tuple[str, tuple[int, ...], str]  # a stored tensor: name, shape, safetensors dtype
 
 
 def random_model_dir(name: str, fp8_blocks: bool = False) -> str:
@@ -191,7 +192,7 @@ def tensor_shapes(p: RandomPreset) -> list[tuple[str, tuple[int, ...]]]:
     return resolve_model_class(cfg.architecture, cfg.impl).checkpoint_tensors(cfg)
 
 
-def tensor_entries(p: RandomPreset, fp8_blocks: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
+def tensor_entries(p: RandomPreset, fp8_blocks: bool = False) -> list[Entry]:
     """(name, shape, safetensors dtype) of every tensor the checkpoint stores, in file
     order: `tensor_shapes` in bf16, or with `fp8_blocks` each projection in e4m3 followed
     by its block scales."""
@@ -205,7 +206,7 @@ def tensor_entries(p: RandomPreset, fp8_blocks: bool = False) -> list[tuple[str,
     return out
 
 
-def _nbytes(shape: tuple[int, ...], dtype: str = "BF16") -> int:
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * _BYTES[dtype]
 
 
@@ -213,13 +214,12 @@ def checkpoint_bytes(p: RandomPreset, fp8_blocks: bool = False) -> int:
     return sum(_nbytes(s, d) for _, s, d in tensor_entries(p, fp8_blocks))
 
 
-def plan_shards(shapes: list[tuple], max_bytes: int) -> list[list[tuple]]:
-    """Greedy split in file order of (name, shape[, dtype]) entries (bf16 when no dtype);
-    a tensor bigger than max_bytes gets a shard of its own."""
-    shards: list[list[tuple]] = [[]]
+def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
+    """Greedy split in file order; a tensor bigger than max_bytes gets a shard of its own."""
+    shards: list[list[Entry]] = [[]]
     size = 0
-    for entry in shapes:
-        n = _nbytes(*entry[1:])
+    for entry in entries:
+        n = _nbytes(entry[1], entry[2])
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -299,11 +299,10 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.de
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
 
 
-def write_safetensors(path: str, entries: list[tuple], make: Callable[..., torch.Tensor]) -> None:
-    """A safetensors file, tensor by tensor: the header is known from the shapes alone.
-    Entries are (name, shape) in bf16 or (name, shape, dtype); `make(name, shape)` (or
-    `make(name, shape, dtype)`) gives each tensor."""
-    entries = [(e[0], tuple(e[1]), e[2] if len(e) > 2 else "BF16") for e in entries]
+def write_safetensors(path: str, entries: list[Entry], make: Callable[[str, tuple[int, ...], str], torch.Tensor]
+                      ) -> None:
+    """A safetensors file, tensor by tensor: the header is known from the shapes alone;
+    `make(name, shape, dtype)` gives each tensor."""
     header: dict = {}
     offset = 0
     for name, shape, dtype in entries:
@@ -317,7 +316,7 @@ def write_safetensors(path: str, entries: list[tuple], make: Callable[..., torch
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dtype in entries:
-            t = make(name, shape) if dtype == "BF16" else make(name, shape, dtype)
+            t = make(name, shape, dtype)
             if t.dtype != _TORCH_DTYPES[dtype] or tuple(t.shape) != tuple(shape):
                 raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}")
             data = t.contiguous().cpu().view(torch.uint8).numpy()  # little-endian raw bytes
@@ -417,7 +416,7 @@ class _TensorMaker:
         self.seed, self.device = seed, device
         self.scales: dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: str = "BF16") -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         if dtype == "F32":
             return self.scales.pop(name)
         t = random_tensor(name, shape, self.seed, self.device)

@@ -172,16 +172,16 @@ def _low_bit(n: int) -> int:
 
 def takes_blocks(block: tuple[int, int] | None) -> bool:
     """Whether the fused MoE's GEMMs take e4m3 experts with these block scales as they
-    are (None: one scale per row, always): a tensor-core K step lies in one block of
-    columns, so blocks of fewer than 16 columns (the smallest tl.dot step) would need
-    weights scaled before the dot."""
+    are (None: one scale per row, always): a tensor-core K step, 16 columns at least,
+    must lie in one block of columns (its weight tile takes one scale per column)."""
     return block is None or _low_bit(block[1]) >= 16
 
 
 def fit_blocks(cfg: MoeConfig, block: tuple[int, int] | None) -> MoeConfig:
     """`cfg` with tiles that never straddle a scale block: FMA rows (block_m 1) of BLOCK_N
     rows within one block of rows (the tile's scale row is its first row's), tensor-core
-    K steps within one block of columns (the scale multiplies each step's partial sums).
+    K steps within one block of columns (the step's weight tile takes one scale per
+    column).
     Per-row scales and full-precision experts take any tile."""
     if block is None:
         return cfg
