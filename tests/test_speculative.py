@@ -184,7 +184,7 @@ def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smo
 def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smol_engine):
     """Verify steps launched before the one in flight is read back, on drafts predicted
     past it (async scheduling; Replay proposes plain decoding's own continuation, every
-    third proposal's eighth token wrong): chains run, some break and void a row already in
+    second proposal's eighth token wrong): chains run, some break and void a row already in
     flight, and the tokens, logprobs and finish reasons are plain decoding's; runs end on
     max_tokens, EOS and a stop string; the prefix cache holds only tokens the sequences have."""
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
@@ -197,7 +197,9 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
     plain = smol_engine.generate(prompts, params)
     engine = spec_engine(default_model_dir, block_size=2)  # blocks fill (and are published) every other token
     assert engine.async_scheduling
-    engine.drafter = Replay(plain, wrong_at=7)  # a draft of the first chained step (k = 4)
+    # The eighth token of a proposal made behind a one-token step (the first is that
+    # step's token): a draft of the first chained step (k = 4).
+    engine.drafter = Replay(plain, wrong_at=7, every=2)
     engine.draft_policy.may_chain = lambda request_id: True  # the policy's own rule is tested apart
     got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
     stats = engine.draft_policy.stats
@@ -206,10 +208,76 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
         assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
         for x, y in zip(a.logprobs or [], b.logprobs or []):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+    # A stop string inside an accepted run ends the output, not the K/V computed past it:
+    # those tokens are the model's own, so their blocks may be cached.
+    uncut = smol_engine.generate(prompts, [replace(sp, stop=None) for sp in params])
     bm = engine.block_manager
-    real = {k for out in plain for k in _block_keys(out.prompt_token_ids + out.token_ids[:-1], bm.block_size)}
+    real = {k for out in uncut for k in _block_keys(out.prompt_token_ids + out.token_ids[:-1], bm.block_size)}
     published = {k for k, b in bm.key_to_block.items() if bm.block_tokens[b] is not None}
     assert published and published <= real
+
+
+class MissAndGuess(Replay):
+    """Replay that finds nothing at every third proposal and, at every fifth, proposes a
+    wrong token and a wrong one after it (`wrong_calls`): behind a one-token step the
+    first is the prediction of the token in flight, so the drafts after it fail."""
+
+    def __init__(self, outs):
+        super().__init__(outs)
+        self.wrong_calls: set[int] = set()
+
+    def propose(self, request_id, prompt, tokens_at, total, k):
+        run = super().propose(request_id, prompt, tokens_at, total, k)
+        if self.calls % 3 == 0:
+            return []
+        if len(run) > 1 and self.calls % 5 == 0:
+            run[0], run[1] = (run[0] + 1) % 100, (run[1] + 1) % 100
+            self.wrong_calls.add(self.calls)
+        return run
+
+
+def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_model_dir, smol_engine):
+    """Drafts proposed while the step in flight still computes the sequence's one next
+    token (a plain decode row after a miss, a prompt's last chunk), so that looking for
+    drafts costs that step no overlap: the verify row starts at the token in flight, and
+    drafts predicted after a wrong prediction of it are rejected. The tokens, logprobs and
+    finish reasons are plain decoding's, alone and batched, with chaining on and off."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
+               "a b c d e f g h a b c d e f g h a b c",
+               chat_ids(smol_engine, "Copy this line: def add(a, b): return a + b")]
+    params = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, stop=["f g h a b c d"]),
+              SamplingParams(temperature=0, max_tokens=60)]
+    plain = smol_engine.generate(prompts, params)
+    for chain_steps in (0, 4):
+        spec = replace(SpeculativeConfig.parse(NGRAM), chain_steps=chain_steps)
+        engine = spec_engine(default_model_dir, speculative_config=spec)
+        engine.drafter = MissAndGuess(plain)
+        engine.draft_policy.may_chain = lambda request_id: True
+        engine.draft_policy.may_draft = lambda request_id, length: True  # no pause after misses
+        behind, propose_behind = [], engine._propose_behind
+
+        def count_behind(seqs, drafter=engine.drafter):
+            first = drafter.calls + 1
+            took = propose_behind(seqs)
+            behind.append((took, set(range(first, drafter.calls + 1)) & drafter.wrong_calls))
+            return took
+
+        engine._propose_behind = count_behind
+        verified, on_verified = [], engine.draft_policy.on_verified
+        engine.draft_policy.on_verified = lambda rid, d, a, n: verified.append((d, a)) or on_verified(rid, d, a, n)
+        got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
+        for a, b in zip(plain + plain, got):
+            assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+        assert sum(took for took, _ in behind) >= 4, behind  # drafted with a step in flight
+        assert any(took and wrong for took, wrong in behind), behind  # a wrong prediction of the token in flight
+        # Drafts aligned after the predicted token (not on it): most are accepted (~80 %;
+        # under half when shifted by one, through the misses and wrong predictions).
+        stats = engine.draft_policy.stats
+        assert stats.num_accepted_tokens > 0.7 * stats.num_draft_tokens, stats
+        assert any(d and a == 0 for d, a in verified) and any(d and a == d for d, a in verified), verified
 
 
 def test_no_chained_steps_with_chain_steps_zero(default_model_dir, smol_engine):

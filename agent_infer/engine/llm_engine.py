@@ -168,6 +168,9 @@ class LLMEngine:
         # steps' tokens past its drafts.
         self._chain_tokens = (config.speculative_config.chain_steps * (self.num_speculative_tokens + 1)
                               if self.async_scheduling and isinstance(self.drafter, NgramDrafter) else 0)
+        # Prompt lookup also drafts past a token still in flight when that step gives the
+        # sequence one token (`_propose_behind`): looking for drafts then costs no overlap.
+        self._draft_behind = self.async_scheduling and isinstance(self.drafter, NgramDrafter)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -294,7 +297,7 @@ class LLMEngine:
         candidates = self._draft_candidates()
         drafting = bool(candidates)
         self._verified_now = None
-        if drafting and not self._chain(candidates):
+        if drafting and not self._chain(candidates) and not self._propose_behind(candidates):
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
             self._propose(candidates)
@@ -368,21 +371,47 @@ class LLMEngine:
         return [s for s in decoding if s.num_output_tokens + 1 < s.max_tokens
                 and self.draft_policy.may_draft(s.request_id, s.num_tokens)]
 
+    def _propose_behind(self, seqs: list[Sequence]) -> bool:
+        """Drafts for `seqs` without reading back the step in flight, when it gives each of
+        them one token (a plain decode row or a prompt's last chunk, not a verify row):
+        prompt lookup over the tokens known predicts that one too, and the drafts are what
+        it predicts after it. The verify row starts at the token in flight (still on the
+        device), so its positions are right whatever that token is; where the prediction
+        of it was wrong the drafts are rejected as any others (exact either way). Not
+        under a grammar, which checks drafts against every token before them."""
+        if not self._draft_behind or self._inflight is None:
+            return False
+        if any(s.num_output_tokens - s.num_resolved > 1 or s.request_id in self.constraints for s in seqs):
+            return False
+        for seq in seqs:
+            unknown = seq.num_output_tokens - seq.num_resolved  # 0 (not in that step) or 1
+            room = self._draft_room(seq)
+            ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
+            run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens - unknown,
+                                       unknown + room + ahead)
+            self._set_drafts(seq, run[unknown : unknown + room], run[unknown + room :])
+        return True
+
+    def _set_drafts(self, seq: Sequence, drafts: list[int], lookahead: list[int]) -> None:
+        """The coming step's drafts for `seq`. None counts a miss: it pauses like one whose
+        drafts fail, since looking costs the host's time (and, read back first, the step's
+        overlap)."""
+        if not drafts:  # as a verify row that accepts nothing: the step adds one token
+            self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
+        seq.draft_token_ids, seq.lookahead = drafts, lookahead
+
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Set each sequence's drafts for the coming step. A sequence that gets none counts
-        a miss: it paused like one whose drafts fail, since looking cost the step its overlap."""
+        """Set each sequence's drafts for the coming step, every token known."""
         for seq in seqs:
             room = self._draft_room(seq)
             ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
             run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens,
                                        room + ahead)
-            drafts, seq.lookahead = run[:room], run[room:]
+            drafts, lookahead = run[:room], run[room:]
             if drafts and seq.request_id in self.constraints:
                 drafts = self.constraints.check_drafts(seq, drafts)
-                seq.lookahead = []  # a grammar checks drafts against tokens it has seen
-            if not drafts:  # as a verify row that accepts nothing: the step adds one token
-                self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
-            seq.draft_token_ids = drafts
+                lookahead = []  # a grammar checks drafts against tokens it has seen
+            self._set_drafts(seq, drafts, lookahead)
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)

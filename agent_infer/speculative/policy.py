@@ -2,8 +2,9 @@
 
 Drafting must never cost. Three rules keep it so:
 * a sequence whose drafts keep failing, or that keeps having none (looking for drafts
-  costs a step its overlap with the previous one), stops drafting for a while, twice as
-  long each time it fails again (text that stops repeating itself), and resumes on its own;
+  costs host time, and a step its overlap with the previous one where that one verified
+  drafts: llm_engine reads it back first), stops drafting for a while, twice as long each
+  time it fails again (text that stops repeating itself), and resumes on its own;
 * per decode batch size (in powers of two), the engine times plain steps and drafting
   steps (those that looked for drafts, found or not) and drafts only while a drafting
   step yields more tokens per second than a plain one: at large batches a step is
@@ -114,7 +115,7 @@ class DraftPolicy:
 
     def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
         """A decode step's wall time and the tokens it yielded; `drafting`: it looked for
-        drafts (found or not), so it also gave up overlapping the previous step."""
+        drafts (found or not), so it may also have given up overlapping the previous step."""
         if num_decoding == 0:
             return
         b = self._bucket(num_decoding)
