@@ -166,11 +166,11 @@ class LLMEngine:
         # flight, as if that one accepted all its drafts (`_chain`): the host's work then
         # overlaps the device's for verify steps too. The drafter is asked for chain_steps
         # steps' tokens past its drafts.
-        self._chain_tokens = (config.speculative_config.chain_steps * (self.num_speculative_tokens + 1)
-                              if self.async_scheduling and isinstance(self.drafter, NgramDrafter) else 0)
-        # Prompt lookup also drafts past a token still in flight when that step gives the
-        # sequence one token (`_propose_behind`): looking for drafts then costs no overlap.
+        # It also drafts past a token still in flight when that step gives the sequence one
+        # token (`_propose_behind`): looking for drafts then costs no overlap.
         self._draft_behind = self.async_scheduling and isinstance(self.drafter, NgramDrafter)
+        self._chain_tokens = (config.speculative_config.chain_steps * (self.num_speculative_tokens + 1)
+                              if self._draft_behind else 0)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -374,44 +374,36 @@ class LLMEngine:
     def _propose_behind(self, seqs: list[Sequence]) -> bool:
         """Drafts for `seqs` without reading back the step in flight, when it gives each of
         them one token (a plain decode row or a prompt's last chunk, not a verify row):
-        prompt lookup over the tokens known predicts that one too, and the drafts are what
-        it predicts after it. The verify row starts at the token in flight (still on the
-        device), so its positions are right whatever that token is; where the prediction
-        of it was wrong the drafts are rejected as any others (exact either way). Not
-        under a grammar, which checks drafts against every token before them."""
+        `_propose` then predicts that token too. Not under a grammar, which checks drafts
+        against every token before them."""
         if not self._draft_behind or self._inflight is None:
             return False
         if any(s.num_output_tokens - s.num_resolved > 1 or s.request_id in self.constraints for s in seqs):
             return False
+        self._propose(seqs)
+        return True
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Set each sequence's drafts for the coming step, from its tokens known: all of
+        them, or all but the last (`_propose_behind`). Then prompt lookup's first token is
+        its prediction of that one and the drafts are what follows; the verify row starts
+        at the token in flight (still on the device), so its positions are right whatever
+        that token is, and drafts after a wrong prediction are rejected as any others.
+        A sequence that gets none counts a miss: it pauses like one whose drafts fail,
+        since looking costs the host's time (and, read back first, the step's overlap)."""
         for seq in seqs:
-            unknown = seq.num_output_tokens - seq.num_resolved  # 0 (not in that step) or 1
+            unknown = seq.num_output_tokens - seq.num_resolved  # 0, or 1 behind a step in flight
             room = self._draft_room(seq)
             ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
             run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens - unknown,
                                        unknown + room + ahead)
-            self._set_drafts(seq, run[unknown : unknown + room], run[unknown + room :])
-        return True
-
-    def _set_drafts(self, seq: Sequence, drafts: list[int], lookahead: list[int]) -> None:
-        """The coming step's drafts for `seq`. None counts a miss: it pauses like one whose
-        drafts fail, since looking costs the host's time (and, read back first, the step's
-        overlap)."""
-        if not drafts:  # as a verify row that accepts nothing: the step adds one token
-            self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
-        seq.draft_token_ids, seq.lookahead = drafts, lookahead
-
-    def _propose(self, seqs: list[Sequence]) -> None:
-        """Set each sequence's drafts for the coming step, every token known."""
-        for seq in seqs:
-            room = self._draft_room(seq)
-            ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
-            run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens,
-                                       room + ahead)
-            drafts, lookahead = run[:room], run[room:]
-            if drafts and seq.request_id in self.constraints:
+            drafts, lookahead = run[unknown : unknown + room], run[unknown + room :]
+            if drafts and seq.request_id in self.constraints:  # every token known (not behind)
                 drafts = self.constraints.check_drafts(seq, drafts)
                 lookahead = []  # a grammar checks drafts against tokens it has seen
-            self._set_drafts(seq, drafts, lookahead)
+            if not drafts:  # as a verify row that accepts nothing: the step adds one token
+                self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
+            seq.draft_token_ids, seq.lookahead = drafts, lookahead
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
