@@ -121,8 +121,8 @@ usage: bash benchmarks/gpu_figures.sh SUB-COMMAND [ARGS]     (from the repositor
                      weights on its own source files, batch 1 and 8, with and without prompt
                      lookup: run default-model first), agent-fp32 (the same in fp32), agent-k8
                      (the same with 8 drafts a step at most), agent-chain (the same with a third
-                     engine that chains no verify step onto one in flight, the three taking
-                     the prompts in turn), agent-invariant (the same with --batch-invariant:
+                     engine that reads every verify step back before the next, the three
+                     taking the prompts in turn), agent-invariant (the same with --batch-invariant:
                      bf16 text with drafts identical to text without), mtp (DeepSeek-V3-small's MTP layer),
                      workload (nano-vllm's workload with and without prompt lookup, twice)
   structured         structured outputs: batch 1 and 64, every request constrained to a JSON

@@ -8,7 +8,8 @@
           batch 1 and 8 with and without prompt lookup, acceptance per draft position,
           and whether the greedy texts are identical. The engines live side by side and
           take each group of prompts in turn, so a drift in the host's pace falls on all
-          of them; --compare-chain adds one that never chains verify steps.
+          of them; --compare-chain adds one that reads every verify step back before the
+          next is launched.
   mtp     DeepSeek-V3's MTP layer: a plain step, a verify step with its draft (and the
           draft layer's own pass), and a step of MTP mode with drafting off (the draft
           layer's pass alone) on --random-weights deepseek-v3-small.
@@ -50,17 +51,17 @@ def model_path(args) -> str:
     return ensure_default_model()
 
 
-def engine(args, path: str, chain_steps: int | None = None, **kw) -> LLMEngine:
-    """An engine of the benchmark; `chain_steps`: the verify steps prompt lookup may chain
-    onto one in flight (None: the engine's default), fixed when the engine is built."""
+def engine(args, path: str, chain: bool | None = None, **kw) -> LLMEngine:
+    """An engine of the benchmark; `chain`: whether a step may be launched before the
+    verify step in flight is read back (None: the engine's default)."""
     config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                           batch_invariant=args.batch_invariant, **kw)
     if config.resolve_device().type == "cuda":
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
         config = replace(config, kv_cache_bytes=4 << 30)
-    if chain_steps is not None:
-        config = replace(config, speculative_config=replace(config.speculative_config, chain_steps=chain_steps))
+    if chain is not None:
+        config = replace(config, speculative_config=replace(config.speculative_config, chain_verify_steps=chain))
     return LLMEngine(config)
 
 
@@ -70,9 +71,11 @@ class FixedDrafts:
     def __init__(self, k: int, vocab: int):
         self.k, self.vocab, self.n = k, vocab, 0
 
-    def propose(self, request_id, prompt, tokens_at, total, k):
+    def propose(self, request_id, prompt, tokens_at, total, k, known=None):
+        # Behind a row in flight (`known` given) the engine drafts what follows the run's
+        # first token, its guess of that row's own token.
         self.n += 1
-        return [(7919 * (self.n + i)) % self.vocab for i in range(min(k, self.k))]
+        return [(7919 * (self.n + i)) % self.vocab for i in range(min(k, self.k + (known is not None)))]
 
     def after_step(self, batch, row_drafts):
         pass
@@ -160,9 +163,9 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     path = model_path(args)
     plain = engine(args, path, max_num_seqs=8)
     config = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
-    specs = {"spec": engine(args, path, args.chain_steps, max_num_seqs=8, speculative_config=config)}
+    specs = {"spec": engine(args, path, False if args.no_chain else None, max_num_seqs=8, speculative_config=config)}
     if args.compare_chain:
-        specs["spec, no chaining"] = engine(args, path, 0, max_num_seqs=8, speculative_config=config)
+        specs["spec, no chaining"] = engine(args, path, False, max_num_seqs=8, speculative_config=config)
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
     for eng in [plain, *specs.values()]:
         run_agent([eng], prompts[:1], 1, 16)  # warm-up
@@ -204,10 +207,10 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
         payload[_json_key(name)] = {"acceptance_per_position": per_pos,
                                     "tokens_per_verify_row": s.mean_acceptance_length,
-                                    "chained_rows": s.num_chained_rows, "void_rows": s.num_void_rows}
+                                    "chained_rows": s.num_chained_rows}
         step_rows += [(f"{name}: acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", ""),
                       (f"{name}: tokens per verify row", s.mean_acceptance_length, "", ""),
-                      (f"{name}: chained / void verify rows", f"{s.num_chained_rows} / {s.num_void_rows}", "", "")]
+                      (f"{name}: chained verify rows", f"{s.num_chained_rows}", "", "")]
     width = len(rows[0])
     return rows + [tuple(list(r) + [""] * (width - len(r))) for r in step_rows], payload
 
@@ -272,10 +275,9 @@ def main() -> int:
                    help="agent: draft at every step whatever the policy measures (acceptance figures on a CPU, "
                         "where a verify step costs more than it saves)")
     p.add_argument("--compare-chain", action="store_true",
-                   help="agent: a third engine beside the two, speculating without chained verify steps")
-    p.add_argument("--chain-steps", type=int, default=None,
-                   help="agent: verify steps prompt lookup may chain onto one in flight (0: none; default: the "
-                        "engine's), to measure what chaining gives")
+                   help="agent: a third engine beside the two, reading every verify step back before the next")
+    p.add_argument("--no-chain", action="store_true",
+                   help="agent: the speculating engine reads every verify step back before the next is launched")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every engine with batch_invariant: decode and verify rows computed as one-row steps, so "
                         "greedy text with drafts equals text without in bf16 too (the 'identical' column)")

@@ -11,7 +11,7 @@ class Replay:
     def __init__(self, outs, wrong_at: int = -1, every: int = 3):
         self.outs, self.calls, self.wrong_at, self.every = outs, 0, wrong_at, every
 
-    def propose(self, request_id, prompt, tokens_at, total, k):
+    def propose(self, request_id, prompt, tokens_at, total, k, known=None):
         out = next(o.token_ids for o in self.outs if o.prompt_token_ids == prompt)
         drafts = list(out[total - len(prompt): total - len(prompt) + k])
         self.calls += 1

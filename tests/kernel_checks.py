@@ -476,6 +476,57 @@ def check_fill_placeholders(device, n: int) -> None:
     assert torch.equal(got.cpu(), want)
 
 
+def check_resolve_rows(device, num_seqs: int, max_k: int) -> None:
+    """Rows of sequences whose verify row (k drafts, a random number of them accepted) is
+    still in flight move back by the drafts rejected: position, context length and the
+    slot their block table gives, the first row's token the verify row's real last
+    sample; plain placeholders (k = 0) and real ids stay. Against a loop over the rows,
+    for the kernel on `device` and for the PyTorch reference."""
+    from agent_infer.kernels import reference
+    from agent_infer.kernels.triton.tokens import resolve_rows
+
+    gen = torch.Generator().manual_seed(num_seqs * 17 + max_k)
+    bs, width = 4, 12
+    prev_in, prev_tok = [], []
+    rows = []  # per current row: (follow, k, prev_index, position, context, table row)
+    want = []  # per current row: (id, position, slot, context, shift)
+    for s in range(num_seqs):
+        k = int(torch.randint(0, max_k + 1, (1,), generator=gen))
+        accepted = int(torch.randint(0, k + 1, (1,), generator=gen))
+        r0 = len(prev_in)
+        drafts = torch.randint(0, 50, (k,), generator=gen).tolist()
+        samples = drafts[:accepted] + [int(torch.randint(50, 100, (1,), generator=gen))] * (k + 1 - accepted)
+        prev_in += [int(torch.randint(0, 50, (1,), generator=gen))] + drafts
+        prev_tok += samples
+        r = r0 + k  # the row whose sample ends the run if every draft is accepted
+        shift = accepted - k
+        table = torch.randperm(200, generator=gen)[:width].tolist()
+        base = int(torch.randint(k, 30, (1,), generator=gen))
+        real = s % 3 == 2  # a sequence whose last token is known: no placeholder
+        for j in range(1 + int(torch.randint(0, 3, (1,), generator=gen))):
+            pos = base + j
+            follow = -1 if real else r
+            rows.append((follow, k if not real else 0, r if (j == 0 and not real) else -1, pos, pos + 1, table, 7000 + j))
+            sh = 0 if real else shift
+            p = pos + sh
+            tok = prev_tok[r + sh] if (j == 0 and not real) else 7000 + j
+            want.append((tok, p, table[p // bs] * bs + p % bs if not real else -5, p + 1, sh))
+    n = len(rows)
+    cols = list(zip(*rows))
+    ids = torch.tensor(cols[6])
+    follow, follow_k, prev_index = torch.tensor(cols[0]), torch.tensor(cols[1]), torch.tensor(cols[2])
+    positions = torch.tensor(cols[3])
+    context = torch.tensor(cols[4], dtype=torch.int32)
+    tables = torch.tensor(cols[5], dtype=torch.int32)
+    slots = torch.full((n,), -5)
+    for impl, dev in ((reference.resolve_rows, "cpu"), (resolve_rows, device)):
+        t = [x.clone().to(dev) for x in (ids, positions, slots, context, torch.zeros(n, dtype=torch.int64))]
+        impl(t[0], t[1], t[2], t[3], t[4], prev_index.to(dev), follow.to(dev), follow_k.to(dev), tables.to(dev), bs,
+             torch.tensor(prev_tok).to(dev), torch.tensor(prev_in).to(dev), max_k)
+        got = list(zip(*(x.cpu().tolist() for x in t)))
+        assert got == want, (impl, got, want)
+
+
 def check_apply_token_bitmask(device, dtype: torch.dtype, rows: int, vocab: int, words: int) -> None:
     """The structured-output mask kernel bans exactly the tokens whose bit is 0, in the
     listed rows only, and every token beyond the mask's 32 * words; it matches the

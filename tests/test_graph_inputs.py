@@ -24,6 +24,8 @@ def _step(b: int, placeholders: bool) -> HostStep:
         query_start_loc=np.arange(b + 1, dtype=np.int32),
         sample_indices=np.arange(b),
         prev_index=np.where(rng.random(b) < 0.5, rng.integers(0, b, b), -1) if placeholders else None,
+        follow=np.where(rng.random(b) < 0.5, rng.integers(0, b, b), -1) if placeholders else None,
+        follow_k=rng.integers(1, 8, b) if placeholders else None,
     )
 
 
@@ -47,16 +49,19 @@ def test_rows_are_packed_padded_and_exact():
         assert order[b:] == list(range(b, size))
         want_prev = step.prev_index.tolist() + [-1] * pad if placeholders else [-1] * size
         assert rows.prev_index.tolist() == want_prev
+        assert rows.follow.tolist() == (step.follow.tolist() + [-1] * pad if placeholders else [-1] * size)
+        assert rows.follow_k.tolist() == (step.follow_k.tolist() + [0] * pad if placeholders else [0] * size)
         assert all(t.is_contiguous() and t.numel() == size for t in vars(rows).values())
 
 
 def test_each_size_has_its_own_views_and_host_buffers_alternate():
-    flat = torch.arange(5 * 8, dtype=torch.int64)
+    flat = torch.arange(7 * 8, dtype=torch.int64)
     small, large = RowInputs.of(flat, 2), RowInputs.of(flat, 8)
     assert small.positions.tolist() == [4, 5] and large.positions.tolist() == list(range(16, 24))
+    assert small.follow_k.tolist() == [10, 11] and large.follow_k.tolist() == list(range(40, 48))
     # The last row's two int32 halves: context lengths, then the order; nothing past it.
-    assert small.context_lens.data_ptr() + 8 == small.order.data_ptr() == flat[9].data_ptr()
-    assert large.order.data_ptr() + 4 * 8 == flat[40 - 1].data_ptr() + 8
+    assert small.context_lens.data_ptr() + 8 == small.order.data_ptr() == flat[13].data_ptr()
+    assert large.order.data_ptr() + 4 * 8 == flat[56 - 1].data_ptr() + 8
     staging = _RowStaging(8, torch.device("cpu"))
     first = staging.hosts[staging.turn]
     staging.load(_step(2, False), 2)

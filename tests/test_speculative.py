@@ -87,13 +87,14 @@ def test_the_config_takes_vllm_keys_and_refuses_the_rest():
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                          "prompt_lookup_max": 3}, "prompt_lookup_min"),
-                       ({"method": "ngram", "num_speculative_tokens": 2, "chain_steps": 0}, "chain_steps"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "chain_verify_steps": False},
+                        "chain_verify_steps"),
                        ("{not json", "JSON")]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             SpeculativeConfig.parse(bad)
-    assert SpeculativeConfig.parse(NGRAM).chain_steps == 4  # Python only: not one of vLLM's keys
-    with pytest.raises(ConfigError, match="chain_steps"):
-        SpeculativeConfig("ngram", 4, 3, 1, chain_steps=-1)
+    assert SpeculativeConfig.parse(NGRAM).chain_verify_steps is True  # Python only: not one of vLLM's keys
+    with pytest.raises(ConfigError, match="chain_verify_steps"):
+        SpeculativeConfig("ngram", 4, 3, 1, chain_verify_steps=0)
     assert EngineConfig(model="m", speculative_config=NGRAM).speculative_config == SpeculativeConfig.parse(NGRAM)
 
 
@@ -182,11 +183,12 @@ def test_rejected_drafts_leave_nothing_in_the_prefix_cache(smol_engine, spec_smo
 
 
 def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smol_engine):
-    """Verify steps launched before the one in flight is read back, on drafts predicted
-    past it (async scheduling; Replay proposes plain decoding's own continuation, every
-    second proposal's eighth token wrong): chains run, some break and void a row already in
-    flight, and the tokens, logprobs and finish reasons are plain decoding's; runs end on
-    max_tokens, EOS and a stop string; the prefix cache holds only tokens the sequences have."""
+    """Steps launched before the verify step in flight is read back (async scheduling),
+    drafted on a guess of what it gives (Replay proposes plain decoding's own
+    continuation, every second proposal's eighth token wrong): where that step rejects
+    drafts, the device moves the next step's rows back by as many, and the tokens,
+    logprobs (seeded samples included) and finish reasons are plain decoding's; runs end
+    on max_tokens, EOS and a stop string; the prefix cache holds only tokens the sequences have."""
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
                "a b c d e f g h a b c d e f g h a b c", "The capital of France is",
                chat_ids(smol_engine, "Copy this line: def add(a, b): return a + b")]
@@ -198,12 +200,19 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
     engine = spec_engine(default_model_dir, block_size=2)  # blocks fill (and are published) every other token
     assert engine.async_scheduling
     # The eighth token of a proposal made behind a one-token step (the first is that
-    # step's token): a draft of the first chained step (k = 4).
+    # step's token): a draft of the step after (k = 4).
     engine.drafter = Replay(plain, wrong_at=7, every=2)
-    engine.draft_policy.may_chain = lambda request_id: True  # the policy's own rule is tested apart
+    moved, resolve_rows = [], engine.runner.resolve_rows
+
+    def count_moved(step, *args):
+        resolve_rows(step, *args)
+        moved.append(int((engine.runner._row_shift != 0).sum()))
+
+    engine.runner.resolve_rows = count_moved
     got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
     stats = engine.draft_policy.stats
-    assert stats.num_chained_rows > 10 and stats.num_void_rows > 0, stats
+    assert stats.num_chained_rows > 10, stats
+    assert sum(1 for m in moved if m) > 3, moved  # rows the device moved back
     for a, b in zip(plain + plain, got):
         assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
         for x, y in zip(a.logprobs or [], b.logprobs or []):
@@ -226,7 +235,7 @@ class MissAndGuess(Replay):
         super().__init__(outs)
         self.wrong_calls: set[int] = set()
 
-    def propose(self, request_id, prompt, tokens_at, total, k):
+    def propose(self, request_id, prompt, tokens_at, total, k, known=None):
         run = super().propose(request_id, prompt, tokens_at, total, k)
         if self.calls % 3 == 0:
             return []
@@ -249,11 +258,10 @@ def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_mode
               SamplingParams(temperature=0, max_tokens=40, stop=["f g h a b c d"]),
               SamplingParams(temperature=0, max_tokens=60)]
     plain = smol_engine.generate(prompts, params)
-    for chain_steps in (0, 4):
-        spec = replace(SpeculativeConfig.parse(NGRAM), chain_steps=chain_steps)
+    for chain in (False, True):
+        spec = replace(SpeculativeConfig.parse(NGRAM), chain_verify_steps=chain)
         engine = spec_engine(default_model_dir, speculative_config=spec)
         engine.drafter = MissAndGuess(plain)
-        engine.draft_policy.may_chain = lambda request_id: True
         engine.draft_policy.may_draft = lambda request_id, length: True  # no pause after misses
         behind, propose_behind = [], engine._propose_behind
 
@@ -265,7 +273,8 @@ def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_mode
 
         engine._propose_behind = count_behind
         verified, on_verified = [], engine.draft_policy.on_verified
-        engine.draft_policy.on_verified = lambda rid, d, a, n: verified.append((d, a)) or on_verified(rid, d, a, n)
+        engine.draft_policy.on_verified = \
+            lambda rid, d, a, n, judge=True: verified.append((d, a)) or on_verified(rid, d, a, n, judge)
         got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
         for a, b in zip(plain + plain, got):
             assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
@@ -280,18 +289,27 @@ def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_mode
         assert any(d and a == 0 for d, a in verified) and any(d and a == d for d, a in verified), verified
 
 
-def test_no_chained_steps_with_chain_steps_zero(default_model_dir, smol_engine):
-    """chain_steps = 0: every verify step is read back before the next is launched, with
-    the same drafts (Replay) and the same tokens as plain decoding."""
+def test_verify_steps_read_back_first_without_chaining(default_model_dir, smol_engine):
+    """chain_verify_steps = False: every verify step is read back before the next is
+    launched (no row follows one in flight), with the same tokens as plain decoding."""
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,", "a b c d e f g h a b c d"]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = smol_engine.generate(prompts, params)
-    engine = spec_engine(default_model_dir, speculative_config=replace(SpeculativeConfig.parse(NGRAM), chain_steps=0))
-    engine.drafter = Replay(plain, wrong_at=7)
-    engine.draft_policy.may_chain = lambda request_id: True
+    spec = replace(SpeculativeConfig.parse(NGRAM), chain_verify_steps=False)
+    engine = spec_engine(default_model_dir, speculative_config=spec)
+    engine.drafter = Replay(plain, wrong_at=2)
+    follows, build_step = [], engine.runner.build_step
+
+    def record(batch):
+        step = build_step(batch)
+        follows.append(step.follow)
+        return step
+
+    engine.runner.build_step = record
     got = engine.generate(prompts, params)
     stats = engine.draft_policy.stats
     assert stats.num_drafts > 0 and stats.num_chained_rows == 0, stats
+    assert len(follows) > 5 and all(f is None for f in follows)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
 
 
@@ -437,7 +455,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tmp_path):
     engine.draft_policy.batch_drafts = lambda num_decoding: True
 
     class Fixed:
-        def propose(self, request_id, prompt_ids, tokens_at, total, k):
+        def propose(self, request_id, prompt_ids, tokens_at, total, k, known=None):
             return [d1, d2][:k]
 
         def after_step(self, batch, row_drafts):
@@ -536,18 +554,13 @@ def test_drafting_stops_where_it_costs():
     assert DraftPolicy(disable_by_batch_size=8).batch_drafts(8) is False
 
 
-def test_steps_chain_only_for_drafts_accepted_whole():
-    """A sequence's verify steps chain once most of its rows accept every draft, and stop
-    chaining when rejections come (a chained row is void after any rejection)."""
+def test_misplaced_drafts_are_no_verdict_on_the_text():
+    """Rows whose drafts followed a wrong guess of the row before them are counted in the
+    metrics but never pause drafting; rows that fail on their own do."""
     policy = DraftPolicy()
-    assert not policy.may_chain("a")  # no record yet
+    for n in range(10):
+        policy.on_verified("a", 4, 0, 10 + n, judge=False)
+    assert policy.may_draft("a", 20) and policy.stats.num_drafts == 10
     for n in range(3):
-        policy.on_verified("a", 4, 4, 10 + 5 * n)
-    assert policy.may_chain("a")
-    policy.on_verified("a", 0, 0, 26)  # no drafts found: no verdict on acceptance
-    assert policy.may_chain("a")
-    policy.on_verified("a", 4, 2, 30)
-    assert not policy.may_chain("a")  # one rejection in four rows: below the bar again
-    for n in range(6):
-        policy.on_verified("b", 4, 4 if n % 3 else 1, 10 + 5 * n)  # one row in three rejects
-    assert not policy.may_chain("b")
+        policy.on_verified("a", 4, 0, 21 + n)
+    assert not policy.may_draft("a", 24)

@@ -464,8 +464,9 @@ def test_add_norm_reduces_through_the_fused_impl_or_falls_back():
 def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
     """Verify steps (several query rows per sequence, rows sampled at each) go to the
     workers like any step, chained ones too (launched before the one in flight is read
-    back, their first token still on the device): TP = 2 with drafts gives plain TP = 1's
-    tokens (the drafts replay the reference, some wrong)."""
+    back, their first token still on the device and their rows moved there by the drafts
+    it rejected, on every rank): TP = 2 with drafts gives plain TP = 1's tokens (the
+    drafts replay the reference, some wrong)."""
     path = tiny_model_dirs["qwen3"]
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], list(range(20, 61))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -473,8 +474,7 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
     eng = make_engine(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                    "prompt_lookup_max": 2, "prompt_lookup_min": 1})
     eng.draft_policy.batch_drafts = lambda num_decoding: True
-    eng.drafter = Replay(ref, wrong_at=5)  # a draft of a verify step chained onto one in flight (k = 3)
-    eng.draft_policy.may_chain = lambda request_id: True
+    eng.drafter = Replay(ref, wrong_at=2)  # a draft of a verify step: the step after it moves back
     try:
         got = eng.generate(prompts, params)
         stats = eng.draft_policy.stats

@@ -357,6 +357,10 @@ else:
     def test_fill_placeholders(n):
         kc.check_fill_placeholders(DEV, n)
 
+    @pytest.mark.parametrize("num_seqs,max_k", [(1, 4), (7, 8), (40, 16)])
+    def test_resolve_rows(num_seqs, max_k):
+        kc.check_resolve_rows(DEV, num_seqs, max_k)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("rows,vocab,words", [(1, 100, 4), (3, 5000, 157), (4, 9000, 200)])
     def test_apply_token_bitmask(dtype, rows, vocab, words):

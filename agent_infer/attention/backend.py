@@ -25,6 +25,9 @@ from agent_infer.kvcache.layouts import CacheLayout
 
 class AttentionBackend:
     name: ClassVar[str]
+    # Whether eager decode rows read their context lengths from the host lists too, which
+    # must then be exact (rows moved on the device are read back for it: a sync).
+    reads_decode_lens_on_host: ClassVar[bool] = False
 
     def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
         """`layer`: one of the model's attention layers, whose `cache_layout` this backend

@@ -14,6 +14,7 @@ from agent_infer.kvcache.layouts import DenseKVCache
 
 class DenseTorchBackend(AttentionBackend):
     name = "torch"
+    reads_decode_lens_on_host = True
 
     def __init__(self, layer, max_batch: int, device: torch.device, batch_invariant: bool = False):
         super().__init__(layer, max_batch, device, batch_invariant)

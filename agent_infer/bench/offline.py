@@ -627,7 +627,6 @@ def speculative_summary(engine) -> dict | None:
         "mean_acceptance_length": s.mean_acceptance_length,
         "acceptance_per_position": [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else [],
         "num_chained_rows": s.num_chained_rows,
-        "num_void_rows": s.num_void_rows,
     }
 
 
@@ -639,7 +638,7 @@ def speculative_rows(summary: dict | None) -> list[tuple]:
             ("spec decode: draft acceptance rate", summary["acceptance_rate"], None, "info", None),
             ("spec decode: tokens per verify row", summary["mean_acceptance_length"], None, "info", None),
             ("spec decode: acceptance by position", per_pos, None, "info", None),
-            ("spec decode: chained / void verify rows", f"{summary['num_chained_rows']} / {summary['num_void_rows']}",
+            ("spec decode: chained verify rows", f"{summary['num_chained_rows']}",
              None, "info", None)]
 
 

@@ -54,6 +54,9 @@ class _Pinned:
         self.dev[:r, :c].copy_(host[:r, :c], non_blocking=True)
 
 
+_ROWS = 7  # int64 rows of RowInputs (the last holds two int32 ones)
+
+
 @dataclass
 class RowInputs:
     """One graph size's per-row inputs: views into a flat buffer (host or device)."""
@@ -62,6 +65,8 @@ class RowInputs:
     prev_index: torch.Tensor  # int64, -1: the id is real
     positions: torch.Tensor  # int64
     slots: torch.Tensor  # int64, -1: padding row, stores nothing
+    follow: torch.Tensor  # int64, HostStep.follow (-1: none)
+    follow_k: torch.Tensor  # int64
     context_lens: torch.Tensor  # int32
     order: torch.Tensor  # int32, the rows by context length, longest first (padding rows last)
 
@@ -69,21 +74,21 @@ class RowInputs:
     def of(flat: torch.Tensor, size: int) -> "RowInputs":
         """The rows of a `size`-row batch packed back to back at the start of `flat`
         (int64; the int32 context lengths and row order share the last row), so one
-        contiguous copy of 5 x size int64 moves all of them."""
-        rows = flat[: 5 * size].view(5, size)
-        last = rows[4].view(torch.int32)
-        return RowInputs(rows[0], rows[1], rows[2], rows[3], last[:size], last[size:])
+        contiguous copy of 7 x size int64 moves all of them."""
+        rows = flat[: _ROWS * size].view(_ROWS, size)
+        last = rows[_ROWS - 1].view(torch.int32)
+        return RowInputs(rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], last[:size], last[size:])
 
 
 class _RowStaging:
     """The per-row inputs of every step through one pinned buffer (two, used in turn as
     `_Pinned` explains) and one host-to-device copy: at batch 1 each copy is ~1 µs of the
-    device's step, so five separate ones cost more than their bytes."""
+    device's step, so seven separate ones cost more than their bytes."""
 
     def __init__(self, max_batch: int, device: torch.device):
         pin = device.type == "cuda"  # (a CPU device only in tests of the packing)
-        self.hosts = [torch.zeros(5 * max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.dev = torch.zeros(5 * max_batch, dtype=torch.int64, device=device)
+        self.hosts = [torch.zeros(_ROWS * max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.dev = torch.zeros(_ROWS * max_batch, dtype=torch.int64, device=device)
         self.turn = 0
 
     def device_rows(self, size: int) -> RowInputs:
@@ -102,6 +107,8 @@ class _RowStaging:
             (rows.prev_index, step.prev_index, -1),
             (rows.positions, step.positions, 0),
             (rows.slots, step.slot_mapping, -1),
+            (rows.follow, step.follow, -1),
+            (rows.follow_k, step.follow_k, 0),
             (rows.context_lens, step.context_lens, 1),
         ):
             arr = dst.numpy()
@@ -111,7 +118,7 @@ class _RowStaging:
                 arr[:b] = src
                 arr[b:] = pad
         rows.order.numpy()[:] = longest_first(rows.context_lens.numpy())
-        self.dev[: 5 * size].copy_(host[: 5 * size], non_blocking=True)
+        self.dev[: _ROWS * size].copy_(host[: _ROWS * size], non_blocking=True)
         return self.device_rows(size)
 
 
@@ -134,6 +141,7 @@ class DecodeGraphs:
         self.rows = _RowStaging(n, device)
         self.block_tables = _Pinned((n, max_blocks_per_seq), torch.int32, device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.shift = torch.zeros(n, dtype=torch.int64, device=device)  # rows moved back (ops.resolve_rows)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # the final hidden states (a draft layer reads them)
@@ -219,10 +227,11 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
 
-    def run(self, step, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step, prev_tokens: torch.Tensor | None, resolve=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for `step` (a decode HostStep); returns the final hidden states
-        [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites."""
-        size = self.stage(step, prev_tokens)
+        [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites.
+        `resolve`: ModelRunner.resolve_rows, for a step with rows that follow a verify row."""
+        size = self.stage(step, prev_tokens, resolve)
         self.graphs[size].replay()
         n = len(step.input_ids)
         return self.hidden[size][:n], self.logits[size][:n]
@@ -241,14 +250,23 @@ class DecodeGraphs:
         """The smallest captured size that holds `rows`."""
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
-    def stage(self, step, prev_tokens: torch.Tensor | None) -> int:
+    def stage(self, step, prev_tokens: torch.Tensor | None, resolve=None) -> int:
         """Everything a replay needs that runs outside the graph: the inputs copied into the
         static buffers of the graph size that fits `step`, and placeholder inputs resolved
         to their tokens in `prev_tokens` (the previous step's samples, still on the
-        device). Returns that graph size."""
+        device), through `resolve` where rows follow a verify row still in flight (they
+        move by what it accepted). Returns that graph size."""
         size = self._size_for(len(step.input_ids))
         rows = self.rows.load(step, size)
-        if step.prev_index is not None:
-            ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
         self.block_tables.load_block(step.block_tables)
+        if step.follow is not None:
+            resolve(step, rows.input_ids, rows.positions, rows.slots, rows.context_lens, self.shift[:size],
+                    rows.prev_index, rows.follow, rows.follow_k, self.block_tables.dev[:size])
+        elif step.prev_index is not None:
+            ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
         return size
+
+    def input_ids(self, step) -> torch.Tensor:
+        """The input ids of `step`, the step just staged, in the static buffers."""
+        n = len(step.input_ids)
+        return self.rows.device_rows(self._size_for(n)).input_ids[:n]

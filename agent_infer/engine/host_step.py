@@ -33,6 +33,14 @@ class HostStep:
     # Input tokens still on the device: index into the previous step's sampled tokens
     # (-1: the id in input_ids is real), one per input token. None when there are none.
     prev_index: np.ndarray | None = None
+    # Rows placed as if the verify row still in flight in the previous step accepted all
+    # its drafts (ops.resolve_rows moves them on the device): per input token, that row's
+    # last sample index (-1: none) and its number of drafts. None when there are none.
+    follow: np.ndarray | None = None  # [T] int64
+    follow_k: np.ndarray | None = None  # [T] int64
+    # Whether some row verifies drafts: the next step may then follow it (the runner
+    # keeps this step's input ids on the device for that).
+    has_drafts: bool = False
     # A mixed step (is_prefill): its first num_decode attention rows are one-token decode rows.
     num_decode: int = 0
     # Prompt logprobs (prefill only; None when no sequence asks): the rows whose logits
@@ -58,6 +66,8 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     num_decode_seqs = batch.num_decode_seqs
     ids: list[int] = []
     prev: list[int] | None = None
+    follow: list[int] | None = None
+    follow_k: list[int] | None = None
     row_seq: list[int] = []  # the batch sequence of each attention row
     row_start: list[int] = []
     row_len: list[int] = []
@@ -69,13 +79,19 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
             row_start.append(start)
             row_len.append(n)
             continue
-        # A decode row: its token is the last sampled, maybe not read back yet (a verify
-        # row chained onto an earlier verify step: its drafts assume that step's).
+        # A decode row: its token is the last sampled, maybe not read back yet; after a
+        # verify row in flight, as if that row accepted all its drafts (the device moves
+        # this row back by those it rejects).
         token = seq.last_token_id
         if token == PLACEHOLDER:
             if prev is None:
                 prev = [-1] * batch.num_tokens
             prev[len(ids)] = seq.pending_row
+            if seq.pending_drafts:
+                if follow is None:
+                    follow, follow_k = [-1] * batch.num_tokens, [0] * batch.num_tokens
+                follow[len(ids) : len(ids) + n] = [seq.pending_row] * n
+                follow_k[len(ids) : len(ids) + n] = [seq.pending_drafts] * n
         ids.append(token)
         ids.extend(batch.drafts_of(i))
         row_seq += [i] * n
@@ -103,6 +119,9 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         query_start_loc=qsl,
         sample_indices=(qsl[1:] - 1)[samples].astype(np.int64),
         prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
+        follow=None if follow is None else np.asarray(follow, dtype=np.int64),
+        follow_k=None if follow_k is None else np.asarray(follow_k, dtype=np.int64),
+        has_drafts=batch.num_draft_tokens > 0,
         num_decode=num_decode_rows if batch.is_prefill else 0,
         seq_rows=seq_rows,
         **(prompt_lp or {}),

@@ -162,15 +162,14 @@ class LLMEngine:
         # which runs after each step on its tokens.
         self.async_scheduling = (config.async_scheduling and config.preemption_mode == "none"
                                  and not self.runner.uses_draft_layer)
-        # Prompt lookup predicts past its drafts, so a verify step can follow one still in
-        # flight, as if that one accepted all its drafts (`_chain`): the host's work then
-        # overlaps the device's for verify steps too. The drafter is asked for chain_steps
-        # steps' tokens past its drafts.
-        # It also drafts past a token still in flight when that step gives the sequence one
-        # token (`_propose_behind`): looking for drafts then costs no overlap.
+        # A verify step is not read back before the next step is launched: that step's
+        # rows are placed as if every draft is accepted and moved back on the device by
+        # those that are not (Scheduler, ops.resolve_rows), so the host's work overlaps
+        # the device's for verify steps too (`chain_verify_steps`, on by default).
+        self._overlap_verify = self.async_scheduling and (spec is None or spec.chain_verify_steps)
+        # Prompt lookup drafts behind the row in flight, on a guess of what it gives
+        # (`_propose_behind`): looking for drafts then costs no overlap either.
         self._draft_behind = self.async_scheduling and isinstance(self.drafter, NgramDrafter)
-        self._chain_tokens = (config.speculative_config.chain_steps * (self.num_speculative_tokens + 1)
-                              if self._draft_behind else 0)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -297,7 +296,7 @@ class LLMEngine:
         candidates = self._draft_candidates()
         drafting = bool(candidates)
         self._verified_now = None
-        if drafting and not self._chain(candidates) and not self._propose_behind(candidates):
+        if drafting and not self._propose_behind(candidates):
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
             self._propose(candidates)
@@ -315,9 +314,7 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._resolve()
         self._inflight = launched
-        if not self.async_scheduling or (batch.num_draft_tokens and not self._chainable(batch)):
-            # A verify step's tokens decide where its sequences stand: resolved at once,
-            # unless prompt lookup has predicted past it.
+        if not self.async_scheduling or (batch.num_draft_tokens and not self._overlap_verify):
             outputs += self._resolve()
         # Decode steps are timed for the policy (not one that waited on a prefill step),
         # with the tokens of the verify step read back in this call.
@@ -326,34 +323,6 @@ class LLMEngine:
             self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
                                           len(batch) + sum(max(0, a) for a in verified.accepted))
         return outputs
-
-    def _chain(self, seqs: list[Sequence]) -> bool:
-        """Drafts for `seqs` without reading back the verify step in flight, when each of
-        them verifies in it and has a lookahead: the next verify row starts at that
-        step's last token (still on the device) and drafts what prompt lookup predicted
-        after it, as if every draft in flight is accepted. Where one is not, reading that
-        step back withdraws the tokens assumed, voiding this row (Scheduler.on_result)."""
-        if not self._chain_tokens or self._inflight is None:
-            return False
-        batch = self._inflight[0]
-        verifying = {id(s) for s, d in zip(batch.seqs, batch.drafts) if d} if batch.drafts else set()
-        if not all(id(s) in verifying and self._may_chain(s) for s in seqs):
-            return False
-        for seq in seqs:
-            room = self._draft_room(seq)
-            seq.draft_token_ids, seq.lookahead = seq.lookahead[1 : 1 + room], seq.lookahead[1 + room :]
-        self.draft_policy.stats.num_chained_rows += len(seqs)
-        return True
-
-    def _chainable(self, batch: ScheduledBatch) -> bool:
-        """Whether every verify row of `batch` has a lookahead a next step could chain on
-        (and a record of drafts accepted whole that makes chaining pay)."""
-        return bool(self._chain_tokens) and all(self._may_chain(s) for s, d in zip(batch.seqs, batch.drafts) if d)
-
-    def _may_chain(self, seq: Sequence) -> bool:
-        """A lookahead past the token in flight (none under a grammar: `_propose`), and a
-        record of drafts accepted whole that makes chaining pay."""
-        return len(seq.lookahead) > 1 and self.draft_policy.may_chain(seq.request_id)
 
     def _draft_room(self, seq: Sequence) -> int:
         """Drafts a step may give `seq`: k, fewer near its max_tokens."""
@@ -372,38 +341,45 @@ class LLMEngine:
                 and self.draft_policy.may_draft(s.request_id, s.num_tokens)]
 
     def _propose_behind(self, seqs: list[Sequence]) -> bool:
-        """Drafts for `seqs` without reading back the step in flight, when it gives each of
-        them one token (a plain decode row or a prompt's last chunk, not a verify row):
-        `_propose` then predicts that token too. Not under a grammar, which checks drafts
-        against every token before them."""
+        """Drafts for `seqs` without reading back the step in flight (`_propose` guesses
+        what it gives them). Not under a grammar, which checks drafts against every token
+        before them, and not after a verify row unless verify steps overlap."""
         if not self._draft_behind or self._inflight is None:
             return False
-        if any(s.num_output_tokens - s.num_resolved > 1 or s.request_id in self.constraints for s in seqs):
+        if any(s.request_id in self.constraints or (s.pending_drafts and not self._overlap_verify)
+               for s in seqs if s.num_output_tokens > s.num_resolved):
             return False
         self._propose(seqs)
         return True
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Set each sequence's drafts for the coming step, from its tokens known: all of
-        them, or all but the last (`_propose_behind`). Then prompt lookup's first token is
-        its prediction of that one and the drafts are what follows; the verify row starts
-        at the token in flight (still on the device), so its positions are right whatever
-        that token is, and drafts after a wrong prediction are rejected as any others.
-        A sequence that gets none counts a miss: it pauses like one whose drafts fail,
-        since looking costs the host's time (and, read back first, the step's overlap)."""
+        """Set each sequence's drafts for the coming step, from the tokens known and, when
+        a row of it is in flight (`_propose_behind`), a guess of what that row gives: its
+        drafts (if not misplaced themselves) and then prompt lookup's next token, which is
+        its prediction of the row's own token. The drafts are what follows that; the next
+        row starts wherever the row in flight really ends (on the device), so a wrong
+        guess only costs drafts that are rejected as any others (`Sequence.basis` lets
+        the scheduler tell). A sequence that gets none counts a miss: it pauses like one
+        whose drafts fail, since looking costs the host's time."""
         for seq in seqs:
-            unknown = seq.num_output_tokens - seq.num_resolved  # 0, or 1 behind a step in flight
+            known = seq.num_prompt_tokens + seq.num_resolved
             room = self._draft_room(seq)
-            ahead = min(self._chain_tokens, seq.max_tokens - seq.num_output_tokens - 1 - room)
-            run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, seq.num_tokens - unknown,
-                                       unknown + room + ahead)
-            drafts, lookahead = run[unknown : unknown + room], run[unknown + room :]
-            if drafts and seq.request_id in self.constraints:  # every token known (not behind)
-                drafts = self.constraints.check_drafts(seq, drafts)
-                lookahead = []  # a grammar checks drafts against tokens it has seen
+            basis = None
+            if seq.num_tokens > known:  # behind a row in flight: guess what it gives
+                upto = seq.num_tokens - 1 if seq.pending_drafts and not seq.misplaced else known
+                run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, upto, 1 + room,
+                                           known=known)
+                drafts = run[1 : 1 + room]
+                basis = [seq.token_at(i) for i in range(known, upto)] + run[:1]
+                if seq.pending_drafts:
+                    self.draft_policy.stats.num_chained_rows += bool(drafts)
+            else:
+                drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, known, room)
+                if drafts and seq.request_id in self.constraints:
+                    drafts = self.constraints.check_drafts(seq, drafts)
             if not drafts:  # as a verify row that accepts nothing: the step adds one token
                 self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
-            seq.draft_token_ids, seq.lookahead = drafts, lookahead
+            seq.draft_token_ids, seq.basis = drafts, basis
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
@@ -479,11 +455,8 @@ class LLMEngine:
         outputs = []
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
-        for (seq, drafted), accepted in zip(verify, batch.accepted):
-            if accepted >= 0:
-                self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
-            else:
-                self.draft_policy.stats.num_void_rows += 1
+        for (seq, drafted), accepted, misplaced in zip(verify, batch.accepted, batch.misplaced):
+            self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens, judge=not misplaced)
         for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -116,8 +116,15 @@ class ModelRunner:
         self.pool: KVMemoryPool | None = None
         self.graphs: DecodeGraphs | None = None
         # The sampled tokens of the last step that sampled (on a TP worker: rank 0's,
-        # received by broadcast), read by the next step's placeholder inputs.
+        # received by broadcast), read by the next step's placeholder inputs; and, when
+        # it verified drafts, its input ids, which say how many of them it accepted.
         self._prev_tokens: torch.Tensor | None = None
+        self._prev_inputs: torch.Tensor | None = None
+        # How far the step's decode rows moved back on the device (None: not at all), for
+        # the seed positions of their samples.
+        self._row_shift: torch.Tensor | None = None
+        spec = engine_config.speculative_config
+        self._max_drafts = spec.num_speculative_tokens if spec is not None else 0
         self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
         # A draft layer (speculative method mtp) reads the last step's inputs and hidden
         # states, and its drafts are read off the rows of the step it followed.
@@ -298,29 +305,56 @@ class ModelRunner:
             decode_order=None if step.is_prefill else to_dev(longest_first(step.context_lens)),
             block_tables_host=step.block_tables,
         )
-        meta = self.backend.prepare(meta)
         input_ids = to_dev(step.input_ids)
-        if step.prev_index is not None:
-            input_ids = self._fill_placeholders(input_ids, to_dev(step.prev_index))
-        return PreparedInputs(input_ids, to_dev(step.positions), meta, to_dev(step.sample_indices))
+        positions = to_dev(step.positions)
+        if step.follow is not None:
+            shift = torch.empty_like(positions)
+            self.resolve_rows(step, input_ids, positions, meta.slot_mapping, meta.context_lens, shift,
+                              to_dev(step.prev_index), to_dev(step.follow), to_dev(step.follow_k), meta.block_tables)
+            if self.backend.reads_decode_lens_on_host:
+                meta.context_lens_host = meta.context_lens.tolist()
+        elif step.prev_index is not None:
+            assert self._prev_tokens is not None, "placeholder inputs without a previous step"
+            input_ids = ops.fill_placeholders(input_ids, to_dev(step.prev_index), self._prev_tokens)
+        meta = self.backend.prepare(meta)
+        return PreparedInputs(input_ids, positions, meta, to_dev(step.sample_indices))
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, prev_index: torch.Tensor) -> torch.Tensor:
-        """Input tokens still on the device: token i takes the previous step's sampled
-        token prev_index[i] (where >= 0)."""
-        assert self._prev_tokens is not None, "placeholder inputs without a previous step"
-        return ops.fill_placeholders(input_ids, prev_index, self._prev_tokens)
+    def compile_row_moves(self) -> None:
+        """Compile `ops.resolve_rows` (a GPU engine that drafts): one launch on one row
+        that follows nothing, which is all its single variant needs (warm-up)."""
+        if self._max_drafts and self.device.type == "cuda":
+            one = torch.zeros(1, dtype=torch.int64, device=self.device)
+            ops.resolve_rows(one.clone(), one.clone(), one.clone(), one.to(torch.int32), one.clone(), one - 1,
+                             one - 1, one.clone(), one.view(1, 1).to(torch.int32), self.block_size, one, one,
+                             self._max_drafts)
+
+    def resolve_rows(self, step: HostStep, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     context_lens: torch.Tensor, shift: torch.Tensor, prev_index: torch.Tensor, follow: torch.Tensor,
+                     follow_k: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """The step's rows that follow a verify row still in flight, moved back on the
+        device by the drafts it rejected, and its placeholder inputs filled
+        (`ops.resolve_rows`); `shift` keeps each decode row's move for its sampler."""
+        assert self._prev_tokens is not None and self._prev_inputs is not None, "rows follow no verify step"
+        ops.resolve_rows(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
+                         block_tables, self.block_size, self._prev_tokens, self._prev_inputs, self._max_drafts)
+        self._row_shift = shift[: step.num_decode if step.is_prefill else len(step.input_ids)]
 
     @torch.inference_mode()
     def execute(self, step: HostStep) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab] and
         the prompt logprobs the step asks for (None when none)."""
         self._step_kind(decode=not step.is_prefill)
+        self._row_shift = None
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            hidden, logits = self.graphs.run(step, self._prev_tokens)
+            hidden, logits = self.graphs.run(step, self._prev_tokens, self.resolve_rows)
+            # The next step may follow this one's verify rows: their drafts, outside the
+            # static buffers that its staging overwrites.
+            self._prev_inputs = self.graphs.input_ids(step).clone() if step.has_drafts else None
             if self.uses_draft_layer:
                 self._last = _LastStep(step)  # the draft graph reads the step's buffers before the next replay
             return logits, None  # every decode row samples
         inputs = self.prepare(step)
+        self._prev_inputs = inputs.input_ids if step.has_drafts else None
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         if self.uses_draft_layer:
@@ -371,6 +405,10 @@ class ModelRunner:
                 self._draft_pass(None)  # the draft layer's K/V of the chunks' rows
             return InFlight.start(None, prompt_lp, step, self.device)
         sampling = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device, drafts)
+        if self._row_shift is not None and sampling.steps is not None:
+            # Rows moved back sample the output positions they really hold.
+            n = len(self._row_shift)
+            sampling.steps[:n] += self._row_shift
         if process_logits is not None:
             logits = process_logits(logits)
         out = self.sampler(logits, sampling)

@@ -22,6 +22,11 @@ k + 1 decode rows (each attends up to its own position), and samples at all of t
 and rolls `num_computed_tokens` back over the rest, whose K/V (already written) are
 overwritten later and never published to the prefix cache. Drafts never reach past
 `max_tokens`, and they get blocks only when that is safe.
+
+A step may be scheduled while a verify row of the same sequence is still in flight: its
+row is placed as if every draft is accepted, and the device moves it back by those that
+were not (`ops.resolve_rows`) before it runs; `on_result` then drops the rejected
+drafts' slots from between the two rows, so the host's view follows the device's.
 """
 
 from __future__ import annotations
@@ -58,11 +63,11 @@ class ScheduledBatch:
     # Per sequence, the draft tokens it verifies (a verify row: a decode row whose last
     # token and drafts are computed and sampled at every position); empty for the others.
     drafts: list[list[int]] = field(default_factory=list)
-    # Filled by `on_result`: per verify row, how many of its drafts were accepted (-1: the
-    # row was void, its sequence's tokens withdrawn after it was launched).
+    # Filled by `on_result`: per verify row, how many of its drafts were accepted, and
+    # whether they followed a wrong guess of what the row before it gave (misplaced:
+    # rejected by and large, through no fault of the text).
     accepted: list[int] = field(default_factory=list)
-    # Filled by `on_launch`: each sequence's epoch then (Sequence.epoch).
-    epochs: list[int] = field(default_factory=list)
+    misplaced: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -239,8 +244,6 @@ class Scheduler:
                 seqs.append(seq)
                 drafts.append([])
                 k = 0
-            if k < len(proposed):
-                seq.lookahead = []  # predicted past drafts this step does not carry
         if not seqs:
             return None
         return ScheduledBatch(seqs, False, [1 + len(d) for d in drafts], [True] * len(seqs),
@@ -318,7 +321,6 @@ class Scheduler:
         verify row's drafts, taken as accepted until then). The next step can then be
         scheduled before this one's tokens are known."""
         row = 0
-        batch.epochs = [seq.epoch for seq in batch.seqs]
         for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples)):
             seq.num_computed_tokens += n
             if batch.is_prefill:
@@ -332,6 +334,9 @@ class Scheduler:
                 seq.output_token_ids += drafts
                 seq.output_token_ids.append(PLACEHOLDER)
                 seq.pending_row = row + len(drafts)  # the target's token after the drafts
+                seq.pending_drafts = len(drafts)
+                if not drafts:
+                    seq.basis = None  # nothing of this row rests on a guess
                 row += batch.sample_rows(i)
 
     def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
@@ -342,7 +347,7 @@ class Scheduler:
         then the target's own."""
         sampled: list[tuple[Sequence, int, int]] = []
         row = 0
-        batch.accepted = []
+        batch.accepted, batch.misplaced = [], []
         for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if not samples:
                 if not seq.is_finished:
@@ -350,23 +355,22 @@ class Scheduler:
                 continue
             drafts = batch.drafts_of(i)
             first_row, row = row, row + 1 + len(drafts)
-            if batch.epochs and seq.epoch != batch.epochs[i]:
-                if drafts:  # launched on tokens withdrawn since: nothing of it stands
-                    batch.accepted.append(-1)
-                continue
             rows = token_ids[first_row:row]
             if drafts:
                 accepted = _num_accepted(drafts, rows)
                 batch.accepted.append(accepted)
+                batch.misplaced.append(seq.misplaced)
                 rows = rows[: accepted + 1]
+            seq.misplaced = False
             if seq.is_finished:  # aborted, or stopped by an earlier token, while this step ran
                 continue
             first = seq.num_resolved
-            if len(rows) < 1 + len(drafts):
-                # Rejected drafts and all taken on them since (a chained step's rows).
-                del seq.output_token_ids[first + len(rows):]
-                seq.lookahead = []
-                seq.epoch += 1
+            # The rejected drafts' slots. A row launched since stays in flight: the device
+            # moved it back by as many, and its drafts are misplaced unless this row gave
+            # exactly what they were guessed after (Sequence.basis).
+            del seq.output_token_ids[first + len(rows) : first + 1 + len(drafts)]
+            if seq.num_tokens > seq.num_prompt_tokens + first + len(rows):
+                seq.misplaced = seq.basis is not None and seq.basis != rows
             for j, token in enumerate(rows):
                 index = first + j
                 seq.output_token_ids[index] = token

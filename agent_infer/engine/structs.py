@@ -72,6 +72,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_resolved: int = 0  # leading output tokens whose values are known
     pending_row: int = -1  # row of the last placeholder in its step's sampled tokens
+    pending_drafts: int = 0  # drafts of the row that placeholder ends (0: a one-token row)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -88,13 +89,12 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow the output, for the next step to
     # verify (the scheduler may take fewer); set before each schedule.
     draft_token_ids: list[int] = field(default_factory=list)
-    # Prompt lookup's tokens predicted past those drafts (the target's own next token,
-    # then drafts for the step after), for a verify step chained onto this one before it
-    # is read back (llm_engine.LLMEngine._chain).
-    lookahead: list[int] = field(default_factory=list)
-    # Bumped whenever output tokens still in flight are withdrawn (a chained verify row's
-    # drafts rejected): a row of this sequence in a step launched before is void.
-    epoch: int = 0
+    # Drafts proposed while a row of this sequence is in flight follow a guess of what
+    # that row gives (its drafts, or none, then its own token): `basis`, the guess of the
+    # newest row launched (None: it rests on no guess). `misplaced`: the row in flight
+    # followed a wrong one (found when the row before it was read back).
+    basis: list[int] | None = None
+    misplaced: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,9 +2,10 @@
 real one, so that what a step compiles on first use (Triton kernel variants: prefill tile
 sizes chosen by the longest query, element-wise kernels specialised on a token count of
 1 or a multiple of 16, the few-row GEMV of two-row steps, the sampling kernel, mixed
-steps, and, where decode steps run outside CUDA graphs, the decode kernel's variants by
-batch size) is compiled at start-up and not while clients wait: with a cold Triton cache
-each new variant stalls its step by one to two seconds on an H200 (docs/PERFORMANCE.md).
+steps, where decode steps run outside CUDA graphs the decode kernel's variants by batch
+size, and the kernel that moves rows behind a verify step) is compiled at start-up and
+not while clients wait: with a cold Triton cache each new variant stalls its step by one
+to two seconds on an H200 (docs/PERFORMANCE.md).
 tests/test_kernel_variants.py checks on CPU that no serving step needs a variant these
 steps did not compile.
 
@@ -125,5 +126,6 @@ def warm_up(engine: LLMEngine) -> float:
         salt += rows + 1
         drain()
 
+    engine.runner.compile_row_moves()
     engine.reset_history()
     return time.perf_counter() - t0

@@ -234,6 +234,30 @@ def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_to
     return torch.where(prev_index >= 0, prev_tokens[prev_index.clamp(min=0)], input_ids)
 
 
+def resolve_rows(
+    input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    shift: torch.Tensor, prev_index: torch.Tensor, follow: torch.Tensor, follow_k: torch.Tensor,
+    block_tables: torch.Tensor, block_size: int, prev_tokens: torch.Tensor, prev_inputs: torch.Tensor,
+    max_k: int,
+) -> None:
+    """In place, the rows of a step (decode rows first, one token each) whose sequence has a
+    verify row still in flight in the previous step: row i with follow[i] = r >= 0 belongs
+    to a sequence whose verify row there has follow_k[i] = k drafts (input rows r - k + 1
+    .. r of that step, `prev_inputs`, checked against its samples at rows r - k .. r - 1,
+    `prev_tokens`), and was placed as if all k were accepted. With a accepted, the row
+    moves back by k - a: its position and context length, and its cache slot (from its
+    block table row). Every row with prev_index[i] >= 0 then takes the previous step's
+    sample prev_index[i] + shift (the sequence's real last token; plain placeholders have
+    no shift), and shift[i] records the move (0 elsewhere). `max_k` bounds k."""
+    if _use_triton(input_ids):
+        from agent_infer.kernels.triton import tokens
+
+        return tokens.resolve_rows(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
+                                   block_tables, block_size, prev_tokens, prev_inputs, max_k)
+    return reference.resolve_rows(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
+                                  block_tables, block_size, prev_tokens, prev_inputs, max_k)
+
+
 def gumbel_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:

@@ -234,6 +234,38 @@ def decode_attention(
     return out.to(q.dtype)
 
 
+def resolve_rows(
+    input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    shift: torch.Tensor, prev_index: torch.Tensor, follow: torch.Tensor, follow_k: torch.Tensor,
+    block_tables: torch.Tensor, block_size: int, prev_tokens: torch.Tensor, prev_inputs: torch.Tensor,
+    max_k: int,
+) -> None:
+    """`ops.resolve_rows` in plain PyTorch, in place."""
+    n = input_ids.numel()
+    ref, k = follow[:n], follow_k[:n]
+    follows = ref >= 0
+    j = torch.arange(max_k, device=ref.device)
+    at = (ref - k)[:, None] + j[None, :]
+    live = follows[:, None] & (j[None, :] < k[:, None])
+    at = torch.where(live, at, torch.zeros_like(at))
+    match = live & (prev_tokens[at] == prev_inputs[at + 1])
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    s = torch.where(follows, accepted - k, torch.zeros_like(k))
+    shift[:n] = s
+    positions[:n] += s
+    # Rows that move are decode rows, one token each: token i is attention row i (a mixed
+    # step has fewer attention rows than tokens, its prompt chunks after them).
+    rows = min(n, context_lens.numel())
+    context_lens[:rows] += s[:rows].to(context_lens.dtype)
+    pos = positions[:n]
+    row = torch.where(follows, torch.arange(n, device=ref.device), torch.zeros_like(ref))
+    block = block_tables[row, torch.where(follows, pos // block_size, torch.zeros_like(pos))].long()
+    slots[:n] = torch.where(follows, block * block_size + pos % block_size, slots[:n])
+    src = prev_index[:n]
+    take = src >= 0
+    input_ids[:] = torch.where(take, prev_tokens[torch.where(take, src + s, torch.zeros_like(src))], input_ids)
+
+
 _M32 = 0xFFFFFFFF
 
 

@@ -35,16 +35,16 @@ class SpeculativeConfig:
     run once per drafted token. `disable_by_batch_size`: no drafting while this many
     sequences or more decode (None: decided by measurement alone).
 
-    `chain_steps` (not one of vLLM's keys, so Python only): how many verify steps of one
-    prompt-lookup proposal may follow a step still in flight, as if it accepted all its
-    drafts (the engine's `_chain`); 0 reads every verify step back before the next."""
+    `chain_verify_steps` (not one of vLLM's keys, so Python only): whether the step after
+    a verify step is launched before that one is read back, its rows moved on the device
+    by the drafts accepted (on by default); False reads every verify step back first."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 0
     disable_by_batch_size: int | None = None
-    chain_steps: int = 4
+    chain_verify_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,8 +61,9 @@ class SpeculativeConfig:
                               f"{self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ConfigError(f"speculative_config: disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
-        if not isinstance(self.chain_steps, int) or not 0 <= self.chain_steps <= 16:
-            raise ConfigError(f"speculative_config: chain_steps must be an integer in [0, 16], got {self.chain_steps!r}")
+        if not isinstance(self.chain_verify_steps, bool):
+            raise ConfigError(f"speculative_config: chain_verify_steps must be true or false, got "
+                              f"{self.chain_verify_steps!r}")
 
     @staticmethod
     def parse(value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

@@ -22,7 +22,8 @@ class MtpDrafter:
         for seq, token in self.runner.draft_with_mtp(batch, row_drafts):
             self._drafts[seq.request_id] = (seq.num_tokens, [token])
 
-    def propose(self, request_id: str, prompt: list[int], tokens_at, total: int, k: int) -> list[int]:
+    def propose(self, request_id: str, prompt: list[int], tokens_at, total: int, k: int,
+                known: int | None = None) -> list[int]:
         known = self._drafts.pop(request_id, None)
         if known is None or known[0] != total:
             return []

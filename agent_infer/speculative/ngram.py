@@ -57,12 +57,18 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self._history: dict[str, TokenHistory] = {}
 
-    def propose(self, request_id: str, prompt: list[int], tokens_at, total: int, k: int) -> list[int]:
-        """Up to `k` drafts for a sequence of `total` known tokens (`tokens_at(i)`: token i)."""
+    def propose(self, request_id: str, prompt: list[int], tokens_at, total: int, k: int,
+                known: int | None = None) -> list[int]:
+        """Up to `k` drafts for a sequence of `total` tokens (`tokens_at(i)`: token i), of
+        which the first `known` (default: all) are final; the others are a guess that
+        the history forgets after this search."""
         h = self._history.get(request_id)
         if h is None:
             h = self._history[request_id] = TokenHistory(prompt)
-        return propose_ngram(h.sync(tokens_at, total), k, self.min_n, self.max_n)
+        drafts = propose_ngram(h.sync(tokens_at, total), k, self.min_n, self.max_n)
+        if known is not None:
+            h.n = min(h.n, known)
+        return drafts
 
     def after_step(self, batch, row_drafts: list[int] | None) -> None:
         """Nothing to do once a step is read back: drafts come from the tokens alone."""

@@ -11,11 +11,9 @@ Drafting must never cost. Three rules keep it so:
   compute-bound, a verify step costs up to k + 1 plain ones, and drafting turns itself
   off. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
   the steps' time, so a change in the workload turns it back on;
-* a verify step is chained onto one still in flight (llm_engine) only for sequences whose
-  drafts are mostly accepted whole: a chained row is void whenever the step before it
-  rejects a draft, and chaining pays only when the chance of none rejected exceeds the
-  time of an overlapped step over that of one read back at once (host and device
-  serialised); docs/PERFORMANCE.md derives the bar (CHAIN_MIN_WHOLE).
+* a verify row whose drafts followed a wrong guess of the row before it (drafted while
+  that row was in flight: llm_engine) is no verdict on the text, and does not count
+  toward a pause.
 """
 
 from __future__ import annotations
@@ -29,24 +27,20 @@ PLAIN_PROBE_EVERY = 64  # while drafting pays: one plain step in this many refre
 MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
 PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
-CHAIN_MIN_WHOLE = 0.75  # a sequence's share of verify rows accepted whole, for its steps to chain
 _EMA = 0.1
-_WHOLE_EMA = 0.25  # a few rows accepted whole start a chain, a few rejections end it
 
 
 @dataclass
 class SpecDecodeStats:
     """vLLM's spec-decode counters: verify rows (a sequence with drafts in a step), their
     draft tokens, the accepted ones, and the accepted ones by draft position; and this
-    engine's chained verify rows (launched before the step before them was read back)
-    and the void ones among them (their sequence's drafts rejected in that step)."""
+    engine's chained verify rows (drafted behind a verify row still in flight)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_chained_rows: int = 0
-    num_void_rows: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -72,7 +66,6 @@ class _Backoff:
     fails: int = 0
     pause: int = 0  # the last pause's length, in tokens
     resume_at: int = 0  # the sequence's length at which it may draft again
-    whole: float = 0.5  # EMA of its verify rows accepted whole (every draft)
 
 
 @dataclass
@@ -136,14 +129,15 @@ class DraftPolicy:
         s = self._seqs.get(request_id)
         return s is None or length >= s.resume_at
 
-    def on_verified(self, request_id: str, drafted: int, accepted: int, length: int) -> None:
+    def on_verified(self, request_id: str, drafted: int, accepted: int, length: int, judge: bool = True) -> None:
         """A verify row's outcome, the sequence `length` tokens long after it; `drafted` = 0:
-        the drafter had nothing to propose."""
+        the drafter had nothing to propose. `judge=False`: counted, but no verdict on the
+        text (the second rule above)."""
         if drafted:
             self.stats.record(drafted, accepted)
+        if not judge:
+            return
         s = self._seqs.setdefault(request_id, _Backoff())
-        if drafted:
-            s.whole += _WHOLE_EMA * ((accepted == drafted) - s.whole)
         if accepted:
             s.fails, s.pause, s.resume_at = 0, 0, 0
             return
@@ -152,12 +146,6 @@ class DraftPolicy:
             s.pause = min(MAX_PAUSE_STEPS, 2 * s.pause or 2)
             s.resume_at = length + s.pause  # the next `pause` tokens come without drafts
             s.fails = 0
-
-    def may_chain(self, request_id: str) -> bool:
-        """Whether the sequence's next verify step may be launched before its last one is
-        read back (the third rule above)."""
-        s = self._seqs.get(request_id)
-        return s is not None and s.whole >= CHAIN_MIN_WHOLE
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -252,6 +252,11 @@ def test_fill_placeholders(n):
     kc.check_fill_placeholders(DEV, n)
 
 
+@pytest.mark.parametrize("num_seqs,max_k", [(1, 4), (7, 8), (40, 16)])
+def test_resolve_rows(num_seqs, max_k):
+    kc.check_resolve_rows(DEV, num_seqs, max_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab,words", [(1, 151936, 4748), (64, 151936, 4748), (8, 151936, 1536)])
 def test_apply_token_bitmask(dtype, rows, vocab, words):

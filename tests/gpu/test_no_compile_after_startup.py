@@ -33,8 +33,12 @@ def _workload(n: int, seed: int, vocab: int = VOCAB):
     return prompts, params
 
 
-@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}, {"mixed_batches": True}],
-                         ids=["graphs", "eager", "mixed"])
+SPEC = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                                "prompt_lookup_min": 1}}
+
+
+@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}, {"mixed_batches": True}, SPEC],
+                         ids=["graphs", "eager", "mixed", "drafts"])
 def test_no_kernel_compiled_after_start_up(qwen3_dir, options):
     from agent_infer.kernels.triton.compile_watch import CompileWatch
 
@@ -45,6 +49,8 @@ def test_no_kernel_compiled_after_start_up(qwen3_dir, options):
             outs = engine.generate(*_workload(128, seed))
             assert all(not o.error for o in outs)
     assert engine.stats.max_decode_batch >= 100
+    if "speculative_config" in options:  # verify steps ran, and steps that followed them
+        assert engine.draft_policy.stats.num_chained_rows > 0, engine.draft_policy.stats
     assert not watch.compiles, "compiled while serving:\n" + "\n".join(c.kernel for c in watch.compiles)
 
 

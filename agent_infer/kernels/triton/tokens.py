@@ -1,5 +1,6 @@
 """The small per-step kernels over token ids around a decode step: the greedy argmax of
-the logits, and resolving placeholder inputs to the previous step's samples.
+the logits, resolving placeholder inputs to the previous step's samples, and positioning
+the rows of sequences whose verify row is still in flight by how many drafts it accepted.
 
 At batch 1 each runs once per step on the critical path, so launch count and latency
 matter more than bandwidth: torch's argmax reduces a 151,936-entry row in one block
@@ -102,6 +103,71 @@ def fill_placeholders(input_ids: torch.Tensor, prev_index: torch.Tensor, prev_to
             input_ids, prev_index, prev_tokens, n, BLOCK=_FILL_BLOCK, num_warps=4, **launch_opts(input_ids.device),
         )
     return input_ids
+
+
+# One variant per MAX_K (the config's): nothing else specialised, neither the row count
+# and table width, which change every step, nor the pointers, whose alignment does with
+# the graph size (the staging rows of a one-row graph start 8 bytes apart), so that the
+# warm-up's one launch compiles what serving uses.
+_RESOLVE_ARGS = ["ids_ptr", "pos_ptr", "slot_ptr", "ctx_ptr", "shift_ptr", "prev_index_ptr", "follow_ptr",
+                 "follow_k_ptr", "table_ptr", "table_stride", "prev_tok_ptr", "prev_in_ptr", "n", "block_size"]
+
+
+@triton.jit(do_not_specialize=["n", "table_stride", "block_size"], do_not_specialize_on_alignment=_RESOLVE_ARGS)
+def _resolve_rows_kernel(
+    ids_ptr, pos_ptr, slot_ptr, ctx_ptr, shift_ptr, prev_index_ptr, follow_ptr, follow_k_ptr,
+    table_ptr, table_stride, prev_tok_ptr, prev_in_ptr, n, block_size,
+    BLOCK: tl.constexpr, MAX_K: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    ref = tl.load(follow_ptr + i, mask=mask, other=-1)
+    k = tl.load(follow_k_ptr + i, mask=mask, other=0)
+    follows = mask & (ref >= 0)
+    # The verify row's drafts sit at input rows ref - k + 1 .. ref, the samples they are
+    # checked against at rows ref - k .. ref - 1: count the leading matches.
+    alive = follows
+    accepted = tl.zeros((BLOCK,), tl.int64)
+    for j in tl.static_range(MAX_K):
+        live = alive & (j < k)
+        at = tl.where(live, ref - k + j, 0)
+        sampled = tl.load(prev_tok_ptr + at, mask=live, other=0)
+        draft = tl.load(prev_in_ptr + at + 1, mask=live, other=-1)
+        alive = live & (sampled == draft)
+        accepted += alive.to(tl.int64)
+    shift = tl.where(follows, accepted - k, 0)
+    pos = tl.load(pos_ptr + i, mask=follows, other=0) + shift
+    tl.store(pos_ptr + i, pos, mask=follows)
+    ctx = tl.load(ctx_ptr + i, mask=follows, other=0)
+    tl.store(ctx_ptr + i, ctx + shift.to(tl.int32), mask=follows)
+    block = tl.load(table_ptr + i.to(tl.int64) * table_stride + pos // block_size, mask=follows, other=0)
+    tl.store(slot_ptr + i, block.to(tl.int64) * block_size + pos % block_size, mask=follows)
+    src = tl.load(prev_index_ptr + i, mask=mask, other=-1)
+    take = mask & (src >= 0)
+    token = tl.load(prev_tok_ptr + tl.where(take, src + shift, 0), mask=take)
+    tl.store(ids_ptr + i, token, mask=take)
+    tl.store(shift_ptr + i, shift, mask=mask)
+
+
+def resolve_rows(
+    input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    shift: torch.Tensor, prev_index: torch.Tensor, follow: torch.Tensor, follow_k: torch.Tensor,
+    block_tables: torch.Tensor, block_size: int, prev_tokens: torch.Tensor, prev_inputs: torch.Tensor,
+    max_k: int,
+) -> None:
+    """In place, one launch: `ops.resolve_rows` (which documents it) on contiguous int64
+    rows (context lengths int32, block tables int32 [rows, width] with unit column stride)."""
+    n = input_ids.numel()
+    for t in (positions, slots, shift, prev_index, follow, follow_k):
+        assert t.numel() >= n and t.is_contiguous() and t.dtype == torch.int64
+    assert context_lens.dtype == torch.int32 and block_tables.stride(1) == 1
+    if n:
+        _resolve_rows_kernel[(triton.cdiv(n, _FILL_BLOCK),)](
+            input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
+            block_tables, block_tables.stride(0), prev_tokens, prev_inputs, n, block_size,
+            BLOCK=_FILL_BLOCK, MAX_K=max_k, num_warps=4, **launch_opts(input_ids.device),
+        )
 
 
 _MASK_BLOCK = 4096
