@@ -321,7 +321,7 @@ class LLMEngine:
         if self.drafter is not None and batch.num_prompt_rows == 0 and self.stats.prefill_steps == prefills0:
             verified = self._verified_now if self._verified_now is not None else batch
             self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
-                                          len(batch) + sum(max(0, a) for a in verified.accepted))
+                                          len(batch) + sum(verified.accepted))
         return outputs
 
     def _draft_room(self, seq: Sequence) -> int:
