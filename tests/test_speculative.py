@@ -539,7 +539,10 @@ def test_drafting_stops_where_it_costs():
                                round(batch * tokens_per_row) if verify else batch)
         return drafted
 
-    # Batch 1: a verify step costs 1.1 plain ones and yields 2.5 tokens: drafting stays on.
+    # Batch 1: a verify step costs 1.1 plain ones and yields 2.5 tokens: drafting stays on,
+    # even when one of the first verify steps stalls (a compilation: 2,000 plain steps).
+    policy.record_step(1, 1.0, False, 1)
+    policy.record_step(1, 2000.0, True, 3)
     assert run(1, 1.0, 1.1, 2.5) > 2900
     # Batch 256: a verify step costs 3 plain ones for 1.4 tokens a row: off after the first
     # ones, then probes whose extra cost stays near 1 % of the time.

@@ -2,15 +2,17 @@
 
 Drafting must never cost. Three rules keep it so:
 * a sequence whose drafts keep failing, or that keeps having none (looking for drafts
-  costs host time, and a step its overlap with the previous one where that one verified
-  drafts: llm_engine reads it back first), stops drafting for a while, twice as long each
-  time it fails again (text that stops repeating itself), and resumes on its own;
+  costs host time), stops drafting for a while, twice as long each time it fails again
+  (text that stops repeating itself), and resumes on its own;
 * per decode batch size (in powers of two), the engine times plain steps and drafting
   steps (those that looked for drafts, found or not) and drafts only while a drafting
   step yields more tokens per second than a plain one: at large batches a step is
   compute-bound, a verify step costs up to k + 1 plain ones, and drafting turns itself
-  off. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
-  the steps' time, so a change in the workload turns it back on;
+  off. The times compared are the medians of the last few steps of each kind, and the
+  rule waits for three drafting steps, so that one stalled step (a compilation, a
+  collection) cannot turn drafting off for the rest of a run. While off it probes now
+  and then, as rarely as keeps the probes' cost near 1 % of the steps' time (and at
+  least every 512 steps), so a change in the workload turns it back on;
 * a verify row whose drafts followed a wrong guess of the row before it (drafted while
   that row was in flight: llm_engine) is no verdict on the text, and does not count
   toward a pause.
@@ -19,6 +21,8 @@ Drafting must never cost. Three rules keep it so:
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 FAILS_BEFORE_PAUSE = 3  # verify steps in a row that accept nothing
@@ -28,6 +32,9 @@ MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
 PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
 _EMA = 0.1
+TIMING_WINDOW = 15  # steps of each kind whose median wall time the batch rule compares
+MIN_VERIFY_TIMINGS = 3  # drafting steps timed before the rule may turn drafting off (one may stall)
+MAX_PROBE_GAP = 512  # steps between probes at most, whatever the last timings said
 
 
 @dataclass
@@ -70,8 +77,8 @@ class _Backoff:
 
 @dataclass
 class _Bucket:
-    plain_s: float | None = None  # EMA of a plain decode step's wall time
-    verify_s: float | None = None  # EMA of a verify step's
+    plain: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))  # plain decode steps' wall times
+    verify: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))  # drafting steps'
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
     next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
@@ -93,17 +100,18 @@ class DraftPolicy:
             return False
         b = self._bucket(num_decoding)
         b.steps += 1
-        if b.plain_s is None:
+        if not b.plain:
             return False  # measure a plain step first
-        if b.verify_s is None:
+        if len(b.verify) < MIN_VERIFY_TIMINGS:
             return True
-        if b.tokens_per_row * b.plain_s >= b.verify_s:  # more tokens per second than a plain step
+        plain_s, verify_s = statistics.median(b.plain), statistics.median(b.verify)
+        if b.tokens_per_row * plain_s >= verify_s:  # more tokens per second than a plain step
             b.next_probe = 0
             return b.steps % PLAIN_PROBE_EVERY != 0
         if b.steps < b.next_probe:
             return False
-        extra = b.verify_s / b.plain_s - 1.0  # what a probe costs, in plain steps
-        b.next_probe = b.steps + max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET))
+        extra = verify_s / plain_s - 1.0  # what a probe costs, in plain steps
+        b.next_probe = b.steps + min(MAX_PROBE_GAP, max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET)))
         return True
 
     def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
@@ -113,10 +121,10 @@ class DraftPolicy:
             return
         b = self._bucket(num_decoding)
         if drafting:
-            b.verify_s = _ema(b.verify_s, seconds)
+            b.verify.append(seconds)
             b.tokens_per_row = _ema(b.tokens_per_row, tokens / num_decoding)
         else:
-            b.plain_s = _ema(b.plain_s, seconds)
+            b.plain.append(seconds)
 
     def _bucket(self, n: int) -> _Bucket:
         return self._buckets.setdefault(n.bit_length(), _Bucket())
@@ -151,5 +159,5 @@ class DraftPolicy:
         self._seqs.pop(request_id, None)
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + _EMA * (new - old)
+def _ema(old: float, new: float) -> float:
+    return old + _EMA * (new - old)
