@@ -343,11 +343,10 @@ class LLMEngine:
     def _propose_behind(self, seqs: list[Sequence]) -> bool:
         """Drafts for `seqs` without reading back the step in flight (`_propose` guesses
         what it gives them). Not under a grammar, which checks drafts against every token
-        before them, and not after a verify row unless verify steps overlap."""
+        before them. (Without `_overlap_verify` no verify row is ever in flight here.)"""
         if not self._draft_behind or self._inflight is None:
             return False
-        if any(s.request_id in self.constraints or (s.pending_drafts and not self._overlap_verify)
-               for s in seqs if s.num_output_tokens > s.num_resolved):
+        if any(s.request_id in self.constraints for s in seqs if s.num_output_tokens > s.num_resolved):
             return False
         self._propose(seqs)
         return True

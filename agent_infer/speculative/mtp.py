@@ -24,10 +24,10 @@ class MtpDrafter:
 
     def propose(self, request_id: str, prompt: list[int], tokens_at, total: int, k: int,
                 known: int | None = None) -> list[int]:
-        known = self._drafts.pop(request_id, None)
-        if known is None or known[0] != total:
+        held = self._drafts.pop(request_id, None)
+        if held is None or held[0] != total:
             return []
-        return known[1][:k]
+        return held[1][:k]
 
     def forget(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)

@@ -116,7 +116,7 @@ class DraftPolicy:
 
     def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
         """A decode step's wall time and the tokens it yielded; `drafting`: it looked for
-        drafts (found or not), so it may also have given up overlapping the previous step."""
+        drafts (found or not)."""
         if num_decoding == 0:
             return
         b = self._bucket(num_decoding)
