@@ -426,6 +426,27 @@ def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, c
     assert_close(out.float(), ref, f"gemv M={m} N={n} K={k} {config}", dtype)
 
 
+def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool, row_counts: tuple[int, ...]) -> None:
+    """The batch-invariant mode's GEMM (gemv.linear_invariant): for each row count, x's
+    rows (strided) in one launch give bitwise what each row's own launch gives, across
+    tiles of rows (17, 40 rows) and K splits, and the rows are F.linear's within the
+    dtype's tolerance."""
+    from agent_infer.kernels.triton.gemv import linear_invariant
+
+    w = randn(n, k, dtype=dtype, device=device, seed=51, scale=k**-0.5)
+    b = randn(n, dtype=dtype, device=device, seed=52) if bias else None
+    for m in row_counts:
+        x = randn(m, k + 8, dtype=dtype, device=device, seed=53 + m)[:, 3:k + 3]
+        label = f"invariant GEMM M={m} N={n} K={k} bias={bias}"
+        with poisoned_empty():
+            out = linear_invariant(x, w, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert out.dtype == dtype and out.shape == (m, n), label
+        assert_close(out.float(), ref, label, dtype)
+        alone = torch.cat([linear_invariant(x[i:i + 1], w, b) for i in range(m)])
+        assert torch.equal(out, alone), f"{label}: rows differ from their own launches"
+
+
 def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> None:
     """The one-pass sampler picks the same tokens as the PyTorch formula: same hash, same
     scores (up to rounding), greedy rows take the argmax."""

@@ -307,6 +307,13 @@ else:
     def test_gemv_m1_rows_invariant(dtype, epilogue, m, n, k, bias, config, fp8):
         kc.check_gemv_m1_rows_invariant(DEV, dtype, m, n, k, bias, epilogue, config, fp8=fp8)
 
+    # The mode's tensor-core GEMM for 16-bit weights: K split (1,024 and 576 columns) or
+    # not, partial tiles of rows and of columns, row counts of one and several tiles.
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("n,k,bias", [(40, 1024, True), (100, 576, False), (33, 80, True)])
+    def test_gemv_invariant(dtype, n, k, bias):
+        kc.check_gemv_invariant(DEV, dtype, n, k, bias, (1, 5, 17, 40))
+
     @pytest.mark.parametrize("epilogue", ["plain", "add_norm"])
     def test_gemv_m1_rows_past_the_grid_limit(epilogue, monkeypatch):
         """More output blocks than the grid's second axis holds: a launch per row, the

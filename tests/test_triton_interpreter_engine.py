@@ -86,13 +86,11 @@ if IN_CHILD:
         assert mixed_calls, "no mixed step reached the Triton backend"
 
     def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
-        """batch_invariant with every kernel routed to Triton: decode and verify steps of
-        several rows send their projections (the LM head, the add + norm ones with a
-        counter per row) through the batch-1 GEMV's row grid and their attention through
-        the one-row split plan, and each prompt's greedy tokens, decoded beside others
-        with drafts, equal its tokens decoded alone."""
-        import dataclasses
-
+        """batch_invariant with every kernel routed to Triton: decode and verify steps, of
+        one row and of several, send every projection (the LM head too) through the mode's
+        GEMM (gemv.linear_invariant) and their attention through the one-row split plan,
+        and each prompt's greedy tokens, decoded beside others with drafts, equal its
+        tokens decoded alone."""
         from agent_infer.attention import dense_triton
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
@@ -107,18 +105,14 @@ if IN_CHILD:
         path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
         rows: list[int] = []
         splits: set = set()
-        m1, m1_norm, attend = gemv.linear_m1, gemv.linear_m1_add_rms_norm, dense_triton.decode_attention
-        monkeypatch.setattr(gemv, "linear_m1", lambda x, *a, **k: rows.append(x.shape[0]) or m1(x, *a, **k))
-        monkeypatch.setattr(gemv, "linear_m1_add_rms_norm",
-                            lambda x, *a, **k: rows.append(-x.shape[0]) or m1_norm(x, *a, **k))
+        invariant, attend = gemv.linear_invariant, dense_triton.decode_attention
+        monkeypatch.setattr(gemv, "linear_invariant", lambda x, *a: rows.append(x.shape[0]) or invariant(x, *a))
         monkeypatch.setattr(dense_triton, "decode_attention",
                             lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("num_splits"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
         monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: dense_triton.DenseTritonBackend)
         # Fewer, larger programs than a GPU's launches: the interpreter runs each in turn.
         monkeypatch.setattr(dense_triton, "decode_num_splits", lambda batch, kv_heads, device: 3)
-        row_config = gemv.row_config
-        monkeypatch.setattr(gemv, "row_config", lambda *a, **k: dataclasses.replace(row_config(*a, **k), block_n=32))
         prompts = [[(7 * i + 3) % 500 + 3 for i in range(9)], [9, 10, 11, 12]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 4)]
         config = dict(device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True)
@@ -129,7 +123,7 @@ if IN_CHILD:
         assert _arrivals(spec, prompts, params) == [o.token_ids for o in outs]
         stats = spec.draft_policy.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-        assert max(rows) > 1 and min(rows) < -1, f"no multi-row launch of the row grid: {sorted(set(rows))}"
+        assert min(rows) == 1 and max(rows) > 1, f"the mode's GEMM took no one-row or no multi-row step: {rows}"
         assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
 
     def test_deepseek_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):

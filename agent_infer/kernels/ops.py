@@ -125,9 +125,30 @@ def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
     """The batch-invariant mode (EngineConfig.batch_invariant): a projection of 2 to
     `invariant_rows` rows (a decode or verify step's) computes each row exactly as a
     step of one row does, so a token's logits do not depend on what else is in its step.
-    On a GPU the batch-1 GEMV takes all the rows in one launch (a grid axis over them);
-    elsewhere the rows go one by one through the batch-1 path."""
+    On a GPU (fp8 weights; 16- and 32-bit ones take `_invariant_gemm` first) the batch-1
+    GEMV takes all the rows in one launch (a grid axis over them); elsewhere the rows go
+    one by one through the batch-1 path."""
     return invariant_rows > 1 and x.dim() == 2 and 1 < x.shape[0] <= invariant_rows
+
+
+def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant_rows: int) -> bool:
+    """The batch-invariant mode on a GPU with 16- or 32-bit weights: a decode or verify
+    step's projections of 1 to `invariant_rows` rows all run the tensor-core GEMM with a
+    tile fixed by the weight's shape (gemv.linear_invariant), the one-row steps too, so a
+    row's sums do not depend on the rows beside it, and the weight is read once for all
+    of them. The add + norm and SiLU-and-mul after it run as kernels of their own, the
+    same for every row count. fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
+    return (
+        invariant_rows > 1 and scale is None and _use_triton(x) and x.dim() == 2
+        and 1 <= x.shape[0] <= invariant_rows and x.stride(-1) == 1 and x.dtype == weight.dtype
+        and weight.is_contiguous() and x.shape[1] % 16 == 0
+    )
+
+
+def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from agent_infer.kernels.triton import gemv
+
+    return gemv.linear_invariant(x, weight, bias)
 
 
 def _row_by_row(fn, x: torch.Tensor, *args) -> torch.Tensor:
@@ -151,7 +172,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
     `block` (rows, columns) or, without a block, per row. One row takes the batch-1 GEMV,
     two 16-bit rows the few-row GEMV (`gemv_rows.takes`), the rest cuBLAS or the W8A8 GEMM;
-    up to `invariant_rows` rows each as one row (`_each_row`)."""
+    up to `invariant_rows` rows each as one row (`_invariant_gemm`, `_each_row`)."""
+    if _invariant_gemm(x, weight, scale, invariant_rows):
+        return _linear_invariant(x, weight, bias)
     if _each_row(x, invariant_rows):
         if _gemv_ok(x, weight, rows=True):
             from agent_infer.kernels.triton import gemv
@@ -177,6 +200,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     invariant_rows: int = 0) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
     one kernel on the batch-1 GEMV path. `invariant_rows` as in `linear`."""
+    if _invariant_gemm(x, weight, scale, invariant_rows):
+        return silu_and_mul(_linear_invariant(x, weight, bias))
     each_row = _each_row(x, invariant_rows)
     if each_row and not _gemv_ok(x, weight, rows=True):
         return _row_by_row(linear_silu_mul, x, weight, bias, scale, block)
@@ -196,7 +221,10 @@ def linear_add_rms_norm(
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
     program adds and normalises, found with `counter`, an int32 [1] zero between calls).
-    `invariant_rows` as in `linear`; the GEMV then takes one counter per row."""
+    `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
+    row."""
+    if _invariant_gemm(x, weight, scale, invariant_rows):
+        return fused_add_rms_norm(_linear_invariant(x, weight, bias), residual, norm_weight, eps)
     each_row = _each_row(x, invariant_rows)
     if (_gemv_ok(x, weight, rows=each_row) and residual.dtype == x.dtype
             and (residual.stride(-1) == 1 and counter.numel() >= x.shape[0] if each_row else residual.is_contiguous())):

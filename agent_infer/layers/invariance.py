@@ -1,7 +1,8 @@
 """The batch-invariant mode's switch (EngineConfig.batch_invariant), one per model, shared
 by its projections and its LM head and set by the engine before each step: in a decode
 or verify step, projections of up to `max_rows` rows compute each row exactly as a step
-of that row alone would (ops.linear's `invariant_rows`); in a prefill step they run as
+of that row alone would (ops.linear's `invariant_rows`: on a GPU one GEMM whose tiles do
+not depend on the row count, for one row too); in a prefill step they run as
 usual, since the scheduler gives such a step one prompt (its rows are then those of the
 prompt alone) and the row-by-row path would re-read the weights once per prompt token."""
 

@@ -90,9 +90,9 @@ class CausalLM(nn.Module):
 
     def use_batch_invariance(self, rows: int) -> None:
         """EngineConfig.batch_invariant: from now on, while `invariance` says a decode step
-        runs, each projection of 2 to `rows` rows computes every row as a one-row step
-        does (`ops.linear`'s `invariant_rows`), and the add + norm after a projection
-        keeps one counter per row. Mixtures of experts and latent attention (DeepSeek) are
+        runs, each projection of 1 to `rows` rows computes every row as a one-row step
+        does (`ops.linear`'s `invariant_rows`), and the add + norm after an fp8
+        projection keeps one counter per row. Mixtures of experts and latent attention (DeepSeek) are
         refused by name: their grouped GEMMs and stacked projections are shaped by the
         whole step."""
         for name, m in self.named_modules():

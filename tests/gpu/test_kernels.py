@@ -216,6 +216,15 @@ def test_gemv_rows(dtype, m, n, k):
     kc.check_gemv_rows(DEV, dtype, m, n, k, bias=(n == 1000))
 
 
+# The batch-invariant mode's GEMM at the Qwen3-8B and SmolLM2-135M shapes (K split or
+# not), up to a batch of 8 with 8 drafts each.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096), (960, 576), (576, 1536),
+                                 (49152, 576), (1000, 4000)])
+def test_gemv_invariant(dtype, n, k):
+    kc.check_gemv_invariant(DEV, dtype, n, k, bias=(n == 1000), row_counts=(1, 2, 5, 9, 16, 17, 72))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (1000, 4000), (896, 4864)])
 def test_gemv_m1_add_norm(dtype, n, k):

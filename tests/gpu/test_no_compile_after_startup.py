@@ -37,8 +37,9 @@ SPEC = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "
                                 "prompt_lookup_min": 1}}
 
 
-@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}, {"mixed_batches": True}, SPEC],
-                         ids=["graphs", "eager", "mixed", "drafts"])
+@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}, {"mixed_batches": True}, SPEC,
+                                     {"batch_invariant": True, **SPEC}],
+                         ids=["graphs", "eager", "mixed", "drafts", "invariant"])
 def test_no_kernel_compiled_after_start_up(qwen3_dir, options):
     from agent_infer.kernels.triton.compile_watch import CompileWatch
 

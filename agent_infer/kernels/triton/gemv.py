@@ -9,7 +9,9 @@ second small kernel adds up (deterministic, no atomics, no zero-fill).
 M == 1 uses plain FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the
 end; M > 1 uses tl.dot on an x tile padded to 16, 32 or 64 rows, x on the left or (swap_ab)
 the weight tile, which lets a Hopper GPU use its warpgroup MMA. The engine takes the
-M == 1 row kernel below; this one is benchmarked against cuBLAS for small decode batches
+M == 1 row kernel below for batch 1, and this one in the batch-invariant mode
+(`linear_invariant`: 16-row tiles of x over a grid axis, a tile and K split fixed by the
+weight's shape); otherwise it is benchmarked against cuBLAS for small decode batches
 (benchmarks/gpu_kernels.py, benchmarks/throughput_kernels.py --only chain). The
 reference is F.linear.
 """
@@ -43,7 +45,9 @@ class GemvConfig:
     swap_ab: bool = False
 
 
-@triton.jit
+# M is not specialised: the batch-invariant mode launches one variant for every row count
+# (a row count of 1 or a multiple of 16 would otherwise compile its own, mid-serving).
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, sxm, swn, som, k_per_split,
@@ -55,12 +59,12 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * swn
-    x_rows = x_ptr + m[:, None] * sxm
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * sxm
     if SWAP_AB:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif USE_DOT:
@@ -93,10 +97,11 @@ def _gemv_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(
     part_ptr, b_ptr, out_ptr, M, N, som, splits,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -109,7 +114,7 @@ def _split_reduce_kernel(
         acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
@@ -131,13 +136,16 @@ def split_for(n: int, k: int, block_n: int, block_k: int, device: torch.device) 
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
+    `block_m` (tl.dot configs only): x's rows in tiles of that many, one grid axis over
+    them, any M; without it one tile, padded to M's next power of two (at least 16)."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
-    assert 1 <= m <= MAX_M, f"gemv handles 1..{MAX_M} rows, got {m}"
+    assert m >= 1 and (block_m is not None or m <= MAX_M), f"gemv handles 1..{MAX_M} rows, got {m}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     cfg = config or default_config(m, n, k, x.device)
     if m > 1 and not cfg.use_dot:
@@ -151,11 +159,14 @@ def linear(
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
     even_k = k % cfg.block_k == 0
-    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
+    if block_m is not None:
+        assert cfg.use_dot and block_m >= 16 and triton.next_power_of_2(block_m) == block_m
+    else:
+        block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     has_bias = bias is not None
     b = bias if has_bias else out
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))](
         x, weight, b, out, part,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
@@ -176,6 +187,33 @@ def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
         part, bias if bias is not None else out, out, m, n, out.stride(0), split,
         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
     )
+
+
+# ---- the batch-invariant mode: 1 to many rows, each summed as when alone ---------------
+
+# Rows of x a tile in the mode. Fixed, not grown with M: a wider tile could take another
+# MMA instruction (Hopper's warpgroup MMA from 64 rows), whose sums need not round alike.
+INVARIANT_BLOCK_M = 16
+
+
+def invariant_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    """The mode's tile for an [n, k] weight, from its shape alone: every row of x then
+    takes the same dots over the same K ranges, summed in the same order, whatever rows
+    share its step (the row count only sets how many tiles of rows the grid has). Wide
+    tiles where n alone fills the SMs, else narrower ones and a K split (its partial sums
+    added in a fixed order by the second kernel)."""
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), 64)
+    block_n = 64 if triton.cdiv(n, 64) >= num_sms(device) else 32
+    return GemvConfig(block_n, block_k, split_for(n, k, block_n, block_k, device), use_dot=True)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) for any M, each row of the result bitwise what
+    a launch for that row alone gives (the batch-invariant mode's decode and verify
+    projections; ops.linear's `invariant_rows`). On the tensor cores: a one-row step costs
+    more than the batch-1 GEMV, a step of several rows reads the weight once."""
+    return linear(x, weight, bias, invariant_config(weight.shape[0], weight.shape[1], x.device),
+                  block_m=INVARIANT_BLOCK_M)
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
