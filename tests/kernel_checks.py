@@ -426,24 +426,30 @@ def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, c
     assert_close(out.float(), ref, f"gemv M={m} N={n} K={k} {config}", dtype)
 
 
-def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool, row_counts: tuple[int, ...]) -> None:
+def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool, row_counts: tuple[int, ...],
+                         silu_mul: bool = False) -> None:
     """The batch-invariant mode's GEMM (gemv.linear_invariant): for each row count, x's
     rows (strided) in one launch give bitwise what each row's own launch gives, across
-    tiles of rows (17, 40 rows) and K splits, and the rows are F.linear's within the
-    dtype's tolerance."""
-    from agent_infer.kernels.triton.gemv import linear_invariant
+    tiles of rows (17, 40 rows) and K splits, and the rows are F.linear's (then
+    SiLU-and-mul on a [gate; up] weight of 2n rows) within the dtype's tolerance."""
+    from agent_infer.kernels.triton.gemv import invariant_fuses_silu, linear_invariant
 
-    w = randn(n, k, dtype=dtype, device=device, seed=51, scale=k**-0.5)
-    b = randn(n, dtype=dtype, device=device, seed=52) if bias else None
+    rows = 2 * n if silu_mul else n
+    if silu_mul:
+        assert invariant_fuses_silu(n, k, torch.device(device)), f"N={n} K={k} splits K: no fused SiLU"
+    w = randn(rows, k, dtype=dtype, device=device, seed=51, scale=k**-0.5)
+    b = randn(rows, dtype=dtype, device=device, seed=52) if bias else None
     for m in row_counts:
         x = randn(m, k + 8, dtype=dtype, device=device, seed=53 + m)[:, 3:k + 3]
-        label = f"invariant GEMM M={m} N={n} K={k} bias={bias}"
+        label = f"invariant GEMM M={m} N={n} K={k} bias={bias} silu_mul={silu_mul}"
         with poisoned_empty():
-            out = linear_invariant(x, w, b)
+            out = linear_invariant(x, w, b, silu_mul=silu_mul)
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        if silu_mul:
+            ref = reference.silu_and_mul(ref.to(dtype)).float()
         assert out.dtype == dtype and out.shape == (m, n), label
         assert_close(out.float(), ref, label, dtype)
-        alone = torch.cat([linear_invariant(x[i:i + 1], w, b) for i in range(m)])
+        alone = torch.cat([linear_invariant(x[i:i + 1], w, b, silu_mul=silu_mul) for i in range(m)])
         assert torch.equal(out, alone), f"{label}: rows differ from their own launches"
 
 

@@ -177,10 +177,10 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
         "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
         "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-        "SWAP_AB": "constexpr",
+        "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
     }
     constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 64,
-                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab}
+                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "SILU_MUL": False}
     kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=4, num_stages=4,
                            aligned=(0, 1, 3, 4, 8, 9, 10, 11))
     ptx = kernel.asm["ptx"]
@@ -188,6 +188,39 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
     assert "cp.async" in ptx  # the weight tiles stream through the software pipeline either way
     regs, stack = _registers_per_thread(kernel)
     assert stack == 0, f"{regs} registers, {stack} bytes of stack"
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (4864, 896)])
+def test_invariant_gemm_with_silu_streams_both_halves(n, k):
+    """The batch-invariant mode's GEMM at its own tile for a [gate; up] weight whose K it
+    does not split (SmolLM2-135M, Qwen2.5-0.5B): the two halves' tiles both stream through
+    the software pipeline into mma.sync dots, without spilling."""
+    import torch
+
+    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel, invariant_config
+
+    cfg = invariant_config(n, k, torch.device("cpu"))
+    signature = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*bf16",
+        "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
+        "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
+        "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
+    }
+    assert cfg.split_k == 1, cfg  # the fused epilogue needs the whole K in one program
+    ptx = {}
+    for silu in (False, True):
+        constexprs = {"HAS_BIAS": False, "SPLIT": False, "USE_DOT": True, "EVEN_K": k % cfg.block_k == 0,
+                      "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": silu}
+        kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, aligned=(0, 1, 3, 4, 9, 10, 11))
+        regs, stack = _registers_per_thread(kernel)
+        assert stack == 0, f"silu_mul={silu}: {regs} registers, {stack} bytes of stack"
+        ptx[silu] = kernel.asm["ptx"]
+    copies = {silu: text.count("cp.async.cg") + text.count("cp.async.ca") for silu, text in ptx.items()}
+    assert copies[True] == 2 * copies[False] > 0, f"asynchronous copies {copies}: the up half not pipelined"
+    assert ptx[True].count("mma.sync") >= 2 * ptx[False].count("mma.sync") > 0
 
 
 def _run_tool(name: str, kernel, *args: str) -> str:

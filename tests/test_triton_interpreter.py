@@ -307,12 +307,15 @@ else:
     def test_gemv_m1_rows_invariant(dtype, epilogue, m, n, k, bias, config, fp8):
         kc.check_gemv_m1_rows_invariant(DEV, dtype, m, n, k, bias, epilogue, config, fp8=fp8)
 
-    # The mode's tensor-core GEMM for 16-bit weights: K split (1,024 and 576 columns) or
-    # not, partial tiles of rows and of columns, row counts of one and several tiles.
+    # The mode's tensor-core GEMM: K split (2,048 columns) or not, SiLU-and-mul fused (K
+    # not split; 200 columns: a partial K tile), partial tiles of rows and of columns, row
+    # counts of one and several tiles.
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
-    @pytest.mark.parametrize("n,k,bias", [(40, 1024, True), (100, 576, False), (33, 80, True)])
-    def test_gemv_invariant(dtype, n, k, bias):
-        kc.check_gemv_invariant(DEV, dtype, n, k, bias, (1, 5, 17, 40))
+    @pytest.mark.parametrize("n,k,bias,silu_mul", [(40, 2048, True, False), (100, 576, False, False),
+                                                   (33, 80, True, False), (24, 576, True, True),
+                                                   (40, 200, False, True)])
+    def test_gemv_invariant(dtype, n, k, bias, silu_mul):
+        kc.check_gemv_invariant(DEV, dtype, n, k, bias, (1, 5, 17, 40), silu_mul)
 
     @pytest.mark.parametrize("epilogue", ["plain", "add_norm"])
     def test_gemv_m1_rows_past_the_grid_limit(epilogue, monkeypatch):

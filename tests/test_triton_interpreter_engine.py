@@ -106,7 +106,8 @@ if IN_CHILD:
         rows: list[int] = []
         splits: set = set()
         invariant, attend = gemv.linear_invariant, dense_triton.decode_attention
-        monkeypatch.setattr(gemv, "linear_invariant", lambda x, *a: rows.append(x.shape[0]) or invariant(x, *a))
+        monkeypatch.setattr(gemv, "linear_invariant",
+                            lambda x, *a, **k: rows.append(x.shape[0]) or invariant(x, *a, **k))
         monkeypatch.setattr(dense_triton, "decode_attention",
                             lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("num_splits"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)

@@ -145,10 +145,13 @@ def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     )
 
 
-def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      silu_mul: bool = False) -> torch.Tensor:
     from agent_infer.kernels.triton import gemv
 
-    return gemv.linear_invariant(x, weight, bias)
+    if silu_mul and not gemv.invariant_fuses_silu(weight.shape[0] // 2, weight.shape[1], x.device):
+        return silu_and_mul(gemv.linear_invariant(x, weight, bias))
+    return gemv.linear_invariant(x, weight, bias, silu_mul=silu_mul)
 
 
 def _row_by_row(fn, x: torch.Tensor, *args) -> torch.Tensor:
@@ -201,7 +204,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
     one kernel on the batch-1 GEMV path. `invariant_rows` as in `linear`."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
-        return silu_and_mul(_linear_invariant(x, weight, bias))
+        return _linear_invariant(x, weight, bias, silu_mul=True)
     each_row = _each_row(x, invariant_rows)
     if each_row and not _gemv_ok(x, weight, rows=True):
         return _row_by_row(linear_silu_mul, x, weight, bias, scale, block)

@@ -226,6 +226,12 @@ def test_gemv_invariant(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1536, 576), (4864, 896)])  # SmolLM2-135M, Qwen2.5-0.5B gate/up
+def test_gemv_invariant_silu(dtype, n, k):
+    kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17), silu_mul=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (1000, 4000), (896, 4864)])
 def test_gemv_m1_add_norm(dtype, n, k):
     kc.check_gemv_m1_add_norm(DEV, dtype, n, k, bias=(n == 1000), calls=50)

@@ -53,8 +53,10 @@ def _gemv_kernel(
     M, N, K, sxm, swn, som, k_per_split,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
 ):
+    # SILU_MUL (tl.dot, x on the left, no split): the weight is [gate; up], 2N rows; the
+    # output silu(x gate^T) * (x up^T), N columns.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,6 +71,8 @@ def _gemv_kernel(
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU_MUL:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -84,6 +88,12 @@ def _gemv_kernel(
             acc_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=PRECISION)
         elif USE_DOT:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+            if SILU_MUL:
+                if EVEN_K:
+                    w_up = tl.load(w_rows + N * swn + kk[None, :], mask=n_mask[:, None], other=0.0)
+                else:
+                    w_up = tl.load(w_rows + N * swn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_up += tl.dot(x.to(w.dtype), tl.trans(w_up), input_precision=PRECISION)
         else:
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
     if SWAP_AB:
@@ -94,6 +104,11 @@ def _gemv_kernel(
     if SPLIT:
         part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
         tl.store(part, acc, mask=out_mask)
+    elif SILU_MUL:
+        y = bias_silu_mul(acc, acc_up, n[None, :], n_mask[None, :], b_ptr, N, HAS_BIAS, True,
+                          out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -137,13 +152,15 @@ def split_for(n: int, k: int, block_n: int, block_k: int, device: torch.device) 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-    block_m: int | None = None,
+    block_m: int | None = None, silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     `block_m` (tl.dot configs only): x's rows in tiles of that many, one grid axis over
-    them, any M; without it one tile, padded to M's next power of two (at least 16)."""
+    them, any M; without it one tile, padded to M's next power of two (at least 16).
+    `silu_mul` (tl.dot with x on the left, no K split): weight and bias are [gate; up],
+    the result silu_and_mul of the product, [M, N / 2]."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
     assert m >= 1 and (block_m is not None or m <= MAX_M), f"gemv handles 1..{MAX_M} rows, got {m}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -152,6 +169,8 @@ def linear(
         raise ValueError("the FMA path handles M == 1 only; use_dot=True for M > 1")
     if cfg.swap_ab and not cfg.use_dot:
         raise ValueError("swap_ab swaps the operands of tl.dot: it needs use_dot=True")
+    if silu_mul and (not cfg.use_dot or cfg.swap_ab or cfg.split_k > 1 or weight.shape[0] % 2):
+        raise ValueError("silu_mul takes a [gate; up] weight on the tl.dot path, x on the left, no K split")
     assert triton.next_power_of_2(cfg.block_k) == cfg.block_k and triton.next_power_of_2(cfg.block_n) == cfg.block_n
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(k, cfg.block_k)
@@ -171,7 +190,7 @@ def linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
-        SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         split_reduce(part, bias, out)
@@ -196,24 +215,40 @@ def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
 INVARIANT_BLOCK_M = 16
 
 
+# K tiles below which the mode's GEMM does not split K: a split's second kernel costs more
+# than a short K loop saves (a small model's step is a chain of such launches).
+INVARIANT_SPLIT_MIN_K_TILES = 16
+
+
 def invariant_config(n: int, k: int, device: torch.device) -> GemvConfig:
     """The mode's tile for an [n, k] weight, from its shape alone: every row of x then
     takes the same dots over the same K ranges, summed in the same order, whatever rows
-    share its step (the row count only sets how many tiles of rows the grid has). Wide
-    tiles where n alone fills the SMs, else narrower ones and a K split (its partial sums
-    added in a fixed order by the second kernel)."""
+    share its step (the row count only sets how many tiles of rows the grid has). The
+    widest tile of columns that still gives every SM a program, and a K split (its partial
+    sums added in a fixed order by the second kernel) only for long K loops."""
     block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), 64)
-    block_n = 64 if triton.cdiv(n, 64) >= num_sms(device) else 32
-    return GemvConfig(block_n, block_k, split_for(n, k, block_n, block_k, device), use_dot=True)
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms(device)), 16)
+    long_k = triton.cdiv(k, block_k) >= INVARIANT_SPLIT_MIN_K_TILES
+    split = split_for(n, k, block_n, block_k, device) if long_k else 1
+    return GemvConfig(block_n, block_k, split, use_dot=True)
 
 
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_fuses_silu(n: int, k: int, device: torch.device) -> bool:
+    """Whether the mode's GEMM for a [gate; up] weight of 2n rows ends in SiLU-and-mul
+    (its tile takes no K split), from the shape alone as the tile is."""
+    return invariant_config(n, k, device).split_k == 1
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) for any M, each row of the result bitwise what
     a launch for that row alone gives (the batch-invariant mode's decode and verify
     projections; ops.linear's `invariant_rows`). On the tensor cores: a one-row step costs
-    more than the batch-1 GEMV, a step of several rows reads the weight once."""
-    return linear(x, weight, bias, invariant_config(weight.shape[0], weight.shape[1], x.device),
-                  block_m=INVARIANT_BLOCK_M)
+    more than the batch-1 GEMV, a step of several rows reads the weight once. `silu_mul`
+    (where `invariant_fuses_silu`): a [gate; up] weight, silu(gate) * up out."""
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    return linear(x, weight, bias, invariant_config(n, weight.shape[1], x.device), block_m=INVARIANT_BLOCK_M,
+                  silu_mul=silu_mul)
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
