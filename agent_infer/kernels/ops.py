@@ -136,8 +136,9 @@ def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     step's projections of 1 to `invariant_rows` rows all run the tensor-core GEMM with a
     tile fixed by the weight's shape (gemv.linear_invariant), the one-row steps too, so a
     row's sums do not depend on the rows beside it, and the weight is read once for all
-    of them. The add + norm and SiLU-and-mul after it run as kernels of their own, the
-    same for every row count. fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
+    of them. The add + norm after it runs as a kernel of its own, SiLU-and-mul in its
+    epilogue or as a kernel of its own (by the weight's shape), the same for every row
+    count. fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
     return (
         invariant_rows > 1 and scale is None and _use_triton(x) and x.dim() == 2
         and 1 <= x.shape[0] <= invariant_rows and x.stride(-1) == 1 and x.dtype == weight.dtype
