@@ -55,7 +55,7 @@ def engine(args, path: str, chain: bool | None = None, **kw) -> LLMEngine:
     """An engine of the benchmark; `chain`: whether a step may be launched before the
     verify step in flight is read back (None: the engine's default)."""
     config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          batch_invariant=args.batch_invariant, **kw)
+                          **{"batch_invariant": args.batch_invariant, **kw})
     if config.resolve_device().type == "cuda":
         # Two engines live side by side (plain and speculative): a fixed KV cache each,
         # where the default would give the first one nearly all of the GPU.
@@ -166,8 +166,11 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     specs = {"spec": engine(args, path, False if args.no_chain else None, max_num_seqs=8, speculative_config=config)}
     if args.compare_chain:
         specs["spec, no chaining"] = engine(args, path, False, max_num_seqs=8, speculative_config=config)
+    # With --batch-invariant, the default engine's plain decoding too: the mode's own plain
+    # decoding is slower, so its speed-up alone would flatter the drafts.
+    anchor = engine(args, path, max_num_seqs=8, batch_invariant=False) if args.batch_invariant else None
     prompts = agent_prompts(plain, args.num_prompts, args.max_chars)
-    for eng in [plain, *specs.values()]:
+    for eng in [plain, *specs.values(), *([anchor] if anchor else [])]:
         run_agent([eng], prompts[:1], 1, 16)  # warm-up
     for spec in specs.values():
         if args.force_drafting:
@@ -179,15 +182,18 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     head = ["batch", "tok/s plain"]
     for name in specs:
         head += [f"tok/s {name}", "speed-up", "identical"]
+    if anchor:
+        head += ["tok/s plain, default engine", "spec / that"]
     rows = [tuple(head + ["plain = first"])]
     payload, first = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens}, None
     step_rows = []
     for batch in args.batches:
-        engines = [plain, *specs.values()]
+        engines = [plain, *specs.values(), *([anchor] if anchor else [])]
+        names = ["plain", *specs, *(["plain, default engine"] if anchor else [])]
         for eng in engines:
             eng.stats.start_trace()
         (rate_p, out_p), *spec_runs = run_agent(engines, prompts, batch, args.max_tokens)
-        steps = {name: step_kinds(eng.stats.stop_trace()) for name, eng in zip(["plain", *specs], engines)}
+        steps = {name: step_kinds(eng.stats.stop_trace()) for name, eng in zip(names, engines)}
         first = first or out_p
         stable = sum(a == b for a, b in zip(out_p, first))
         row, result = [batch, rate_p], {"plain_tok_s": rate_p, "plain_same_as_first_batch": stable}
@@ -196,6 +202,10 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
             row += [rate_s, rate_s / rate_p, f"{same}/{len(prompts)}"]
             key = _json_key(name)
             result |= {f"{key}_tok_s": rate_s, f"{key}_identical": same}
+        if anchor:
+            rate_a = spec_runs[len(specs)][0]
+            row += [rate_a, spec_runs[0][0] / rate_a]
+            result |= {"plain_default_engine_tok_s": rate_a}
         rows.append(tuple(row + [f"{stable}/{len(prompts)}"]))
         result["steps"] = steps
         payload[f"batch_{batch}"] = result
@@ -280,7 +290,8 @@ def main() -> int:
                    help="agent: the speculating engine reads every verify step back before the next is launched")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every engine with batch_invariant: decode and verify rows computed as one-row steps, so "
-                        "greedy text with drafts equals text without in bf16 too (the 'identical' column)")
+                        "greedy text with drafts equals text without in bf16 too (the 'identical' column); agent "
+                        "also runs the default engine's plain decoding beside them, the fastest plain anchor")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
