@@ -164,6 +164,16 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
         assert stack == 0, f"the fp8 GEMV (silu={silu}, add_norm={add_norm}) spills {stack} bytes per thread"
 
 
+# gemv._gemv_kernel's arguments for bf16 tensors (fp32 partial sums).
+_GEMV_KERNEL_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+    "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
+    "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
+    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
+    "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
+}
+
+
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab):
     """A few rows (verify steps, small batches) padded to 16: with x as the left operand
@@ -172,13 +182,7 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
     the same pipelined loads, without spilling."""
     from agent_infer.kernels.triton.gemv import _gemv_kernel
 
-    signature = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
-        "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
-        "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-        "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
-    }
+    signature = _GEMV_KERNEL_SIGNATURE
     constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 64,
                   "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "SILU_MUL": False}
     kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=4, num_stages=4,
@@ -200,13 +204,7 @@ def test_invariant_gemm_with_silu_streams_both_halves(n, k):
     from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel, invariant_config
 
     cfg = invariant_config(n, k, torch.device("cpu"))
-    signature = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*bf16",
-        "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
-        "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-        "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
-    }
+    signature = _GEMV_KERNEL_SIGNATURE
     assert cfg.split_k == 1, cfg  # the fused epilogue needs the whole K in one program
     ptx = {}
     for silu in (False, True):
