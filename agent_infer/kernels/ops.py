@@ -139,19 +139,14 @@ def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     of them. The add + norm after it runs as a kernel of its own, SiLU-and-mul in its
     epilogue or as a kernel of its own (by the weight's shape), the same for every row
     count. fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
-    return (
-        invariant_rows > 1 and scale is None and _use_triton(x) and x.dim() == 2
-        and 1 <= x.shape[0] <= invariant_rows and x.stride(-1) == 1 and x.dtype == weight.dtype
-        and weight.is_contiguous() and x.shape[1] % 16 == 0
-    )
+    return (invariant_rows > 1 and scale is None and x.dim() == 2 and 1 <= x.shape[0] <= invariant_rows
+            and _gemv_ok(x, weight, rows=True))
 
 
 def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       silu_mul: bool = False) -> torch.Tensor:
     from agent_infer.kernels.triton import gemv
 
-    if silu_mul and not gemv.invariant_fuses_silu(weight.shape[0] // 2, weight.shape[1], x.device):
-        return silu_and_mul(gemv.linear_invariant(x, weight, bias))
     return gemv.linear_invariant(x, weight, bias, silu_mul=silu_mul)
 
 
@@ -281,13 +276,13 @@ def resolve_rows(
     block table row). Every row with prev_index[i] >= 0 then takes the previous step's
     sample prev_index[i] + shift (the sequence's real last token; plain placeholders have
     no shift), and shift[i] records the move (0 elsewhere). `max_k` bounds k."""
+    impl = reference.resolve_rows
     if _use_triton(input_ids):
         from agent_infer.kernels.triton import tokens
 
-        return tokens.resolve_rows(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
-                                   block_tables, block_size, prev_tokens, prev_inputs, max_k)
-    return reference.resolve_rows(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k,
-                                  block_tables, block_size, prev_tokens, prev_inputs, max_k)
+        impl = tokens.resolve_rows
+    impl(input_ids, positions, slots, context_lens, shift, prev_index, follow, follow_k, block_tables, block_size,
+         prev_tokens, prev_inputs, max_k)
 
 
 def gumbel_sample(

@@ -18,12 +18,14 @@ reference is F.linear.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from agent_infer.kernels.triton.activation import silu_and_mul
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
@@ -220,6 +222,7 @@ INVARIANT_BLOCK_M = 16
 INVARIANT_SPLIT_MIN_K_TILES = 16
 
 
+@functools.cache  # a pure function of the shape, asked at every call of the mode's GEMM
 def invariant_config(n: int, k: int, device: torch.device) -> GemvConfig:
     """The mode's tile for an [n, k] weight, from its shape alone: every row of x then
     takes the same dots over the same K ranges, summed in the same order, whatever rows
@@ -244,11 +247,14 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x [M, K] @ weight [N, K]^T (+ bias) for any M, each row of the result bitwise what
     a launch for that row alone gives (the batch-invariant mode's decode and verify
     projections; ops.linear's `invariant_rows`). On the tensor cores: a one-row step costs
-    more than the batch-1 GEMV, a step of several rows reads the weight once. `silu_mul`
-    (where `invariant_fuses_silu`): a [gate; up] weight, silu(gate) * up out."""
+    more than the batch-1 GEMV, a step of several rows reads the weight once. `silu_mul`:
+    a [gate; up] weight, silu(gate) * up out, in the GEMM's epilogue where
+    `invariant_fuses_silu`, else by the SiLU-and-mul kernel after it (by shape alone too)."""
+    k = weight.shape[1]
+    if silu_mul and not invariant_fuses_silu(weight.shape[0] // 2, k, x.device):
+        return silu_and_mul(linear_invariant(x, weight, bias))
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    return linear(x, weight, bias, invariant_config(n, weight.shape[1], x.device), block_m=INVARIANT_BLOCK_M,
-                  silu_mul=silu_mul)
+    return linear(x, weight, bias, invariant_config(n, k, x.device), block_m=INVARIANT_BLOCK_M, silu_mul=silu_mul)
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
