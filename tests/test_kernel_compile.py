@@ -168,10 +168,13 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
 _GEMV_KERNEL_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
     "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
+    "res_ptr": "*bf16", "nw_ptr": "*bf16", "count_ptr": "*i32", "srm": "i32", "eps": "fp32",
     "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-    "SWAP_AB": "constexpr", "SILU_MUL": "constexpr",
+    "SWAP_AB": "constexpr", "SILU_MUL": "constexpr", "ADD_NORM": "constexpr", "BLOCK_H": "constexpr",
+    "PDL": "constexpr",
 }
+_GEMV_DEFAULTS = {"ADD_NORM": False, "BLOCK_H": 1, "PDL": False}
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
@@ -184,7 +187,7 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
 
     signature = _GEMV_KERNEL_SIGNATURE
     constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 64,
-                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "SILU_MUL": False}
+                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "SILU_MUL": False, **_GEMV_DEFAULTS}
     kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=4, num_stages=4,
                            aligned=(0, 1, 3, 4, 8, 9, 10, 11))
     ptx = kernel.asm["ptx"]
@@ -210,7 +213,7 @@ def test_invariant_gemm_with_silu_streams_both_halves(n, k):
     for silu in (False, True):
         constexprs = {"HAS_BIAS": False, "SPLIT": False, "USE_DOT": True, "EVEN_K": k % cfg.block_k == 0,
                       "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": silu}
+                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": silu, **_GEMV_DEFAULTS}
         kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, aligned=(0, 1, 3, 4, 9, 10, 11))
         regs, stack = _registers_per_thread(kernel)
@@ -219,6 +222,34 @@ def test_invariant_gemm_with_silu_streams_both_halves(n, k):
     copies = {silu: text.count("cp.async.cg") + text.count("cp.async.ca") for silu, text in ptx.items()}
     assert copies[True] == 2 * copies[False] > 0, f"asynchronous copies {copies}: the up half not pipelined"
     assert ptx[True].count("mma.sync") >= 2 * ptx[False].count("mma.sync") > 0
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536)])
+def test_invariant_gemm_with_add_norm_keeps_its_loop(n, k):
+    """The mode's GEMM with the residual add + RMSNorm in its last program and PDL
+    (SmolLM2-135M's o and down projections, K not split): the K loop still streams through
+    the software pipeline into the same dots, the epilogue waits on the grid dependency
+    and takes the counter's atomic, without spilling."""
+    import torch
+
+    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel, invariant_config
+
+    cfg = invariant_config(n, k, torch.device("cpu"))
+    assert cfg.split_k == 1, cfg
+    ptx = {}
+    for fused in (False, True):
+        constexprs = {"HAS_BIAS": False, "SPLIT": False, "USE_DOT": True, "EVEN_K": k % cfg.block_k == 0,
+                      "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": False, "ADD_NORM": fused,
+                      "BLOCK_H": 1024 if fused else 1, "PDL": fused}
+        kernel = _compile_sm90(_gemv_kernel, _GEMV_KERNEL_SIGNATURE, constexprs, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, aligned=(0, 1, 3, 4, 9, 10, 11, 12, 13, 14))
+        regs, stack = _registers_per_thread(kernel)
+        assert stack == 0, f"add_norm={fused}: {regs} registers, {stack} bytes of stack"
+        ptx[fused] = kernel.asm["ptx"]
+    for name in ("cp.async", "mma.sync"):
+        assert ptx[True].count(name) == ptx[False].count(name) > 0, name
+    assert "griddepcontrol.wait" in ptx[True] and "atom" in ptx[True] and "atom" not in ptx[False]
 
 
 def _run_tool(name: str, kernel, *args: str) -> str:

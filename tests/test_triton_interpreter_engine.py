@@ -88,7 +88,7 @@ if IN_CHILD:
     def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
         """batch_invariant with every kernel routed to Triton: decode and verify steps, of
         one row and of several, send every projection (the LM head too) through the mode's
-        GEMM (gemv.linear_invariant) and their attention through the one-row split plan,
+        GEMM (gemv.linear_invariant; the add + norm after a projection in its epilogue) and their attention through the one-row split plan,
         and each prompt's greedy tokens, decoded beside others with drafts, equal its
         tokens decoded alone."""
         from agent_infer.attention import dense_triton
@@ -104,10 +104,16 @@ if IN_CHILD:
 
         path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
         rows: list[int] = []
+        add_norms: list[bool] = []
         splits: set = set()
         invariant, attend = gemv.linear_invariant, dense_triton.decode_attention
-        monkeypatch.setattr(gemv, "linear_invariant",
-                            lambda x, *a, **k: rows.append(x.shape[0]) or invariant(x, *a, **k))
+
+        def counting(x, *a, **k):
+            rows.append(x.shape[0])
+            add_norms.append(k.get("add_norm") is not None)
+            return invariant(x, *a, **k)
+
+        monkeypatch.setattr(gemv, "linear_invariant", counting)
         monkeypatch.setattr(dense_triton, "decode_attention",
                             lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("num_splits"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
@@ -125,6 +131,8 @@ if IN_CHILD:
         stats = spec.draft_policy.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         assert min(rows) == 1 and max(rows) > 1, f"the mode's GEMM took no one-row or no multi-row step: {rows}"
+        # Two of a layer's four projections end in the residual add + norm, in the GEMM.
+        assert {r for r, fused in zip(rows, add_norms) if fused} == set(rows), "add + norm not fused at every row count"
         assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
 
     def test_deepseek_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):

@@ -228,7 +228,15 @@ def test_gemv_invariant(dtype, n, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(1536, 576), (4864, 896)])  # SmolLM2-135M, Qwen2.5-0.5B gate/up
 def test_gemv_invariant_silu(dtype, n, k):
-    kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17), silu_mul=True)
+    kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17), epilogue="silu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (576, 576), (576, 1536), (896, 4864)])
+def test_gemv_invariant_add_norm(dtype, n, k):
+    """The o and down projections of Qwen3-8B (K split: the second kernel adds and
+    normalises), SmolLM2-135M and Qwen2.5-0.5B (not split: the last program does)."""
+    kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17, 72), epilogue="add_norm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

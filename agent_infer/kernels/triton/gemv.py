@@ -32,6 +32,9 @@ from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launc
 
 MAX_M = 64
 
+# The add + norm epilogues hold the whole output row in registers: up to this many features.
+MAX_ADD_NORM_FEATURES = 16384
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -53,12 +56,17 @@ class GemvConfig:
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, sxm, swn, som, k_per_split,
+    res_ptr, nw_ptr, count_ptr, srm, eps,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     # SILU_MUL (tl.dot, x on the left, no split): the weight is [gate; up], 2N rows; the
-    # output silu(x gate^T) * (x up^T), N columns.
+    # output silu(x gate^T) * (x up^T), N columns. ADD_NORM (no split): the last program
+    # of a tile of rows adds the residual and normalises those rows (`_last_tile_add_norm`,
+    # one counter per tile of rows).
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,13 +124,20 @@ def _gemv_kernel(
             acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
+        if ADD_NORM:
+            first = tl.program_id(2) * BLOCK_M
+            _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr + tl.program_id(2), first,
+                                tl.minimum(first + BLOCK_M, M), som, srm, N, eps, tl.num_programs(0), BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(
-    part_ptr, b_ptr, out_ptr, M, N, som, splits,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr, b_ptr, out_ptr, M, N, som, splits, res_ptr, nw_ptr, srm, eps,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ADD_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    # ADD_NORM: BLOCK spans the row, which this program then adds to the residual and
+    # normalises.
+    pdl_begin(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
@@ -131,7 +146,11 @@ def _split_reduce_kernel(
         acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if ADD_NORM:
+        add_rms_norm_row(y, n, mask, res_ptr + row.to(tl.int64) * srm, nw_ptr, out_ptr + row.to(tl.int64) * som, N, eps)
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * som + n, y, mask=mask)
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
@@ -155,12 +174,16 @@ def split_for(n: int, k: int, block_n: int, block_k: int, device: torch.device) 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
     block_m: int | None = None, silu_mul: bool = False,
+    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     `block_m` (tl.dot configs only): x's rows in tiles of that many, one grid axis over
     them, any M; without it one tile, padded to M's next power of two (at least 16).
     `silu_mul` (tl.dot with x on the left, no K split): weight and bias are [gate; up],
-    the result silu_and_mul of the product, [M, N / 2]."""
+    the result silu_and_mul of the product, [M, N / 2]. `add_norm` = (residual [M, N],
+    norm weight [N], counters (int32, one per tile of rows, zero and left zero), eps):
+    residual <- y + residual in place, and the result rms_norm(residual) * norm weight,
+    done by the last program of each tile of rows, or with a K split by its second kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -187,26 +210,43 @@ def linear(
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     has_bias = bias is not None
     b = bias if has_bias else out
+    if add_norm is not None:
+        residual, norm_weight, counter, eps = add_norm
+        assert residual.shape == (m, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
+        assert norm_weight.shape == (n,) and norm_weight.is_contiguous() and n <= MAX_ADD_NORM_FEATURES
+        assert silu_mul is False and (split > 1 or counter.numel() >= triton.cdiv(m, block_m))
+        assert counter.dtype == torch.int32 and counter.is_contiguous()
+    else:
+        residual, norm_weight, counter, eps = out, out, out, 0.0
+    opts = launch_opts(x.device, pdl)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))](
         x, weight, b, out, part,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        residual, norm_weight, counter, residual.stride(0), eps,
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
-        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None and split == 1,
+        BLOCK_H=triton.next_power_of_2(n) if add_norm is not None and split == 1 else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     if split > 1:
-        split_reduce(part, bias, out)
+        split_reduce(part, bias, out, add_norm=None if add_norm is None else (residual, norm_weight, eps), pdl=pdl)
     return out
 
 
-def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, pdl: bool | None = None) -> None:
     """out [M, N] <- the sum over S of fp32 partials part [S, M, N] (+ bias [N]), in
-    out's dtype: the second kernel of a K-split GEMM."""
+    out's dtype: the second kernel of a K-split GEMM. `add_norm` = (residual [M, N], norm
+    weight, eps): one program a row adds it to the residual (in place) and normalises."""
     split, m, n = part.shape
-    block = min(1024, triton.next_power_of_2(n))
+    block = triton.next_power_of_2(n) if add_norm is not None else min(1024, triton.next_power_of_2(n))
+    residual, norm_weight, eps = add_norm if add_norm is not None else (out, out, 0.0)
     _split_reduce_kernel[(m, triton.cdiv(n, block))](
         part, bias if bias is not None else out, out, m, n, out.stride(0), split,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        residual, norm_weight, residual.stride(0), eps,
+        HAS_BIAS=bias is not None, BLOCK=block, ADD_NORM=add_norm is not None,
+        num_warps=4 if block <= 4096 else 8, **launch_opts(out.device, pdl),
     )
 
 
@@ -243,18 +283,23 @@ def invariant_fuses_silu(n: int, k: int, device: torch.device) -> bool:
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False) -> torch.Tensor:
+                     silu_mul: bool = False,
+                     add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) for any M, each row of the result bitwise what
     a launch for that row alone gives (the batch-invariant mode's decode and verify
     projections; ops.linear's `invariant_rows`). On the tensor cores: a one-row step costs
     more than the batch-1 GEMV, a step of several rows reads the weight once. `silu_mul`:
     a [gate; up] weight, silu(gate) * up out, in the GEMM's epilogue where
-    `invariant_fuses_silu`, else by the SiLU-and-mul kernel after it (by shape alone too)."""
+    `invariant_fuses_silu`, else by the SiLU-and-mul kernel after it (by shape alone too).
+    `add_norm` as in `linear` (one counter per 16 rows): the residual add and RMSNorm
+    after the projection, by the GEMM's last program of each tile of rows, or by the K
+    split's second kernel, a row at a time either way."""
     k = weight.shape[1]
     if silu_mul and not invariant_fuses_silu(weight.shape[0] // 2, k, x.device):
         return silu_and_mul(linear_invariant(x, weight, bias))
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    return linear(x, weight, bias, invariant_config(n, k, x.device), block_m=INVARIANT_BLOCK_M, silu_mul=silu_mul)
+    return linear(x, weight, bias, invariant_config(n, k, x.device), block_m=INVARIANT_BLOCK_M, silu_mul=silu_mul,
+                  add_norm=add_norm)
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
@@ -272,6 +317,17 @@ class RowConfig:
 
 
 @triton.jit
+def _add_norm_stored_row(out_ptr, res_ptr, nw_ptr, N, eps, BLOCK_H: tl.constexpr):
+    """residual <- y + residual, out <- rms_norm(residual) * weight for a row y that
+    other programs stored in `out`."""
+    h = tl.arange(0, BLOCK_H)
+    mask = h < N
+    # .cg: other SMs wrote y, and this SM's L1 is not kept coherent with them.
+    y = tl.load(out_ptr + h, mask=mask, other=0.0, cache_modifier=".cg")
+    add_rms_norm_row(y, h, mask, res_ptr, nw_ptr, out_ptr, N, eps)
+
+
+@triton.jit
 def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs, BLOCK_H: tl.constexpr):
     """Run by every one of the `programs` programs of a row after storing its part of y:
     the last one to arrive does residual <- y + residual, out <- rms_norm(residual) *
@@ -279,12 +335,21 @@ def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs
     a dependent launch of its own."""
     if last_to_arrive(count_ptr, programs):
         tl.debug_barrier()
-        h = tl.arange(0, BLOCK_H)
-        mask = h < N
-        # .cg: other SMs wrote y, and this SM's L1 is not kept coherent with them.
-        y = tl.load(out_ptr + h, mask=mask, other=0.0, cache_modifier=".cg")
-        add_rms_norm_row(y, h, mask, res_ptr, nw_ptr, out_ptr, N, eps)
+        _add_norm_stored_row(out_ptr, res_ptr, nw_ptr, N, eps, BLOCK_H)
         tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
+
+
+@triton.jit
+def _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, first, end, som, srm, N, eps, programs,
+                        BLOCK_H: tl.constexpr):
+    """`_last_program_add_norm` for the rows first..end - 1 of the mode's GEMM, whose
+    `programs` programs along N each stored their columns of those rows: the last one adds
+    and normalises each row in turn, the same code for a row whatever rows share its tile."""
+    if last_to_arrive(count_ptr, programs):
+        tl.debug_barrier()
+        for r in range(first, end):
+            _add_norm_stored_row(out_ptr + r * som, res_ptr + r * srm, nw_ptr, N, eps, BLOCK_H)  # < 2**31 apart
+        tl.store(count_ptr, 0)
 
 
 @triton.jit
@@ -510,10 +575,6 @@ def _launch_row(
         SCALE=mode, S_ROWS=s_rows, S_COLS=s_cols, ROW_GRID=rows > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
-
-
-# The last program holds the whole output row in registers: up to this many features.
-MAX_ADD_NORM_FEATURES = 16384
 
 
 def linear_m1_add_rms_norm(
