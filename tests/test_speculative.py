@@ -557,6 +557,33 @@ def test_drafting_stops_where_it_costs():
     assert DraftPolicy(disable_by_batch_size=8).batch_drafts(8) is False
 
 
+@pytest.mark.parametrize("chain", [True, False])
+def test_the_policy_times_each_step_with_its_own_yield(default_model_dir, chain):
+    """The batch rule sees each decode step's own time and tokens, whichever call read it
+    back: with chained verify steps a verify step is read back by the next call, and an
+    isolated drafting step (a probe while drafting is off) must still be credited with
+    what its drafts gave, not the plain step after it."""
+    spec = replace(SpeculativeConfig.parse(NGRAM), chain_verify_steps=chain)
+    engine = LLMEngine(EngineConfig(model=default_model_dir, device="cpu", dtype="float32", num_kv_blocks=1024,
+                                    speculative_config=spec))
+    calls = iter(range(10**6))
+    engine.draft_policy.batch_drafts = lambda num_decoding: next(calls) % 3 == 0  # isolated drafting steps
+    records = []
+    record = engine.draft_policy.record_step
+    engine.draft_policy.record_step = lambda n, s, drafting, tokens: records.append((n, s, drafting, tokens)) or \
+        record(n, s, drafting, tokens)
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+               "a b c d e f g h a b c d e f g h a b c"]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    accepted = engine.draft_policy.stats.num_accepted_tokens
+    assert accepted > 10, accepted
+    assert all(tokens == n for n, _, drafting, tokens in records if not drafting), "a plain step credited with drafts"
+    assert sum(tokens - n for n, _, drafting, tokens in records if drafting) == accepted
+    assert all(s > 0 for _, s, _, _ in records)
+    decode_steps = engine.stats.decode_steps
+    assert len(records) >= decode_steps - 1, (len(records), decode_steps)  # the first after the prefill may be left out
+
+
 def test_misplaced_drafts_are_no_verdict_on_the_text():
     """Rows whose drafts followed a wrong guess of the row before them are counted in the
     metrics but never pause drafting; rows that fail on their own do."""

@@ -141,7 +141,6 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # reported by the next step (rejections, aborts)
         self._inflight: tuple[ScheduledBatch, object] | None = None  # launched, not read back
-        self._verified_now: ScheduledBatch | None = None  # the verify step read back in this step() call
         self._penalty_requests: set[str] = set()
         # Speculative decoding: drafts proposed on the host before each decode step that
         # the policy lets carry them (agent_infer/speculative).
@@ -170,6 +169,7 @@ class LLMEngine:
         # Prompt lookup drafts behind the row in flight, on a guess of what it gives
         # (`_propose_behind`): looking for drafts then costs no overlap either.
         self._draft_behind = self.async_scheduling and isinstance(self.drafter, NgramDrafter)
+        self._last_read_back: float | None = None  # when the last step was read back (`_time_for_policy`)
         # Called right after each step is queued on the device (before the previous step
         # is read back): the server hands out the last outputs then, while the device works.
         self.on_launched: Callable[[], None] | None = None
@@ -289,13 +289,12 @@ class LLMEngine:
         or not) the batch is launched before the previous one's tokens are read back, so
         the host's bookkeeping overlaps the device's work; outputs then trail the device
         by one step. Otherwise each batch is launched and read back in the same call."""
-        t0, prefills0 = time.perf_counter(), self.stats.prefill_steps
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self._inflight is not None and self._penalty_requests:
             outputs += self._resolve()  # penalties need every earlier token on the host
         candidates = self._draft_candidates()
         drafting = bool(candidates)
-        self._verified_now = None
         if drafting and not self._propose_behind(candidates):
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
@@ -307,6 +306,7 @@ class LLMEngine:
             elif self.scheduler.running and not self.scheduler.waiting:
                 raise RuntimeError("scheduler produced no work while requests are running")
             return outputs
+        batch.started_s, batch.drafting = t0, drafting
         launched = self._launch(batch)
         if self._early_outputs:
             outputs += self._early_outputs
@@ -316,12 +316,6 @@ class LLMEngine:
         self._inflight = launched
         if not self.async_scheduling or (batch.num_draft_tokens and not self._overlap_verify):
             outputs += self._resolve()
-        # Decode steps are timed for the policy (not one that waited on a prefill step),
-        # with the tokens of the verify step read back in this call.
-        if self.drafter is not None and batch.num_prompt_rows == 0 and self.stats.prefill_steps == prefills0:
-            verified = self._verified_now if self._verified_now is not None else batch
-            self.draft_policy.record_step(len(batch), time.perf_counter() - t0, drafting,
-                                          len(batch) + sum(verified.accepted))
         return outputs
 
     def _draft_room(self, seq: Sequence) -> int:
@@ -429,9 +423,21 @@ class LLMEngine:
         outputs = self._postprocess(batch, result)
         if self.drafter is not None:
             self.drafter.after_step(batch, result.drafts)
-        if batch.num_draft_tokens:
-            self._verified_now = batch
+            self._time_for_policy(batch, now)
         return outputs
+
+    def _time_for_policy(self, batch: ScheduledBatch, now: float) -> None:
+        """Give the draft policy a decode step's cost and yield: from the read-back of the
+        step before it (or its own launch, if later: the engine was idle) to its own
+        read-back, and the tokens it gave. Read-back to read-back is a step's share of the
+        pipeline whichever call launched or read it; timing the calls instead put a verify
+        step that is read back in a later call (chained) on that call, whose yield and
+        kind were another step's: each probe of a rule that had turned drafting off then
+        seemed to yield one token a row, and drafting never came back on."""
+        last, self._last_read_back = self._last_read_back, now
+        if batch.num_prompt_rows == 0 and last is not None:
+            self.draft_policy.record_step(len(batch), now - max(last, batch.started_s), batch.drafting,
+                                          len(batch) + sum(batch.accepted))
 
     def _worker_failed(self, error: Exception):
         """A TP step failed part-way (a worker died or failed, or rank 0's own part of the

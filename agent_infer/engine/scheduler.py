@@ -68,6 +68,10 @@ class ScheduledBatch:
     # rejected by and large, through no fault of the text).
     accepted: list[int] = field(default_factory=list)
     misplaced: list[bool] = field(default_factory=list)
+    # Set by the engine for the draft policy's timing: when the call that launched the
+    # step began, and whether that call looked for drafts (found or not).
+    started_s: float = 0.0
+    drafting: bool = False
 
     @property
     def num_tokens(self) -> int:
