@@ -192,6 +192,7 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         names = ["plain", *specs, *(["plain, default engine"] if anchor else [])]
         for eng in engines:
             eng.stats.start_trace()
+        kept0 = {name: _kept_plain(spec) for name, spec in specs.items()}
         (rate_p, out_p), *spec_runs = run_agent(engines, prompts, batch, args.max_tokens)
         steps = {name: step_kinds(eng.stats.stop_trace()) for name, eng in zip(names, engines)}
         first = first or out_p
@@ -212,6 +213,16 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         step_rows += [(f"batch {batch}, {name}: {kind} steps", f"{d['steps']}", f"{d['mean_ms']:.3f} ms",
                        f"blocked {d['blocked_ms']:.3f} ms") for name, kinds in steps.items()
                       for kind, d in kinds.items() if d["steps"]]
+        for name, spec in specs.items():
+            # The steps the batch rule kept plain (drafting did not pay by its timings) and
+            # what it compared, at this batch size's bucket.
+            rule = spec.draft_policy.batch_rule().get(1 << (batch.bit_length() - 1))
+            kept = _kept_plain(spec) - kept0[name]
+            result[f"{_json_key(name)}_kept_plain_by_batch_rule"] = kept
+            if rule:
+                step_rows.append((f"batch {batch}, {name}: kept plain by the batch rule", f"{kept}",
+                                  _ms(rule["plain_ms"]) + " plain", _ms(rule["drafting_ms"]) + " drafting, "
+                                  f"{rule['tokens_per_row']:.2f} tokens a row"))
     for name, spec in specs.items():
         s = spec.draft_policy.stats
         per_pos = [a / s.num_drafts for a in s.accepted_per_pos] if s.num_drafts else []
@@ -223,6 +234,14 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
                       (f"{name}: chained verify rows", f"{s.num_chained_rows}", "", "")]
     width = len(rows[0])
     return rows + [tuple(list(r) + [""] * (width - len(r))) for r in step_rows], payload
+
+
+def _kept_plain(eng: LLMEngine) -> int:
+    return sum(r["kept_plain"] for r in eng.draft_policy.batch_rule().values())
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} ms"
 
 
 def _json_key(name: str) -> str:

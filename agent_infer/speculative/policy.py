@@ -82,6 +82,7 @@ class _Bucket:
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
     next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
+    kept_plain: int = 0  # steps this rule kept plain because drafting did not pay
 
 
 class DraftPolicy:
@@ -109,6 +110,7 @@ class DraftPolicy:
             b.next_probe = 0
             return b.steps % PLAIN_PROBE_EVERY != 0
         if b.steps < b.next_probe:
+            b.kept_plain += 1
             return False
         extra = verify_s / plain_s - 1.0  # what a probe costs, in plain steps
         b.next_probe = b.steps + min(MAX_PROBE_GAP, max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET)))
@@ -128,6 +130,16 @@ class DraftPolicy:
 
     def _bucket(self, n: int) -> _Bucket:
         return self._buckets.setdefault(n.bit_length(), _Bucket())
+
+    def batch_rule(self) -> dict[int, dict]:
+        """What the batch rule saw and did, by the smallest batch size of each bucket: its
+        steps, those it kept plain because drafting did not pay, and the medians and yield
+        it compared (benchmarks read it; a decision is not visible in the metrics)."""
+        return {1 << (key - 1): {
+            "steps": b.steps, "kept_plain": b.kept_plain, "tokens_per_row": b.tokens_per_row,
+            "plain_ms": statistics.median(b.plain) * 1e3 if b.plain else None,
+            "drafting_ms": statistics.median(b.verify) * 1e3 if b.verify else None,
+        } for key, b in sorted(self._buckets.items())}
 
     # ---- per sequence ---------------------------------------------------------------
 
