@@ -137,7 +137,8 @@ def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     tile fixed by the weight's shape (gemv.linear_invariant), the one-row steps too, so a
     row's sums do not depend on the rows beside it, and the weight is read once for all
     of them. The add + norm after it and SiLU-and-mul run in its epilogues where the
-    weight's shape allows (else as kernels of their own), the same for every row count. fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
+    weight's shape allows (else as kernels of their own), the same for every row count.
+    fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
     return (invariant_rows > 1 and scale is None and x.dim() == 2 and 1 <= x.shape[0] <= invariant_rows
             and _gemv_ok(x, weight, rows=True))
 
