@@ -61,6 +61,8 @@ MODELS = {
     # MLA: 16 heads' q (192 wide) and the 576-wide kv_a in one GEMV; o over 16 x 128. Its
     # one dense layer's MLP is left out.
     "deepseek-v2-lite": Shape(27, 2048, 0, 16 * 192 + 576, 16 * 128, vocab=102400),
+    "qwen3-0.6b": Shape(28, 1024, 3072, 2048 + 2 * 1024, 2048),
+    "smollm2-135m": Shape(30, 576, 1536, 576 + 2 * 192, 576, vocab=49152),
 }
 
 

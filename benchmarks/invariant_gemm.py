@@ -1,0 +1,170 @@
+"""The batch-invariant mode's GEMM (`gemv.linear_invariant`) on a model's decode
+projections, the way a decode step runs them: one projection of each shape per layer over
+distinct weights (so nothing is served from L2), captured in one CUDA graph, at the row
+counts of a plain step and of verify steps; the mode's tile against a sweep of others,
+beside the batch-1 GEMV (one row) and cuBLAS (the same rows). Then a whole step's
+projections as the engine runs them (the add + norm after o and down, SiLU-and-mul after
+gate/up fused where they are), the mode's tiles against the batch-1 GEMV path.
+
+    python benchmarks/invariant_gemm.py                          # Qwen3-8B shapes, 1 / 5 / 9 rows
+    python benchmarks/invariant_gemm.py --model smollm2-135m     # the default model's shapes
+    python benchmarks/invariant_gemm.py --rows 1 --no-sweep      # the mode's tiles only
+
+Any tile keeps a row's sums independent of the rows beside it as long as it is chosen from
+the weight's shape alone (`gemv.invariant_config`); the sweep shows which costs least at
+the row counts that matter, the one-row step first (a plain step runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gemv_chain import MODELS, graph_time_us, shapes  # noqa: E402
+
+from agent_infer.kernels.triton import gemv  # noqa: E402
+from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, GemvConfig, invariant_config  # noqa: E402
+
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def candidates(n: int, k: int, silu: bool) -> list[GemvConfig]:
+    """Tiles for an [n, k] weight: columns 16-64, K tiles 64-512, K split by the mode's rule
+    or not at all (SiLU-and-mul in the epilogue takes none), 3 or 4 stages."""
+    out = []
+    for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (3, 4)):
+        if k % bk:
+            continue
+        splits = {1} if silu else {1, gemv.split_for(n, k, bn, bk, torch.device(DEV))}
+        out += [GemvConfig(bn, bk, s, num_warps=4, num_stages=stages, use_dot=True) for s in sorted(splits)]
+    return out
+
+
+def tag(c: GemvConfig) -> str:
+    return f"n{c.block_n} k{c.block_k} split{c.split_k} s{c.num_stages}"
+
+
+def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: bool, silu: bool = False) -> None:
+    """One [n, k] projection (with `silu`: [gate; up] pairs of 2n rows and SiLU-and-mul) per
+    layer: µs a projection and TB/s of weights for each row count; the mode as the engine
+    runs it (`linear_invariant`), then the sweep's tiles."""
+    rows_w = 2 * n if silu else n
+    ws = [torch.randn(rows_w, k, dtype=DT, device=DEV) * k**-0.5 for _ in range(layers)]
+    gbytes = rows_w * k * 2 / 1e9
+    default = invariant_config(n, k, torch.device(DEV))
+    configs = [c for c in candidates(n, k, silu) if c != default] if sweep else []
+
+    def per_layer(fn) -> float:
+        return graph_time_us(lambda: [fn(w) for w in ws]) / layers
+
+    def tile(cfg: GemvConfig, x: torch.Tensor):
+        return lambda w: gemv.linear(x, w, None, cfg, block_m=INVARIANT_BLOCK_M, silu_mul=silu)
+
+    def cublas(x: torch.Tensor):
+        def run(w):
+            y = F.linear(x, w)
+            return y[:, :n] * y[:, n:] if silu else y  # the SiLU-and-mul's traffic, roughly
+        return run
+
+    line = [f"{name:14s} N={rows_w:6d} K={k:6d}"]
+    for m in rows:
+        x = torch.randn(m, k, dtype=DT, device=DEV)
+        ref = F.linear(x.float(), ws[0].float())
+        if silu:
+            ref = F.silu(ref[:, :n]) * ref[:, n:]
+        runs = [("mode", lambda w, x=x: gemv.linear_invariant(x, w, silu_mul=silu))]
+        runs += [(tag(c), tile(c, x)) for c in configs]
+        timed = []
+        for label, fn in runs:
+            err = ((fn(ws[0]).float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"{label} at {m} rows: relative error {err:.1e}"
+            timed.append((per_layer(fn), label))
+        t_mode = timed[0][0]
+        cell = f"| {m} rows: mode {t_mode:6.1f} us {gbytes / t_mode * 1e3:4.2f} TB/s"
+        if m == 1:
+            cell += f", GEMV {per_layer(lambda w, x=x: gemv.linear_m1(x, w, silu_mul=silu)):6.1f}"
+        cell += f", cuBLAS {per_layer(cublas(x)):6.1f}"
+        if configs:
+            t_best, best = min(timed[1:])
+            cell += f", best other {t_best:6.1f} ({best})"
+        line.append(cell)
+    print(" ".join(line), f"| the mode's tile: {tag(default)}" + (" + SiLU kernel" if silu and default.split_k > 1 else ""),
+          flush=True)
+    ws.clear()
+    torch.cuda.empty_cache()
+
+
+def bench_step(model: str, rows: list[int]) -> None:
+    """A decode step's projections (layers of qkv, o + add + norm, gate/up + SiLU-and-mul,
+    down + add + norm, then the LM head) in one graph: the mode's GEMM at each row count,
+    and for one row the batch-1 GEMV path the default engine runs."""
+    m = MODELS[model]
+    sh = shapes(m, 1)
+    layers = [{name: torch.randn(n, k, dtype=DT, device=DEV) * k**-0.5 for name, (n, k) in sh.items()}
+              for _ in range(m.layers)]
+    head = torch.randn(m.vocab, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5
+    norm_w = torch.ones(m.hidden, dtype=DT, device=DEV)
+    total = (sum(w.numel() for w in layers[0].values()) * m.layers + head.numel()) * 2 / 1e9
+    counters = torch.zeros(m.layers * 2 * 16, dtype=torch.int32, device=DEV)
+
+    def step(x, x_o, residual, one_row: bool):
+        def run():
+            for i, w in enumerate(layers):
+                c_o, c_down = counters[32 * i:32 * i + 16], counters[32 * i + 16:32 * i + 32]
+                if one_row:
+                    gemv.linear_m1(x, w["qkv"])
+                    gemv.linear_m1_add_rms_norm(x_o, w["o"], None, residual, norm_w, 1e-6, c_o)
+                    h = gemv.linear_m1(x, w["gate_up"], silu_mul=True)
+                    gemv.linear_m1_add_rms_norm(h, w["down"], None, residual, norm_w, 1e-6, c_down)
+                else:
+                    gemv.linear_invariant(x, w["qkv"])
+                    gemv.linear_invariant(x_o, w["o"], add_norm=(residual, norm_w, c_o, 1e-6))
+                    h = gemv.linear_invariant(x, w["gate_up"], silu_mul=True)
+                    gemv.linear_invariant(h, w["down"], add_norm=(residual, norm_w, c_down, 1e-6))
+            if one_row:
+                gemv.linear_m1(x, head)
+            else:
+                gemv.linear_invariant(x, head)
+        return run
+
+    cells = []
+    for r in rows:
+        x = torch.randn(r, m.hidden, dtype=DT, device=DEV)
+        x_o = torch.randn(r, m.o_in, dtype=DT, device=DEV)
+        residual = torch.randn(r, m.hidden, dtype=DT, device=DEV)
+        t = graph_time_us(step(x, x_o, residual, False)) / 1e3
+        cells.append(f"{r} rows {t:.3f} ms ({total / t:.2f} TB/s)")
+        if r == 1:
+            t1 = graph_time_us(step(x, x_o, residual, True)) / 1e3
+            cells.append(f"the batch-1 GEMV path {t1:.3f} ms ({total / t1:.2f} TB/s)")
+    print(f"step's projections ({total:.2f} GB), the mode: " + " | ".join(cells), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    m = MODELS[args.model]
+    print(torch.cuda.get_device_name(), torch.__version__, args.model, "rows", args.rows)
+    for name, (n, k) in shapes(m, 1).items():
+        if name == "gate_up":
+            bench_shape("gate_up+silu", n // 2, k, m.layers, args.rows, not args.no_sweep, silu=True)
+        else:
+            bench_shape(name, n, k, m.layers, args.rows, not args.no_sweep)
+    bench_shape("head", m.vocab, m.hidden, 4, args.rows, not args.no_sweep)
+    bench_step(args.model, args.rows)
+
+
+if __name__ == "__main__":
+    main()
