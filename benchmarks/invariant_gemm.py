@@ -38,19 +38,22 @@ DT = torch.bfloat16
 
 
 def candidates(n: int, k: int, silu: bool) -> list[GemvConfig]:
-    """Tiles for an [n, k] weight: columns 16-64, K tiles 64-512, K split by the mode's rule
-    or not at all (SiLU-and-mul in the epilogue takes none), 3 or 4 stages."""
+    """Tiles for an [n, k] weight: 16-128 columns, K tiles of 128-512, K split by the mode's
+    rule or not at all (SiLU-and-mul in the epilogue takes none), and from 64 columns the
+    weight tile on the dot's left too (`swap_ab`: Hopper's warpgroup MMA; not with SiLU)."""
     out = []
-    for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (3, 4)):
+    for bn, bk in itertools.product((16, 32, 64, 128), (128, 256, 512)):
         if k % bk:
             continue
         splits = {1} if silu else {1, gemv.split_for(n, k, bn, bk, torch.device(DEV))}
-        out += [GemvConfig(bn, bk, s, num_warps=4, num_stages=stages, use_dot=True) for s in sorted(splits)]
+        swaps = (False, True) if bn >= 64 and not silu else (False,)
+        out += [GemvConfig(bn, bk, s, num_warps=4, num_stages=4, use_dot=True, swap_ab=swap)
+                for s in sorted(splits) for swap in swaps]
     return out
 
 
 def tag(c: GemvConfig) -> str:
-    return f"n{c.block_n} k{c.block_k} split{c.split_k} s{c.num_stages}"
+    return f"n{c.block_n} k{c.block_k} split{c.split_k}" + (" swap" if c.swap_ab else "")
 
 
 def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: bool, silu: bool = False) -> None:
