@@ -12,7 +12,8 @@ gate/up fused where they are), the mode's tiles against the batch-1 GEMV path.
 
 Any tile keeps a row's sums independent of the rows beside it as long as it is chosen from
 the weight's shape alone (`gemv.invariant_config`); the sweep shows which costs least at
-the row counts that matter, the one-row step first (a plain step runs it).
+the row counts that matter, the one-row step first (a plain step runs it). cuBLAS also
+runs as W x^T, where its heuristics see the weight's rows as M.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
     def tile(cfg: GemvConfig, x: torch.Tensor):
         return lambda w: gemv.linear(x, w, None, cfg, block_m=INVARIANT_BLOCK_M, silu_mul=silu)
 
-    def cublas(x: torch.Tensor):
+    def cublas(x: torch.Tensor, swapped: bool = False):
+        # swapped: W x^T, the weight as cuBLAS's M side (its heuristics pick other kernels
+        # for a wide M and an N of a few rows), the result left transposed.
         def run(w):
-            y = F.linear(x, w)
+            y = (w @ x.t()).t() if swapped else F.linear(x, w)
             return y[:, :n] * y[:, n:] if silu else y  # the SiLU-and-mul's traffic, roughly
         return run
 
@@ -95,7 +98,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
         cell = f"| {m} rows: mode {t_mode:6.1f} us {gbytes / t_mode * 1e3:4.2f} TB/s"
         if m == 1:
             cell += f", GEMV {per_layer(lambda w, x=x: gemv.linear_m1(x, w, silu_mul=silu)):6.1f}"
-        cell += f", cuBLAS {per_layer(cublas(x)):6.1f}"
+        cell += f", cuBLAS {per_layer(cublas(x)):6.1f} (W x^T {per_layer(cublas(x, True)):6.1f})"
         if configs:
             t_best, best = min(timed[1:])
             cell += f", best other {t_best:6.1f} ({best})"
