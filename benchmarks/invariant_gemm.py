@@ -40,21 +40,24 @@ DT = torch.bfloat16
 
 def candidates(n: int, k: int, silu: bool) -> list[GemvConfig]:
     """Tiles for an [n, k] weight: 16-128 columns, K tiles of 128-512, K split by the mode's
-    rule or not at all (SiLU-and-mul in the epilogue takes none), and from 64 columns the
-    weight tile on the dot's left too (`swap_ab`: Hopper's warpgroup MMA; not with SiLU)."""
+    rule (reduced by a second kernel, or in the kernel: `reduce_in_kernel`; SiLU-and-mul in
+    the epilogue only the latter) or not at all, and from 64 columns the weight tile on the
+    dot's left too (`swap_ab`: Hopper's warpgroup MMA; not with SiLU)."""
     out = []
     for bn, bk in itertools.product((16, 32, 64, 128), (128, 256, 512)):
         if k % bk:
             continue
-        splits = {1} if silu else {1, gemv.split_for(n, k, bn, bk, torch.device(DEV))}
-        swaps = (False, True) if bn >= 64 and not silu else (False,)
-        out += [GemvConfig(bn, bk, s, num_warps=4, num_stages=4, use_dot=True, swap_ab=swap)
-                for s in sorted(splits) for swap in swaps]
+        split = gemv.split_for(n, k, bn, bk, torch.device(DEV))
+        ways = [(1, False)] + ([(split, True)] + ([] if silu else [(split, False)]) if split > 1 else [])
+        for (s, reduce), swap in itertools.product(ways, (False, True) if bn >= 64 and not silu else (False,)):
+            out.append(GemvConfig(bn, bk, s, num_warps=4, num_stages=4, use_dot=True, swap_ab=swap,
+                                  reduce_in_kernel=reduce))
     return out
 
 
 def tag(c: GemvConfig) -> str:
-    return f"n{c.block_n} k{c.block_k} split{c.split_k}" + (" swap" if c.swap_ab else "")
+    return (f"n{c.block_n} k{c.block_k} split{c.split_k}" + (" in-kernel" if c.reduce_in_kernel else "")
+            + (" swap" if c.swap_ab else ""))
 
 
 def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: bool, silu: bool = False) -> None:
@@ -70,8 +73,10 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
     def per_layer(fn) -> float:
         return graph_time_us(lambda: [fn(w) for w in ws]) / layers
 
+    tiles = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)  # counters of the in-kernel reductions
+
     def tile(cfg: GemvConfig, x: torch.Tensor):
-        return lambda w: gemv.linear(x, w, None, cfg, block_m=INVARIANT_BLOCK_M, silu_mul=silu)
+        return lambda w: gemv.linear(x, w, None, cfg, block_m=INVARIANT_BLOCK_M, silu_mul=silu, tile_counters=tiles)
 
     def cublas(x: torch.Tensor, swapped: bool = False):
         # swapped: W x^T, the weight as cuBLAS's M side (its heuristics pick other kernels

@@ -48,6 +48,10 @@ class GemvConfig:
     # so BLOCK_N >= 64 fills a Hopper warpgroup MMA, whose left operand must be 64 rows
     # tall, where x's 16 padded rows on the left leave only the older, narrower MMA.
     swap_ab: bool = False
+    # With split_k > 1: the last program of each output tile adds the K ranges' partial
+    # sums (in split order, as the second kernel does) and runs the epilogue, so there is
+    # no second launch; it needs a counter per output tile (`linear`'s tile_counters).
+    reduce_in_kernel: bool = False
 
 
 # M is not specialised: the batch-invariant mode launches one variant for every row count
@@ -56,16 +60,18 @@ class GemvConfig:
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, sxm, swn, som, k_per_split,
-    res_ptr, nw_ptr, count_ptr, srm, eps,
+    res_ptr, nw_ptr, count_ptr, srm, eps, tile_ptr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
-    BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False, REDUCE: tl.constexpr = False,
 ):
-    # SILU_MUL (tl.dot, x on the left, no split): the weight is [gate; up], 2N rows; the
-    # output silu(x gate^T) * (x up^T), N columns. ADD_NORM (no split): the last program
-    # of a tile of rows adds the residual and normalises those rows (`_last_tile_add_norm`,
-    # one counter per tile of rows).
+    # SILU_MUL (tl.dot, x on the left; with SPLIT only with REDUCE): the weight is [gate;
+    # up], 2N rows; the output silu(x gate^T) * (x up^T), N columns. ADD_NORM (no split, or
+    # REDUCE): the last program of a tile of rows adds the residual and normalises those
+    # rows (`_last_tile_add_norm`, one counter per tile of rows). REDUCE (SPLIT): the last
+    # K range of each output tile to finish adds the partials in split order (a counter
+    # per output tile at tile_ptr) and runs the epilogue.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -110,24 +116,53 @@ def _gemv_kernel(
         acc = tl.trans(acc_t)
     elif not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]
+    if not SILU_MUL:
+        acc_up = acc  # unused
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
+        splits = tl.num_programs(1)
         part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
         tl.store(part, acc, mask=out_mask)
-    elif SILU_MUL:
+        if SILU_MUL:
+            tl.store(part + splits * M * N, acc_up, mask=out_mask)  # the up halves after the gates
+        if REDUCE:
+            tile = tile_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
+            if last_to_arrive(tile, splits):
+                tl.debug_barrier()
+                rows = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, splits):  # in split order: the sums the second kernel makes
+                    acc += tl.load(rows + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    if SILU_MUL:
+                        acc_up += tl.load(rows + (splits + s) * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm,
+                          eps, HAS_BIAS, SILU_MUL, ADD_NORM, BLOCK_M, BLOCK_H)
+                tl.store(tile, 0)
+    else:
+        _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm, eps,
+                  HAS_BIAS, SILU_MUL, ADD_NORM, BLOCK_M, BLOCK_H)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm, eps,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_H: tl.constexpr):
+    """The output tile from its whole-K sums: (+ bias) or silu(gate) * up, stored; then
+    with ADD_NORM the add + norm of the tile's rows by the last program along N."""
+    n_mask = n < N
+    if SILU_MUL:
         y = bias_silu_mul(acc, acc_up, n[None, :], n_mask[None, :], b_ptr, N, HAS_BIAS, True,
                           out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
     else:
+        y = acc
         if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
-        if ADD_NORM:
-            first = tl.program_id(2) * BLOCK_M
-            _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr + tl.program_id(2), first,
-                                tl.minimum(first + BLOCK_M, M), som, srm, N, eps, tl.num_programs(0), BLOCK_H)
+            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if ADD_NORM:
+        first = tl.program_id(2) * BLOCK_M
+        _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr + tl.program_id(2), first,
+                            tl.minimum(first + BLOCK_M, M), som, srm, N, eps, tl.num_programs(0), BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -175,15 +210,18 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
     block_m: int | None = None, silu_mul: bool = False,
     add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None, pdl: bool | None = None,
+    tile_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     `block_m` (tl.dot configs only): x's rows in tiles of that many, one grid axis over
     them, any M; without it one tile, padded to M's next power of two (at least 16).
-    `silu_mul` (tl.dot with x on the left, no K split): weight and bias are [gate; up],
-    the result silu_and_mul of the product, [M, N / 2]. `add_norm` = (residual [M, N],
-    norm weight [N], counters (int32, one per tile of rows, zero and left zero), eps):
-    residual <- y + residual in place, and the result rms_norm(residual) * norm weight,
-    done by the last program of each tile of rows, or with a K split by its second kernel."""
+    `silu_mul` (tl.dot with x on the left; no K split, or one reduced in the kernel):
+    weight and bias are [gate; up], the result silu_and_mul of the product, [M, N / 2].
+    `add_norm` = (residual [M, N], norm weight [N], counters (int32, one per tile of rows,
+    zero and left zero), eps): residual <- y + residual in place, and the result
+    rms_norm(residual) * norm weight, done by the last program of each tile of rows, or
+    with a K split by its second kernel. `tile_counters` (int32, one per output tile,
+    zero and left zero): for a config that reduces its K split in the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -194,43 +232,49 @@ def linear(
         raise ValueError("the FMA path handles M == 1 only; use_dot=True for M > 1")
     if cfg.swap_ab and not cfg.use_dot:
         raise ValueError("swap_ab swaps the operands of tl.dot: it needs use_dot=True")
-    if silu_mul and (not cfg.use_dot or cfg.swap_ab or cfg.split_k > 1 or weight.shape[0] % 2):
-        raise ValueError("silu_mul takes a [gate; up] weight on the tl.dot path, x on the left, no K split")
     assert triton.next_power_of_2(cfg.block_k) == cfg.block_k and triton.next_power_of_2(cfg.block_n) == cfg.block_n
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(k, cfg.block_k)
     split = max(1, min(cfg.split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
+    reduce = split > 1 and cfg.reduce_in_kernel
+    if silu_mul and (not cfg.use_dot or cfg.swap_ab or (split > 1 and not reduce) or weight.shape[0] % 2):
+        raise ValueError("silu_mul takes a [gate; up] weight on the tl.dot path, x on the left, no K split "
+                         "or one reduced in the kernel")
     even_k = k % cfg.block_k == 0
     if block_m is not None:
         assert cfg.use_dot and block_m >= 16 and triton.next_power_of_2(block_m) == block_m
     else:
         block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    if reduce:
+        assert tile_counters is not None and tile_counters.dtype == torch.int32 and tile_counters.is_contiguous()
+        assert tile_counters.numel() >= grid[0] * grid[2], f"{tile_counters.numel()} tile counters < {grid}"
+    part = torch.empty((2 if silu_mul else 1, split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     has_bias = bias is not None
     b = bias if has_bias else out
+    fused_norm = add_norm is not None and (split == 1 or reduce)
     if add_norm is not None:
         residual, norm_weight, counter, eps = add_norm
         assert residual.shape == (m, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
         assert norm_weight.shape == (n,) and norm_weight.is_contiguous() and n <= MAX_ADD_NORM_FEATURES
-        assert silu_mul is False and (split > 1 or counter.numel() >= triton.cdiv(m, block_m))
+        assert silu_mul is False and (not fused_norm or counter.numel() >= grid[2])
         assert counter.dtype == torch.int32 and counter.is_contiguous()
     else:
         residual, norm_weight, counter, eps = out, out, out, 0.0
     opts = launch_opts(x.device, pdl)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))](
+    _gemv_kernel[grid](
         x, weight, b, out, part,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        residual, norm_weight, counter, residual.stride(0), eps,
+        residual, norm_weight, counter, residual.stride(0), eps, tile_counters if reduce else counter,
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
-        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None and split == 1,
-        BLOCK_H=triton.next_power_of_2(n) if add_norm is not None and split == 1 else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, ADD_NORM=fused_norm,
+        BLOCK_H=triton.next_power_of_2(n) if fused_norm else 1, REDUCE=reduce, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
-    if split > 1:
-        split_reduce(part, bias, out, add_norm=None if add_norm is None else (residual, norm_weight, eps), pdl=pdl)
+    if split > 1 and not reduce:
+        split_reduce(part[0], bias, out, add_norm=None if add_norm is None else (residual, norm_weight, eps), pdl=pdl)
     return out
 
 
