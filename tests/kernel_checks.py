@@ -493,7 +493,7 @@ def check_gemv_reduce_in_kernel(device, dtype: torch.dtype, n: int, k: int, bias
     x = randn(m, k + 8, dtype=dtype, device=device, seed=63)[:, 2:k + 2]
     norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=64)).to(dtype)
     start = randn(m, n, dtype=dtype, device=device, seed=65)  # the residual before the call
-    tiles = torch.zeros(4096, dtype=torch.int32, device=device)
+    tiles = torch.zeros(-(-n // config.block_n) * -(-m // 16), dtype=torch.int32, device=device)  # one a tile
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     label = f"in-kernel K reduction M={m} N={n} K={k} {epilogue} {config}"
 
