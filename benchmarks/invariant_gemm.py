@@ -12,7 +12,8 @@ gate/up fused where they are), the mode's tiles against the batch-1 GEMV path.
 
 Any tile keeps a row's sums independent of the rows beside it as long as it is chosen from
 the weight's shape alone (`gemv.invariant_config`); the sweep shows which costs least at
-the row counts that matter, the one-row step first (a plain step runs it). cuBLAS also
+the row counts that matter, the one-row step first (a plain step runs it), and the step's
+projections are timed again with the tiles fastest at the first row count given. cuBLAS also
 runs as W x^T, where its heuristics see the weight's rows as M.
 """
 
@@ -60,10 +61,12 @@ def tag(c: GemvConfig) -> str:
             + (" swap" if c.swap_ab else ""))
 
 
-def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: bool, silu: bool = False) -> None:
+def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: bool,
+                silu: bool = False) -> GemvConfig | None:
     """One [n, k] projection (with `silu`: [gate; up] pairs of 2n rows and SiLU-and-mul) per
     layer: µs a projection and TB/s of weights for each row count; the mode as the engine
-    runs it (`linear_invariant`), then the sweep's tiles."""
+    runs it (`linear_invariant`), then the sweep's tiles. Returns the sweep's fastest tile
+    at the first row count where it beats the mode's (else None)."""
     rows_w = 2 * n if silu else n
     ws = [torch.randn(rows_w, k, dtype=DT, device=DEV) * k**-0.5 for _ in range(layers)]
     gbytes = rows_w * k * 2 / 1e9
@@ -87,6 +90,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
         return run
 
     line = [f"{name:14s} N={rows_w:6d} K={k:6d}"]
+    chosen = None
     for m in rows:
         x = torch.randn(m, k, dtype=DT, device=DEV)
         ref = F.linear(x.float(), ws[0].float())
@@ -107,16 +111,20 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
         if configs:
             t_best, best = min(timed[1:])
             cell += f", best other {t_best:6.1f} ({best})"
+            if m == rows[0] and t_best < t_mode:
+                chosen = configs[[label for _, label in timed[1:]].index(best)]
         line.append(cell)
     print(" ".join(line), f"| the mode's tile: {tag(default)}" + (" + SiLU kernel" if silu and default.split_k > 1 else ""),
           flush=True)
     ws.clear()
     torch.cuda.empty_cache()
+    return chosen
 
 
-def bench_step(model: str, rows: list[int]) -> None:
+def bench_step(model: str, rows: list[int], best: dict[str, GemvConfig | None]) -> None:
     """A decode step's projections (layers of qkv, o + add + norm, gate/up + SiLU-and-mul,
     down + add + norm, then the LM head) in one graph: the mode's GEMM at each row count,
+    the same with the sweep's fastest tiles where `best` has one (the mode's elsewhere),
     and for one row the batch-1 GEMV path the default engine runs."""
     m = MODELS[model]
     sh = shapes(m, 1)
@@ -126,8 +134,17 @@ def bench_step(model: str, rows: list[int]) -> None:
     norm_w = torch.ones(m.hidden, dtype=DT, device=DEV)
     total = (sum(w.numel() for w in layers[0].values()) * m.layers + head.numel()) * 2 / 1e9
     counters = torch.zeros(m.layers * 2 * 16, dtype=torch.int32, device=DEV)
+    tiles = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
 
-    def step(x, x_o, residual, one_row: bool):
+    def proj(name: str, x: torch.Tensor, w: torch.Tensor, tuned: bool, **kw) -> torch.Tensor:
+        cfg = best.get(name) if tuned else None
+        if cfg is None:
+            return gemv.linear_invariant(x, w, **kw)
+        return gemv.linear(x, w, None, cfg, block_m=INVARIANT_BLOCK_M, tile_counters=tiles, **kw)
+
+    def step(x, x_o, residual, kind: str):
+        one_row, tuned = kind == "gemv", kind == "tuned"
+
         def run():
             for i, w in enumerate(layers):
                 c_o, c_down = counters[32 * i:32 * i + 16], counters[32 * i + 16:32 * i + 32]
@@ -137,14 +154,14 @@ def bench_step(model: str, rows: list[int]) -> None:
                     h = gemv.linear_m1(x, w["gate_up"], silu_mul=True)
                     gemv.linear_m1_add_rms_norm(h, w["down"], None, residual, norm_w, 1e-6, c_down)
                 else:
-                    gemv.linear_invariant(x, w["qkv"])
-                    gemv.linear_invariant(x_o, w["o"], add_norm=(residual, norm_w, c_o, 1e-6))
-                    h = gemv.linear_invariant(x, w["gate_up"], silu_mul=True)
-                    gemv.linear_invariant(h, w["down"], add_norm=(residual, norm_w, c_down, 1e-6))
+                    proj("qkv", x, w["qkv"], tuned)
+                    proj("o", x_o, w["o"], tuned, add_norm=(residual, norm_w, c_o, 1e-6))
+                    h = proj("gate_up+silu", x, w["gate_up"], tuned, silu_mul=True)
+                    proj("down", h, w["down"], tuned, add_norm=(residual, norm_w, c_down, 1e-6))
             if one_row:
                 gemv.linear_m1(x, head)
             else:
-                gemv.linear_invariant(x, head)
+                proj("head", x, head, tuned)
         return run
 
     cells = []
@@ -152,10 +169,13 @@ def bench_step(model: str, rows: list[int]) -> None:
         x = torch.randn(r, m.hidden, dtype=DT, device=DEV)
         x_o = torch.randn(r, m.o_in, dtype=DT, device=DEV)
         residual = torch.randn(r, m.hidden, dtype=DT, device=DEV)
-        t = graph_time_us(step(x, x_o, residual, False)) / 1e3
+        t = graph_time_us(step(x, x_o, residual, "mode")) / 1e3
         cells.append(f"{r} rows {t:.3f} ms ({total / t:.2f} TB/s)")
+        if any(best.values()):
+            t = graph_time_us(step(x, x_o, residual, "tuned")) / 1e3
+            cells.append(f"with the sweep's tiles {t:.3f} ms")
         if r == 1:
-            t1 = graph_time_us(step(x, x_o, residual, True)) / 1e3
+            t1 = graph_time_us(step(x, x_o, residual, "gemv")) / 1e3
             cells.append(f"the batch-1 GEMV path {t1:.3f} ms ({total / t1:.2f} TB/s)")
     print(f"step's projections ({total:.2f} GB), the mode: " + " | ".join(cells), flush=True)
 
@@ -168,13 +188,16 @@ def main() -> None:
     args = ap.parse_args()
     m = MODELS[args.model]
     print(torch.cuda.get_device_name(), torch.__version__, args.model, "rows", args.rows)
+    best = {}
     for name, (n, k) in shapes(m, 1).items():
         if name == "gate_up":
-            bench_shape("gate_up+silu", n // 2, k, m.layers, args.rows, not args.no_sweep, silu=True)
+            best["gate_up+silu"] = bench_shape("gate_up+silu", n // 2, k, m.layers, args.rows, not args.no_sweep,
+                                               silu=True)
         else:
-            bench_shape(name, n, k, m.layers, args.rows, not args.no_sweep)
-    bench_shape("head", m.vocab, m.hidden, 4, args.rows, not args.no_sweep)
-    bench_step(args.model, args.rows)
+            best[name] = bench_shape(name, n, k, m.layers, args.rows, not args.no_sweep)
+    best["head"] = bench_shape("head", m.vocab, m.hidden, 4, args.rows, not args.no_sweep)
+    print("the sweep's tiles at", args.rows[0], "row(s):", {name: tag(c) for name, c in best.items() if c})
+    bench_step(args.model, args.rows, best)
 
 
 if __name__ == "__main__":
