@@ -9,6 +9,7 @@ gate/up fused where they are), the mode's tiles against the batch-1 GEMV path.
     python benchmarks/invariant_gemm.py                          # Qwen3-8B shapes, 1 / 5 / 9 rows
     python benchmarks/invariant_gemm.py --model smollm2-135m     # the default model's shapes
     python benchmarks/invariant_gemm.py --rows 1 --no-sweep      # the mode's tiles only
+    python benchmarks/invariant_gemm.py --only o down step       # some shapes (a full sweep takes minutes)
 
 Any tile keeps a row's sums independent of the rows beside it as long as it is chosen from
 the weight's shape alone (`gemv.invariant_config`); the sweep shows which costs least at
@@ -185,19 +186,25 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", nargs="+", choices=["qkv", "o", "gate_up", "down", "head", "step"],
+                    help="these projections (and the step) only: a sweep of every shape takes minutes")
     args = ap.parse_args()
+    wanted = set(args.only or ["qkv", "o", "gate_up", "down", "head", "step"])
     m = MODELS[args.model]
     print(torch.cuda.get_device_name(), torch.__version__, args.model, "rows", args.rows)
     best = {}
-    for name, (n, k) in shapes(m, 1).items():
+    for name, (n, k) in [*shapes(m, 1).items(), ("head", (m.vocab, m.hidden))]:
+        if name not in wanted:
+            continue
+        layers = 4 if name == "head" else m.layers
         if name == "gate_up":
-            best["gate_up+silu"] = bench_shape("gate_up+silu", n // 2, k, m.layers, args.rows, not args.no_sweep,
+            best["gate_up+silu"] = bench_shape("gate_up+silu", n // 2, k, layers, args.rows, not args.no_sweep,
                                                silu=True)
         else:
-            best[name] = bench_shape(name, n, k, m.layers, args.rows, not args.no_sweep)
-    best["head"] = bench_shape("head", m.vocab, m.hidden, 4, args.rows, not args.no_sweep)
+            best[name] = bench_shape(name, n, k, layers, args.rows, not args.no_sweep)
     print("the sweep's tiles at", args.rows[0], "row(s):", {name: tag(c) for name, c in best.items() if c})
-    bench_step(args.model, args.rows, best)
+    if "step" in wanted:
+        bench_step(args.model, args.rows, best)
 
 
 if __name__ == "__main__":
