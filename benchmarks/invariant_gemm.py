@@ -41,12 +41,13 @@ DT = torch.bfloat16
 
 
 def candidates(n: int, k: int, silu: bool) -> list[GemvConfig]:
-    """Tiles for an [n, k] weight: 16-128 columns, K tiles of 128-512, K split by the mode's
+    """Tiles for an [n, k] weight: 16-128 columns, K tiles of 128-512 (32-64 where K is no
+    multiple of 128: SmolLM2's 576), K split by the mode's
     rule (reduced by a second kernel, or in the kernel: `reduce_in_kernel`; SiLU-and-mul in
     the epilogue only the latter) or not at all, and from 64 columns the weight tile on the
     dot's left too (`swap_ab`: Hopper's warpgroup MMA; not with SiLU)."""
     out = []
-    for bn, bk in itertools.product((16, 32, 64, 128), (128, 256, 512)):
+    for bn, bk in itertools.product((16, 32, 64, 128), (128, 256, 512) if k % 128 == 0 else (32, 64)):
         if k % bk:
             continue
         split = gemv.split_for(n, k, bn, bk, torch.device(DEV))
