@@ -116,8 +116,8 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
             if m == rows[0] and t_best < t_mode:
                 chosen = configs[[label for _, label in timed[1:]].index(best)]
         line.append(cell)
-    print(" ".join(line), f"| the mode's tile: {tag(default)}" + (" + SiLU kernel" if silu and default.split_k > 1 else ""),
-          flush=True)
+    silu_kernel = " + SiLU kernel" if silu and default.split_k > 1 else ""
+    print(" ".join(line), f"| the mode's tile: {tag(default)}{silu_kernel}", flush=True)
     ws.clear()
     torch.cuda.empty_cache()
     return chosen

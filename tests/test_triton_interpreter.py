@@ -322,8 +322,10 @@ else:
     # The K split reduced by the last program of each output tile: 3 and 4 K ranges (one
     # short), two tiles of rows, the epilogues.
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
-    @pytest.mark.parametrize("n,k,bias,m,epilogue,split", [(40, 512, True, 3, "plain", 4), (33, 320, False, 17, "plain", 3),
-                                                           (24, 512, True, 5, "silu", 4), (40, 384, True, 17, "add_norm", 3)])
+    @pytest.mark.parametrize("n,k,bias,m,epilogue,split", [
+        (40, 512, True, 3, "plain", 4), (33, 320, False, 17, "plain", 3),
+        (24, 512, True, 5, "silu", 4), (40, 384, True, 17, "add_norm", 3),
+    ])
     def test_gemv_reduce_in_kernel(dtype, n, k, bias, m, epilogue, split):
         from agent_infer.kernels.triton.gemv import GemvConfig
 

@@ -88,9 +88,9 @@ if IN_CHILD:
     def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
         """batch_invariant with every kernel routed to Triton: decode and verify steps, of
         one row and of several, send every projection (the LM head too) through the mode's
-        GEMM (gemv.linear_invariant; the add + norm after a projection in its epilogue) and their attention through the one-row split plan,
-        and each prompt's greedy tokens, decoded beside others with drafts, equal its
-        tokens decoded alone."""
+        GEMM (gemv.linear_invariant; the add + norm after a projection in its epilogue) and
+        their attention through the one-row split plan, and each prompt's greedy tokens,
+        decoded beside others with drafts, equal its tokens decoded alone."""
         from agent_infer.attention import dense_triton
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner

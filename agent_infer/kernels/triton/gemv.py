@@ -271,7 +271,8 @@ def linear(
         HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
         SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, ADD_NORM=fused_norm,
-        BLOCK_H=triton.next_power_of_2(n) if fused_norm else 1, REDUCE=reduce, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        BLOCK_H=triton.next_power_of_2(n) if fused_norm else 1, REDUCE=reduce,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     if split > 1 and not reduce:
         split_reduce(part[0], bias, out, add_norm=None if add_norm is None else (residual, norm_weight, eps), pdl=pdl)
