@@ -27,6 +27,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -102,7 +103,11 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
         runs += [(tag(c), tile(c, x)) for c in configs]
         timed = []
         for label, fn in runs:
-            err = ((fn(ws[0]).float() - ref).norm() / ref.norm()).item()
+            try:
+                out = fn(ws[0])
+            except triton.runtime.errors.OutOfResources:  # a sweep tile too big for this GPU
+                continue
+            err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{label} at {m} rows: relative error {err:.1e}"
             timed.append((per_layer(fn), label))
         t_mode = timed[0][0]
@@ -114,7 +119,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, rows: list[int], sweep: 
             t_best, best = min(timed[1:])
             cell += f", best other {t_best:6.1f} ({best})"
             if m == rows[0] and t_best < t_mode:
-                chosen = configs[[label for _, label in timed[1:]].index(best)]
+                chosen = next(c for c in configs if tag(c) == best)
         line.append(cell)
     silu_kernel = " + SiLU kernel" if silu and default.split_k > 1 else ""
     print(" ".join(line), f"| the mode's tile: {tag(default)}{silu_kernel}", flush=True)
