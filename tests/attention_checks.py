@@ -384,3 +384,48 @@ def check_decode_merged_repeat(
     for i, q in enumerate(qs):
         assert_close(got[i], decode_attention(q, *args), f"merged vs two-kernel decode, launch {i}")
     assert not counters.any(), "counters not reset"
+
+
+def check_decode_shares(
+    device, dtype: torch.dtype, context_lens: list[int], shares: int, grids: tuple[int, ...], preload: bool,
+    padding_rows: int = 1, heads: int = 6, kv_heads: int = 2, head_dim: int = 32, block_size: int = 16,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
+    """The batch-invariant mode's decode: a batch whose grid has fewer programs than the
+    one-row step's `shares` (each of `grids`), every program taking several shares of its
+    row, gives each row bitwise what a launch of that row alone at `shares` splits (with
+    `preload`, whose tile order the shares keep) gives, padding rows zeros, the counters
+    left zero; and it is close to the reference."""
+    from agent_infer.kernels.triton import decode_attention as dec
+    from agent_infer.kernels.triton.kv_store import store_kv
+
+    batch = PagedBatch(device, dtype, [1] * len(context_lens), [c - 1 for c in context_lens], heads, kv_heads,
+                       head_dim, block_size, False, padding_rows=padding_rows, cache_dtype=cache_dtype)
+    m = batch.meta
+    real, total = len(context_lens), len(context_lens) + padding_rows
+    contexts = torch.cat([m.context_lens, torch.zeros(padding_rows, dtype=torch.int32, device=device)])
+    tables = torch.cat([m.block_tables, torch.zeros(padding_rows, m.block_tables.shape[1], dtype=torch.int32,
+                                                    device=device)])
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, m.slot_mapping)
+    counters = dec.decode_counters(total, kv_heads, device)
+    args = (batch.k_cache, batch.v_cache, tables, contexts, batch.scale)
+    alone = []
+    for i in range(total):
+        with poisoned_empty():
+            alone.append(dec.decode_attention(batch.q[i : i + 1], *args[:2], tables[i : i + 1], contexts[i : i + 1],
+                                              batch.scale, shares, counters=counters, preload=preload))
+    alone = torch.cat(alone)
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = reference.decode_attention(batch.q[:real], ref_k, ref_v, m.block_tables, m.context_lens, batch.scale)
+    assert_close(alone[:real], ref, f"one-row decode at {shares} splits (contexts {context_lens})")
+    for grid in grids:
+        plan = dec.launch_plan(total, kv_heads, heads // kv_heads, head_dim, True, False, device, grid, preload,
+                               shares=shares)
+        assert (plan.splits, plan.shares) == (grid, shares), plan
+        what = f"decode of {total} rows, {grid} programs a row over {shares} shares (contexts {context_lens})"
+        with poisoned_empty():
+            out = dec.decode_attention(batch.q[:total], *args, grid, counters=counters, preload=preload,
+                                       shares=shares)
+        assert same(out, alone), f"{what}: rows differ from their one-row launches"
+        assert torch.equal(out[real:], torch.zeros_like(out[real:])), f"{what}: padding rows must be zeros"
+        assert not counters.any(), f"{what}: counters not reset"

@@ -410,6 +410,33 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
     assert kernel.metadata.shared * per_sm <= 227 * 1024
 
 
+@pytest.mark.parametrize("preload_order", [True, False])
+def test_decode_shares_kernel_holds_two_programs_per_sm(preload_order):
+    """The batch-invariant mode's decode of several rows (`_decode_shares_kernel`: every
+    program a few of its row's shares, merged in the launch) at Qwen3-8B's shape holds the
+    two programs per SM that `decode_num_splits` sizes one wave of its grid by (212
+    registers a thread with Triton 3.9: the share loop around the key loop), with no
+    spills."""
+    from agent_infer.kernels.triton.decode_attention import _decode_shares_kernel
+
+    names = ["q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "table_ptr", "ctx_ptr", "part_o_ptr", "part_lse_ptr",
+             "counter_ptr", "sqb", "sqh", "sob", "soh", "kc_b", "kc_s", "kc_h", "vc_b", "vc_s", "vc_h", "s_table",
+             "num_heads", "num_kv_heads", "group", "head_dim", "num_shares", "num_programs", "qk_scale", "v_scale"]
+    types = ["*bf16"] * 4 + ["*i32"] * 2 + ["*fp32"] * 2 + ["*i32"] + ["i32"] * 17 + ["fp32"] * 2
+    constexprs = {"BLOCK_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "GROUP_P": 4, "MERGE_S": 16,
+                  "PRECISION": "tf32", "PDL": True, "V_SCALED": False, "F16_DOTS": False, "PTX_CVT": False,
+                  "PRELOAD_ORDER": preload_order, "EVEN_D": True}
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constexprs}
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n[:3] in ("sqb", "sqh", "sob", "soh")
+               or n[:3] in ("kc_", "vc_") or n == "head_dim"]
+    kernel = _compile_sm90(_decode_shares_kernel, signature, constexprs, num_warps=4, num_stages=3,
+                           aligned=tuple(aligned))
+    regs, stack = _registers_per_thread(kernel)
+    assert stack == 0, f"{stack} bytes of stack (register spills)"
+    assert min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) >= 2, (regs, kernel.metadata.shared)
+    assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("stages,block_n,in_flight,per_sm", [(3, 64, False, 4), (5, 64, True, 3), (5, 32, True, 4)])
 def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, block_n, in_flight, per_sm):
     """Where Triton's pipeliner double-buffers the dense decode loop (bf16, one split): each

@@ -256,6 +256,18 @@ else:
     def test_decode_attention_merged(dtype, case):
         ac.check_decode_merged(DEV, dtype, *case)
 
+    SHARES_CASES = [
+        # context lens (odd: 1, a block, many blocks + 1, one partial tile), shares, grids, preload
+        ([1, 16, 17, 300, 1000], 8, (1, 3), True),  # shares of several tiles ending partial
+        ([1, 16, 17, 300, 1000], 8, (3,), False),
+        ([65, 33], 16, (5,), True),  # most shares empty
+    ]
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("case", SHARES_CASES, ids=lambda c: f"c{c[0]}-s{c[1]}-g{c[2]}-{'pre' if c[3] else 'no'}")
+    def test_decode_shares_match_one_row(dtype, case):
+        ac.check_decode_shares(DEV, dtype, *case)
+
     GEMV_CASES = [
         # M, N, K, bias, config (None = default heuristic)
         (1, 100, 256, True, None),

@@ -89,13 +89,15 @@ if IN_CHILD:
         """batch_invariant with every kernel routed to Triton: decode and verify steps, of
         one row and of several, send every projection (the LM head too) through the mode's
         GEMM (gemv.linear_invariant; the add + norm after a projection in its epilogue) and
-        their attention through the one-row split plan, and each prompt's greedy tokens,
-        decoded beside others with drafts, equal its tokens decoded alone."""
+        their attention through the one-row step's shares (several a program where a step
+        of several rows has a smaller grid), and each prompt's greedy tokens, decoded beside
+        others with drafts, equal its tokens decoded alone."""
         from agent_infer.attention import dense_triton
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.kernels import ops
+        from agent_infer.kernels.triton import decode_attention as dec
         from agent_infer.kernels.triton import gemv
         from agent_infer.sampling_params import SamplingParams
         from tests.drafters import Replay
@@ -115,11 +117,17 @@ if IN_CHILD:
 
         monkeypatch.setattr(gemv, "linear_invariant", counting)
         monkeypatch.setattr(dense_triton, "decode_attention",
-                            lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("num_splits"))) or attend(q, *a, **k))
+                            lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("shares"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
         monkeypatch.setattr(model_runner, "backend_class", lambda layout, device, name: dense_triton.DenseTritonBackend)
         # Fewer, larger programs than a GPU's launches: the interpreter runs each in turn.
+        # A one-row step cuts keys into 3 shares; several rows get 2 programs a row.
         monkeypatch.setattr(dense_triton, "decode_num_splits", lambda batch, kv_heads, device: 3)
+        monkeypatch.setattr(dec, "decode_num_splits", lambda batch, kv_heads, device: 3 if batch == 1 else 2)
+        shared_launches: list[int] = []
+        launch_shares = dec._launch_shares
+        monkeypatch.setattr(dec, "_launch_shares",
+                            lambda q, *a: shared_launches.append(q.shape[0]) or launch_shares(q, *a))
         prompts = [[(7 * i + 3) % 500 + 3 for i in range(9)], [9, 10, 11, 12]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 4)]
         config = dict(device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True)
@@ -134,6 +142,7 @@ if IN_CHILD:
         # Two of a layer's four projections end in the residual add + norm, in the GEMM.
         assert {r for r, fused in zip(rows, add_norms) if fused} == set(rows), "add + norm not fused at every row count"
         assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
+        assert shared_launches and min(shared_launches) > 1, "no step of several rows took the shares kernel"
 
     def test_deepseek_on_triton_kernels_matches_torch_path(tmp_path, monkeypatch):
         """A tiny DeepSeek-V3 checkpoint (fp32) with every kernel routed to Triton (the MLA

@@ -29,13 +29,14 @@ class DenseTritonBackend(AttentionBackend):
         # Lets the decode kernel merge its splits in the same launch; allocated once, so
         # its address is fixed for CUDA graphs.
         self.counters = decode_counters(max_batch, self.layout.num_kv_heads, device)
-        # Batch-invariant: every decode row splits its keys (and takes its first tile) as
-        # a one-row step does; a row's shares already follow its own context length.
+        # Batch-invariant: every decode row cuts its keys into the shares of a one-row step
+        # and folds their tiles in its order (a row's shares follow its own context length);
+        # a step of several rows runs them on its own, smaller grid (decode_attention.launch_plan).
         self.one_row = None
         if batch_invariant:
             kv_heads = self.layout.num_kv_heads
             splits = decode_num_splits(1, kv_heads, device)
-            self.one_row = {"num_splits": splits, "preload": preload_first_tile(1, kv_heads, splits, device)}
+            self.one_row = {"shares": splits, "preload": preload_first_tile(1, kv_heads, splits, device)}
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         if not meta.is_prefill or meta.num_decode:

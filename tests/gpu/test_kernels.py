@@ -180,6 +180,18 @@ def test_decode_attention_merged(dtype, case):
     ac.check_decode_merged(DEV, dtype, *case)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preload", [True, False])
+@pytest.mark.parametrize("kv_heads,shares,grids", [(8, 33, (5, 17)), (3, 64, (6, 44)), (2, 64, (1, 9))])
+def test_decode_shares_match_one_row(dtype, preload, kv_heads, shares, grids):
+    """The batch-invariant mode's decode of several rows on a smaller grid than the one-row
+    step's shares (Qwen3-8B's, SmolLM2's and Qwen2.5-0.5B's KV heads and split counts on
+    132 SMs): every row bitwise its one-row launch, on the GPU's concurrent programs."""
+    lens = [1, 63, 64, 65, 700, 2047, 4100, 9000]
+    ac.check_decode_shares(DEV, dtype, lens, shares, grids, preload, heads=kv_heads * 4, kv_heads=kv_heads,
+                           head_dim=128 if kv_heads == 8 else 64)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_order(num_splits):
     """Sequences in a given order (longest first, shuffled), forced on, over 100 rows of

@@ -15,6 +15,13 @@ output + log2-sum-exp) to fp32 scratch, and the partials are merged in one of tw
   keys fit in one share writes directly. One kernel per call instead of two.
 - by a second kernel over all S partials (no counters).
 
+The batch-invariant mode fixes the shares a row's keys are cut into at a one-row step's
+count (`shares`), whatever the batch: a step of several rows (a verify step's k + 1) then
+launches fewer programs than shares, each program taking every grid-th share of its row
+(`_decode_shares_kernel`), so a row's partials and their merge are the one-row launch's
+while the grid stays the size of the batch's own (a one-row grid for each of 8 rows took
+8 times the programs, most of them over empty shares).
+
 Scratch is allocated per call from shapes alone: under CUDA-graph capture the caching
 allocator hands out the same addresses on every replay. A context length of 0 (a padding
 row of a graph batch) yields zeros, not NaN.
@@ -22,7 +29,7 @@ row of a graph batch) yields zeros, not NaN.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -251,6 +258,106 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _attend_share(q, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s, vc_b, vc_s, qk_scale,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr, PTX_CVT: tl.constexpr, Q_SCALED: tl.constexpr, EVEN_D: tl.constexpr,
+                  PRELOAD_ORDER: tl.constexpr):
+    """The softmax state of the group's queries over keys [lo, hi), its tiles folded in
+    the order `_decode_split_kernel` takes them (so the state is bitwise its): with
+    PRELOAD_ORDER the first tile, then the partial tile the share may end on, then the
+    whole tiles between; without, the partial tile, then the whole tiles."""
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    first = lo
+    if PRELOAD_ORDER:
+        if lo < hi:
+            acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b,
+                                       kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT, Q_SCALED,
+                                       False, EVEN_D)
+        first = lo + BLOCK_N
+    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
+    if (full_hi < hi) & (full_hi >= first):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   Q_SCALED, False, EVEN_D)
+    for start in range(first, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   Q_SCALED, True, EVEN_D)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["s_table"])
+def _decode_shares_kernel(
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    sqb, sqh, sob, soh,
+    kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, s_table,
+    num_heads, num_kv_heads, group, head_dim, num_shares, num_programs, qk_scale, v_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP_P: tl.constexpr, MERGE_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    V_SCALED: tl.constexpr, F16_DOTS: tl.constexpr, PTX_CVT: tl.constexpr, PRELOAD_ORDER: tl.constexpr,
+    EVEN_D: tl.constexpr = False,
+):
+    """Grid (KV heads, batch, num_programs <= num_shares): a row's keys cut into the
+    num_shares shares `_decode_split_kernel` cuts them into at num_shares splits, program
+    p taking shares p, p + num_programs, ... one at a time from the initial state, each
+    partial stored where that kernel stores it, and the last program of a (row, KV head)
+    merging them as it does (counters needed). Every row's result is bitwise that
+    kernel's at num_shares splits (PRELOAD_ORDER: its PRELOAD, whose tile order it keeps)."""
+    kv_head = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
+    prog = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_shares), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(ctx, tl.maximum(chunk, 1)), 1)  # shares with keys; share 0 for an empty context
+    table_row_ptr = table_ptr + seq * s_table
+    k_base = k_cache_ptr + kv_head * kc_h
+    v_base = v_cache_ptr + kv_head * vc_h
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    pdl_begin(PDL)
+    if prog < used:
+        g = tl.arange(0, BLOCK_G)
+        g_mask = g < group
+        heads = kv_head * group + g
+        q = tl.load(q_ptr + seq * sqb + heads[:, None] * sqh + d[None, :], mask=g_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        if F16_DOTS:
+            q = to_f16_scaled(q, qk_scale)
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        for share in range(prog, used, num_programs):
+            lo = share * chunk
+            hi = tl.minimum(lo + chunk, ctx)
+            acc, m_i, l_i = _attend_share(q, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s, vc_b,
+                                          vc_s, qk_scale, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                          F16_DOTS, EVEN_D, PRELOAD_ORDER)
+            has_keys = l_i > 0
+            o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+            if V_SCALED:
+                o = o * v_scale
+            if used == 1:
+                tl.store(out_ptr + seq * sob + heads[:, None] * soh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                         mask=out_mask)
+            else:
+                row = (seq * num_heads + heads) * num_shares + share  # part_o [B, H, S, D], part_lse [B, H, S]
+                lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+                tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
+                tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        if used > 1:
+            # As in `_decode_split_kernel`: the barrier publishes every thread's partials
+            # before the one thread's release; the programs holding shares count.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == tl.minimum(used, num_programs) - 1:
+                tl.debug_barrier()
+                _merge_group(part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group,
+                             head_dim, num_shares, used, GROUP_P, MERGE_S, BLOCK_D)
+                tl.store(counter, 0)
+
+
+@triton.jit
 def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     sob, soh, num_heads, head_dim, num_splits,
@@ -322,27 +429,44 @@ class LaunchPlan:
     `variant` tells apart the calls that need different compiled kernels (the combining
     kernel's tile, without an in-launch merge, included)."""
 
-    splits: int
+    splits: int  # programs per (sequence, KV head)
     direct: bool  # one split: the programs write the output
     merge: bool  # the splits are merged in the same launch (counters given)
     preload: bool
     ordered: bool
     group_p: int
     merge_s: int
+    shares: int = 0  # > splits: the keys cut into this many shares, several a program (_decode_shares_kernel)
 
     @property
     def variant(self) -> tuple:
         split_class = 1 if self.splits == 1 else 16 if self.splits % 16 == 0 else 0
         combine = 0 if self.direct or self.merge else triton.next_power_of_2(self.splits)
-        return (self.direct, self.merge, self.preload, self.ordered, self.group_p, self.merge_s, split_class, combine)
+        return (self.direct, self.merge, self.preload, self.ordered, self.group_p, self.merge_s, split_class, combine,
+                bool(self.shares))
 
 
 def launch_plan(
     batch: int, num_kv_heads: int, group: int, block_d: int, counters: bool, order: bool, device: torch.device,
     num_splits: int | None = None, preload: bool | None = None, ordered: bool | None = None,
+    shares: int | None = None,
 ) -> LaunchPlan:
     """What `decode_attention` launches for `batch` sequences (`counters`/`order`: whether
-    the caller passes them; the other arguments override the shape-derived choices)."""
+    the caller passes them; the other arguments override the shape-derived choices).
+    `shares`: the split count every row's keys are cut into whatever the batch (the
+    batch-invariant mode's one-row count); where the batch's own grid has fewer programs
+    per row, they take several shares each, merged in the launch (counters needed), with
+    the merge's tile of `shares` splits."""
+    if shares:
+        grid = num_splits or decode_num_splits(batch, num_kv_heads, device)
+        if grid < shares:
+            assert counters, "rows cut into more shares than programs merge in the launch: pass the counters"
+            plan = launch_plan(batch, num_kv_heads, group, block_d, True, False, device, shares, False, False)
+            # `preload` here: whether the one-row launch preloads, whose tile order the shares keep.
+            if preload is None:
+                preload = preload_first_tile(1, num_kv_heads, shares, device)
+            return replace(plan, splits=grid, shares=shares, preload=preload)
+        num_splits = shares
     splits = num_splits or decode_num_splits(batch, num_kv_heads, device)
     if preload is None:
         preload = preload_first_tile(batch, num_kv_heads, splits, device)
@@ -359,16 +483,17 @@ def launch_plan(
 
 def variant_batches(
     max_batch: int, num_kv_heads: int, group: int, head_dim: int, counters: bool, order: bool, device: torch.device,
-    num_splits: int | None = None, preload: bool | None = None,
+    num_splits: int | None = None, preload: bool | None = None, shares: int | None = None,
 ) -> list[int]:
     """The smallest batch of each distinct compiled variant that calls of 1..max_batch
-    sequences need (with the same `num_splits` and `preload` overrides, if any): running
-    these batches once compiles every variant such calls can meet (what a start-up
-    warm-up of eager decode steps runs)."""
+    sequences need (with the same `num_splits`, `preload` and `shares` overrides, if any):
+    running these batches once compiles every variant such calls can meet (what a
+    start-up warm-up of eager decode steps runs)."""
     block_d = check_head_dim(head_dim)
     first: dict[tuple, int] = {}
     for batch in range(1, max_batch + 1):
-        plan = launch_plan(batch, num_kv_heads, group, block_d, counters, order, device, num_splits, preload)
+        plan = launch_plan(batch, num_kv_heads, group, block_d, counters, order, device, num_splits, preload,
+                           shares=shares)
         first.setdefault(plan.variant, batch)
     return sorted(first.values())
 
@@ -415,6 +540,7 @@ def decode_attention(
     ordered: bool | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    shares: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, strided rows allowed) -> out [B, H, D].
 
@@ -429,6 +555,9 @@ def decode_attention(
     rows by context length, longest first) is the order the grid takes the sequences in
     where `ordered_rows` says it pays; `ordered` overrides that choice. An fp8 cache's
     entries times `k_scale` / `v_scale` are K and V (k_scale joins the softmax scale).
+    `shares` (with `preload` as at one row): every row's keys split as `shares` splits
+    split them, whatever the batch, so each row's result is bitwise the same call's for
+    that row alone (`launch_plan`).
 
     Under PDL the kernel reads the context lengths before waiting for the kernel launched
     just before it, and with the preload also the block tables and the first tile's keys
@@ -458,10 +587,14 @@ def decode_attention(
     if order is not None:
         assert order.dtype == torch.int32 and order.shape[0] >= batch and order.device == q.device
     plan = launch_plan(batch, num_kv_heads, group, block_d, counters is not None, order is not None, q.device,
-                       num_splits, preload, ordered)
+                       num_splits, preload, ordered, shares)
     splits, direct, merge, ordered = plan.splits, plan.direct, plan.merge, plan.ordered
     cfg = config or default_config(head_dim, q.dtype, k_cache.dtype)
     f16_dots = fp16_dots(k_cache.dtype, q.dtype)
+    if plan.shares:
+        _launch_shares(q, out, k_cache, v_cache, block_tables, context_lens, counters, plan, cfg,
+                       scale * k_scale * _LOG2E, v_scale, v_scaled)
+        return out
     if direct:
         part_o = part_lse = out  # unused
     else:
@@ -488,3 +621,26 @@ def decode_attention(
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **launch_opts(q.device),
         )
     return out
+
+
+def _launch_shares(q, out, k_cache, v_cache, block_tables, context_lens, counters, plan: LaunchPlan,
+                   cfg: DecodeConfig, qk_scale: float, v_scale: float, v_scaled: bool) -> None:
+    """`decode_attention` with fewer programs than shares (`launch_plan`)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_d = check_head_dim(head_dim)
+    f16_dots = fp16_dots(k_cache.dtype, q.dtype)
+    part_o = torch.empty((batch, num_heads, plan.shares, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, plan.shares), dtype=torch.float32, device=q.device)
+    _decode_shares_kernel[(num_kv_heads, batch, plan.splits)](
+        q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse, counters,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        num_heads, num_kv_heads, num_heads // num_kv_heads, head_dim, plan.shares, plan.splits, qk_scale, v_scale,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_N=cfg.block_n, BLOCK_D=block_d, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
+        PRECISION=dot_precision(q.dtype), V_SCALED=v_scaled, F16_DOTS=f16_dots,
+        PTX_CVT=f16_dots and q.device.type == "cuda", PRELOAD_ORDER=plan.preload, EVEN_D=head_dim == block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
+    )
