@@ -2,7 +2,8 @@
 
   verify  what a verify step costs next to a plain decode step, at batch 1, for k = 1..8
           draft tokens (drafts that are always rejected: the step's own cost, one token
-          out); with --random-weights qwen3-8b on a GPU, the issue's Qwen3-8B shape.
+          out); with --random-weights qwen3-8b on a GPU, the issue's Qwen3-8B shape;
+          --profile 0 1 4 then shows where each step's device time goes.
   agent   the agent-like workload on the default model's real weights: source files of
           this repository given in the prompt and asked back with one change. Tokens/s at
           batch 1 and 8 with and without prompt lookup, acceptance per draft position,
@@ -122,7 +123,34 @@ def cmd_verify(args) -> tuple[list[tuple], dict]:
     results = {k: statistics.median(times[k]) for k in ks}
     base = results[0]
     rows = [(f"k = {k}" if k else "plain decode step", results[k] * 1e3, results[k] / base) for k in results]
-    return [("step", "ms", "x plain")] + rows, {"model": path, "step_s": results}
+    payload = {"model": path, "step_s": results}
+    if args.profile:
+        payload["kernels_us_per_step"] = profile_verify_steps(eng, vocab, args.profile, args.prompt_len, args.steps)
+    return [("step", "ms", "x plain")] + rows, payload
+
+
+def profile_verify_steps(eng: LLMEngine, vocab: int, ks: list[int], prompt_len: int, steps: int) -> dict:
+    """Where a step's device time goes at each k of `ks`: kernels grouped by name, each
+    with the time it adds past every kernel started before it (`bench.profiling`), per
+    decode step of one request's run (its prefill included, a few µs a step). Prints the
+    table; returns {k: {kernel: µs a step}}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from agent_infer.bench.profiling import top_kernels
+
+    per_step = {}
+    for k in ks:
+        eng.drafter = FixedDrafts(k, vocab)
+        gpu = [ProfilerActivity.CUDA] if eng.device.type == "cuda" else []  # on a CPU: no kernels, an empty table
+        with profile(activities=[ProfilerActivity.CPU, *gpu]) as prof:
+            time_steps(eng, prompt_len, steps)
+        per_step[k] = {r["name"]: r["exposed_us"] / steps for r in top_kernels(prof.events())}
+    names = sorted(set().union(*per_step.values()), key=lambda n: -max(per_step[k].get(n, 0.0) for k in ks))
+    print(f"{'kernel (us a step, exposed)':60s}" + "".join(f"{'k = ' + str(k):>10s}" for k in ks))
+    print(f"{'all':60s}" + "".join(f"{sum(per_step[k].values()):10.1f}" for k in ks))
+    for name in names[:16]:
+        print(f"{name[:60]:60s}" + "".join(f"{per_step[k].get(name, 0.0):10.1f}" for k in ks))
+    return per_step
 
 
 def agent_prompts(eng: LLMEngine, n: int, max_chars: int) -> list[list[int]]:
@@ -311,6 +339,8 @@ def main() -> int:
                    help="every engine with batch_invariant: decode and verify rows computed as one-row steps, so "
                         "greedy text with drafts equals text without in bf16 too (the 'identical' column); agent "
                         "also runs the default engine's plain decoding beside them, the fastest plain anchor")
+    p.add_argument("--profile", type=int, nargs="*", default=[],
+                   help="verify: after the timing, the kernels' device time per step at these k (a GPU's profiler)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rows, payload = {"verify": cmd_verify, "agent": cmd_agent, "mtp": cmd_mtp}[args.what](args)
