@@ -115,6 +115,25 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
+def _compile_few_row_gemv(m: int, k: int, epilogue: str = "plain"):
+    """The few-row GEMV as its default launch compiles it for sm_90 (bf16, `m` rows over
+    K = `k`), plain, ending in SiLU-and-mul ("silu") or in the add + norm ("add_norm",
+    its row in chunks of 8 values a thread). Returns (kernel, config)."""
+    from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
+
+    cfg = rows_config(k)
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr", "count_ptr", "N", "K", "sxm", "swn", "som",
+             "srm", "up_offset", "eps"]
+    types = ["*bf16"] * 6 + ["*i32"] + ["i32"] * 7 + ["fp32"]
+    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "SILU_MUL": epilogue == "silu", "ADD_NORM": epilogue == "add_norm",
+                  "BLOCK_H": 256 * cfg.num_warps, "VEC": 8}
+    signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
+    aligned = tuple(i for i, name in enumerate(names) if name not in ("N", "eps"))
+    return _compile_sm90(_gemv_rows_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, aligned=aligned), cfg
+
+
 @pytest.mark.parametrize("m", range(2, 9))
 @pytest.mark.parametrize("k", [576, 2048, 4096, 12288])
 def test_few_row_gemv_keeps_rows_in_registers(m, k):
@@ -124,14 +143,7 @@ def test_few_row_gemv_keeps_rows_in_registers(m, k):
     shared memory beyond the final reductions' few bytes, i.e. x's rows load in the
     weight tile's layout and nothing inside the K loop is re-laid out through shared
     memory (a [rows, BLOCK_N, BLOCK_K] product did that, and spilled)."""
-    from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
-
-    cfg = rows_config(k)
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
-                 "sxm": "i32", "swn": "i32", "som": "i32"}
-    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "VEC": 8}
-    kernel = _compile_sm90(_gemv_rows_kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=tuple(range(9)))
+    kernel, cfg = _compile_few_row_gemv(m, k)
     regs, stack = _registers_per_thread(kernel)
     print(f"M={m} K={k}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
     assert re.search(r"#ttg\.blocked<\{sizePerThread = \[1, 1, 8\]", kernel.asm["ttgir"]), "a group spans threads"
@@ -139,6 +151,23 @@ def test_few_row_gemv_keeps_rows_in_registers(m, k):
     assert stack == 0, f"M={m} K={k}: {stack} bytes of stack"
     # A few words for the final reductions (a re-laid-out weight tile would take KBs).
     assert kernel.metadata.shared <= 128 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
+
+
+@pytest.mark.parametrize("m,epilogue", [(2, "silu"), (4, "silu"), (2, "add_norm")])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_few_row_gemv_epilogues_compile_without_spills(m, epilogue, k):
+    """The few-row GEMV's fused ends at Qwen3-8B's K: the gate/up pair's two weight tiles
+    stream in the same loop (16-byte loads each), and the add + norm's last program
+    (an atomic counter, the row re-read past L1) fits with no spills, in the registers
+    the plain kernel takes (its row in chunks: a whole 4,096-wide row took 128 against
+    48, a third of the programs an SM holds for the K loop)."""
+    kernel, _ = _compile_few_row_gemv(m, k, epilogue)
+    regs, stack = _registers_per_thread(kernel)
+    assert stack == 0, f"{epilogue} M={m} K={k}: {stack} bytes of stack, {regs} registers"
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", kernel.asm["ptx"]), "no 16-byte loads"
+    if epilogue == "add_norm":
+        assert "atom.global" in kernel.asm["ptx"] and "ld.global.cg" in kernel.asm["ptx"]
+        assert regs <= _registers_per_thread(_compile_few_row_gemv(m, k)[0])[0] + 8, regs
 
 
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])

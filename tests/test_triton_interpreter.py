@@ -309,6 +309,18 @@ else:
     def test_gemv_rows(dtype, m, n, k, bias, config):
         kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config)
 
+    # The epilogues the engine takes at 2 rows: SiLU-and-mul (up to 4 rows) and the add +
+    # norm (tails of weight rows, several programs, K loops of one and several tiles).
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "m,n,k,bias,config,epilogue",
+        [(2, 100, 256, True, None, "silu"), (4, 33, 192, False, RowConfig(2, 64, 1, 1), "silu"),
+         (2, 100, 256, True, None, "add_norm"), (5, 70, 128, False, RowConfig(4, 32, 1, 1), "add_norm"),
+         (2, 600, 64, True, RowConfig(8, 64, 1, 1), "add_norm")],  # the row in 3 chunks of 256
+    )
+    def test_gemv_rows_epilogues(dtype, m, n, k, bias, config, epilogue):
+        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue)
+
     # The batch-invariant mode's projections: m rows in one launch, each as its own M = 1.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("epilogue", ["plain", "silu", "add_norm"])

@@ -198,7 +198,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                     invariant_rows: int = 0) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate | up] weight [2N, K] -> [M, N];
-    one kernel on the batch-1 GEMV path. `invariant_rows` as in `linear`."""
+    one kernel on the batch-1 and few-row GEMV paths. `invariant_rows` as in `linear`."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
         return _linear_invariant(x, weight, bias, silu_mul=True)
     each_row = _each_row(x, invariant_rows)
@@ -209,6 +209,11 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
         if gemv.fuses_scale(weight.shape[0] // 2, block):
             return gemv.linear_m1(x, weight, bias, silu_mul=True, scale=scale, block=block)
+    if scale is None and not each_row and _use_triton(x):
+        from agent_infer.kernels.triton import gemv_rows
+
+        if gemv_rows.takes(x, weight):  # the few-row GEMV's rows, SiLU in its epilogue
+            return gemv_rows.linear_rows(x, weight, bias, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias, scale, block, invariant_rows))
 
 
@@ -219,7 +224,8 @@ def linear_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
-    program adds and normalises, found with `counter`, an int32 [1] zero between calls).
+    program adds and normalises, found with `counter`, an int32 [1] zero between calls),
+    and on the few-row GEMV's rows (`gemv_rows.takes`) likewise.
     `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
     row."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
@@ -238,6 +244,13 @@ def linear_add_rms_norm(
         if weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
             return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter,
                                                scale=scale, block=block)
+    if (scale is None and not each_row and _use_triton(x) and residual.dtype == x.dtype
+            and residual.stride(-1) == 1):
+        from agent_infer.kernels.triton import gemv, gemv_rows
+
+        # The few-row GEMV's rows: its last program adds and normalises them (one counter).
+        if gemv_rows.takes(x, weight) and weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
+            return gemv_rows.linear_rows(x, weight, bias, add_norm=(residual, norm_weight, counter, eps)), residual
     if each_row:
         pairs = [linear_add_rms_norm(x[i:i + 1], weight, bias, residual[i:i + 1], norm_weight, eps, counter,
                                      scale, block) for i in range(x.shape[0])]

@@ -228,6 +228,16 @@ def test_gemv_rows(dtype, m, n, k):
     kc.check_gemv_rows(DEV, dtype, m, n, k, bias=(n == 1000))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,epilogue", [(2, 12288, 4096, "silu"), (4, 12288, 4096, "silu"),
+                                             (2, 4096, 4096, "add_norm"), (2, 4096, 12288, "add_norm"),
+                                             (3, 896, 4864, "add_norm")])
+def test_gemv_rows_epilogues(dtype, m, n, k, epilogue):
+    """The few-row GEMV ending in SiLU-and-mul or the add + norm at the Qwen3-8B (and
+    Qwen2.5-0.5B) shapes, the add + norm's counter shared by consecutive launches."""
+    kc.check_gemv_rows(DEV, dtype, m, n, k, bias=False, epilogue=epilogue, calls=3)
+
+
 # The batch-invariant mode's GEMM at the Qwen3-8B and SmolLM2-135M shapes (K split or
 # not), up to a batch of 8 with 8 drafts each.
 @pytest.mark.parametrize("dtype", DTYPES)
