@@ -555,9 +555,9 @@ def decode_attention(
     rows by context length, longest first) is the order the grid takes the sequences in
     where `ordered_rows` says it pays; `ordered` overrides that choice. An fp8 cache's
     entries times `k_scale` / `v_scale` are K and V (k_scale joins the softmax scale).
-    `shares` (with `preload` as at one row): every row's keys split as `shares` splits
-    split them, whatever the batch, so each row's result is bitwise the same call's for
-    that row alone (`launch_plan`).
+    `shares` (with `preload` as a one-row call's): each row's keys are cut as a one-row
+    call at `shares` splits cuts them, whatever the batch, so each row's result is
+    bitwise that call's (`launch_plan`).
 
     Under PDL the kernel reads the context lengths before waiting for the kernel launched
     just before it, and with the preload also the block tables and the first tile's keys

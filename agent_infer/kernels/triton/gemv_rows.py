@@ -213,7 +213,8 @@ def linear_rows(
     weight, and the residual takes y + residual in place (ops.linear_add_rms_norm)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert 1 <= m <= (MAX_SILU_ROWS if silu_mul else MAX_ROWS), f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
+    most = MAX_SILU_ROWS if silu_mul else MAX_ROWS
+    assert 1 <= m <= most, f"the few-row GEMV takes 1..{most} rows (silu_mul {silu_mul}), got {m}"
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}: e4m3 weights take the row kernel"
     cfg = config or rows_config(k)
@@ -230,7 +231,8 @@ def linear_rows(
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, n, k, x.stride(0),
         weight.stride(0), out.stride(0), residual.stride(0), n, eps,
         ROWS=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SILU_MUL=silu_mul,
-        ADD_NORM=add_norm is not None, BLOCK_H=min(ADD_NORM_CHUNK * cfg.num_warps, triton.next_power_of_2(n)),
+        ADD_NORM=add_norm is not None,
+        BLOCK_H=min(ADD_NORM_CHUNK * cfg.num_warps, triton.next_power_of_2(n)) if add_norm is not None else 16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
