@@ -142,6 +142,27 @@ def _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_
     return _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, Q_SCALED)
 
 
+@triton.jit
+def _attend_from(q, acc, m_i, l_i, first, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s, vc_b, vc_s,
+                 qk_scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 PTX_CVT: tl.constexpr, Q_SCALED: tl.constexpr, EVEN_D: tl.constexpr):
+    """The keys [first, hi) of a share [lo, hi) folded into the state (first: lo, or the
+    tile after a first one already folded in). The partial tile the last share of a
+    sequence may end on goes before the loop (unless it was that first tile), so the loop
+    runs whole tiles with unmasked copies: a mask per key row cost each copied vector its
+    predicates (tests/test_kernel_compile.py)."""
+    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
+    if (full_hi < hi) & (full_hi >= first):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   Q_SCALED, False, EVEN_D)
+    for start in range(first, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                   Q_SCALED, True, EVEN_D)
+    return acc, m_i, l_i
+
+
 # The block-table width varies between eager steps (the batch's longest table) and the
 # graphs' static buffers; specialising on it would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["s_table"])
@@ -203,18 +224,9 @@ def _decode_split_kernel(
         if lo < hi:
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION, PTX_CVT, F16_DOTS)
         first = lo + BLOCK_N
-    # The partial tile the last split of a sequence may end on goes before the loop (unless
-    # it is the preloaded one), so the loop runs whole tiles with unmasked copies: a mask
-    # per key row cost each copied vector its predicates (tests/test_kernel_compile.py).
-    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
-    if (full_hi < hi) & (full_hi >= first):
-        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
-                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
-                                   F16_DOTS, False, EVEN_D)
-    for start in range(first, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask,
-                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
-                                   F16_DOTS, True, EVEN_D)
+    acc, m_i, l_i = _attend_from(q, acc, m_i, l_i, first, lo, hi, table_row_ptr, k_base, v_base, d, d_mask,
+                                 kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
+                                 F16_DOTS, EVEN_D)
 
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -276,16 +288,8 @@ def _attend_share(q, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_
                                        kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT, Q_SCALED,
                                        False, EVEN_D)
         first = lo + BLOCK_N
-    full_hi = whole_tiles_end(lo, hi, BLOCK_N)
-    if (full_hi < hi) & (full_hi >= first):
-        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, full_hi, hi, table_row_ptr, k_base, v_base, d, d_mask,
-                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
-                                   Q_SCALED, False, EVEN_D)
-    for start in range(first, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_at(q, acc, m_i, l_i, start, hi, table_row_ptr, k_base, v_base, d, d_mask,
-                                   kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
-                                   Q_SCALED, True, EVEN_D)
-    return acc, m_i, l_i
+    return _attend_from(q, acc, m_i, l_i, first, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s,
+                        vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT, Q_SCALED, EVEN_D)
 
 
 @triton.jit(do_not_specialize=["s_table"])
