@@ -124,10 +124,15 @@ if IN_CHILD:
         # A one-row step cuts keys into 3 shares; several rows get 2 programs a row.
         monkeypatch.setattr(dense_triton, "decode_num_splits", lambda batch, kv_heads, device: 3)
         monkeypatch.setattr(dec, "decode_num_splits", lambda batch, kv_heads, device: 3 if batch == 1 else 2)
-        shared_launches: list[int] = []
-        launch_shares = dec._launch_shares
-        monkeypatch.setattr(dec, "_launch_shares",
-                            lambda q, *a: shared_launches.append(q.shape[0]) or launch_shares(q, *a))
+        shared_launches: list[int] = []  # the rows of each launch of the shares kernel
+        shares_kernel = dec._decode_shares_kernel
+
+        class CountingLaunches:
+            def __getitem__(self, grid):
+                shared_launches.append(grid[1])
+                return shares_kernel[grid]
+
+        monkeypatch.setattr(dec, "_decode_shares_kernel", CountingLaunches())
         prompts = [[(7 * i + 3) % 500 + 3 for i in range(9)], [9, 10, 11, 12]]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 4)]
         config = dict(device="cpu", dtype="float32", num_kv_blocks=64, batch_invariant=True)

@@ -91,6 +91,41 @@ def _merge_group(
 
 
 @triton.jit
+def _share_result(acc, m_i, l_i, v_scale, V_SCALED: tl.constexpr):
+    """A share's normalised output and log2-sum-exp from its softmax state: zeros and
+    -inf where it held no key."""
+    has_keys = l_i > 0
+    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if V_SCALED:  # an fp8 cache holds v / v_scale; the merges are linear in o
+        o = o * v_scale
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def _count_and_merge(part_o_ptr, part_lse_ptr, out_ptr, counter, seq, kv_head, sob, soh, num_heads, group, head_dim,
+                     num_splits, used, programs, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """Run by each of the `programs` programs of a (sequence, KV head) after storing its
+    partials: the last to count merges the `used` partials and re-arms the counter."""
+    # Triton executes a scalar atomic in one thread, so its release covers only that
+    # thread's own stores; the barrier first makes every thread's partial stores visible
+    # to it (CTA scope), and release is cumulative, so they are published at GPU scope
+    # before the count. Same pattern as a grid sync.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == programs - 1:
+        # Symmetrically, the acquire is that one thread's: the barrier orders the other
+        # threads' partial loads after it.
+        tl.debug_barrier()
+        _merge_group(part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group, head_dim,
+                     num_splits, used, GROUP_P, MERGE_S, BLOCK_D)
+        # Every other program has counted already, so a plain store re-arms the counter
+        # for the next launch (kernel boundary).
+        tl.store(counter, 0)
+
+
+@triton.jit
 def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, vc_s, BLOCK_SIZE: tl.constexpr,
                MASKED: tl.constexpr = True):
     """K and V [BLOCK_N, BLOCK_D] of the key positions `kpos` (cache blocks `block`) where
@@ -228,14 +263,10 @@ def _decode_split_kernel(
                                  kc_b, kc_s, vc_b, vc_s, qk_scale, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
                                  F16_DOTS, EVEN_D)
 
-    has_keys = l_i > 0
-    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-    if V_SCALED:  # an fp8 cache holds v / v_scale; the merges are linear in o
-        o = o * v_scale
+    o, lse = _share_result(acc, m_i, l_i, v_scale, V_SCALED)
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_ptrs = out_ptr + seq * sob + heads[:, None] * soh + d[None, :]
     row = (seq * num_heads + heads) * num_splits + split  # part_o [B, H, S, D], part_lse [B, H, S]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if DIRECT:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif MERGE:
@@ -248,22 +279,9 @@ def _decode_split_kernel(
             else:
                 tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
                 tl.store(part_lse_ptr + row, lse, mask=g_mask)
-                # Triton executes a scalar atomic in one thread, so its release covers only
-                # that thread's own stores; the barrier first makes every thread's partial
-                # stores visible to it (CTA scope), and release is cumulative, so they are
-                # published at GPU scope before the count. Same pattern as a grid sync.
-                tl.debug_barrier()
-                counter = counter_ptr + seq * num_kv_heads + kv_head
-                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if done == used - 1:
-                    # Symmetrically, the acquire is that one thread's: the barrier orders the
-                    # other threads' partial loads after it.
-                    tl.debug_barrier()
-                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group,
-                                 head_dim, num_splits, used, GROUP_P, MERGE_S, BLOCK_D)
-                    # Every other program of this (sequence, KV head) has counted already, so
-                    # a plain store re-arms the counter for the next launch (kernel boundary).
-                    tl.store(counter, 0)
+                _count_and_merge(part_o_ptr, part_lse_ptr, out_ptr, counter_ptr + seq * num_kv_heads + kv_head, seq,
+                                 kv_head, sob, soh, num_heads, group, head_dim, num_splits, used, used, GROUP_P,
+                                 MERGE_S, BLOCK_D)
     else:
         tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
@@ -336,29 +354,18 @@ def _decode_shares_kernel(
             acc, m_i, l_i = _attend_share(q, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_s, vc_b,
                                           vc_s, qk_scale, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, PTX_CVT,
                                           F16_DOTS, EVEN_D, PRELOAD_ORDER)
-            has_keys = l_i > 0
-            o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-            if V_SCALED:
-                o = o * v_scale
+            o, lse = _share_result(acc, m_i, l_i, v_scale, V_SCALED)
             if used == 1:
                 tl.store(out_ptr + seq * sob + heads[:, None] * soh + d[None, :], o.to(out_ptr.dtype.element_ty),
                          mask=out_mask)
             else:
                 row = (seq * num_heads + heads) * num_shares + share  # part_o [B, H, S, D], part_lse [B, H, S]
-                lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
                 tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=out_mask)
                 tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if used > 1:
-            # As in `_decode_split_kernel`: the barrier publishes every thread's partials
-            # before the one thread's release; the programs holding shares count.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * num_kv_heads + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == tl.minimum(used, num_programs) - 1:
-                tl.debug_barrier()
-                _merge_group(part_o_ptr, part_lse_ptr, out_ptr, seq, kv_head, sob, soh, num_heads, group,
-                             head_dim, num_shares, used, GROUP_P, MERGE_S, BLOCK_D)
-                tl.store(counter, 0)
+        if used > 1:  # the programs holding shares count
+            _count_and_merge(part_o_ptr, part_lse_ptr, out_ptr, counter_ptr + seq * num_kv_heads + kv_head, seq,
+                             kv_head, sob, soh, num_heads, group, head_dim, num_shares, used,
+                             tl.minimum(used, num_programs), GROUP_P, MERGE_S, BLOCK_D)
 
 
 @triton.jit
@@ -595,9 +602,21 @@ def decode_attention(
     splits, direct, merge, ordered = plan.splits, plan.direct, plan.merge, plan.ordered
     cfg = config or default_config(head_dim, q.dtype, k_cache.dtype)
     f16_dots = fp16_dots(k_cache.dtype, q.dtype)
-    if plan.shares:
-        _launch_shares(q, out, k_cache, v_cache, block_tables, context_lens, counters, plan, cfg,
-                       scale * k_scale * _LOG2E, v_scale, v_scaled)
+    if plan.shares:  # fewer programs than shares
+        part_o = torch.empty((batch, num_heads, plan.shares, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, plan.shares), dtype=torch.float32, device=q.device)
+        _decode_shares_kernel[(num_kv_heads, batch, splits)](
+            q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse, counters,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            num_heads, num_kv_heads, group, head_dim, plan.shares, splits, scale * k_scale * _LOG2E, v_scale,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d, GROUP_P=plan.group_p, MERGE_S=plan.merge_s, PRECISION=dot_precision(q.dtype),
+            V_SCALED=v_scaled, F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda",
+            PRELOAD_ORDER=plan.preload, EVEN_D=head_dim == block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
+        )
         return out
     if direct:
         part_o = part_lse = out  # unused
@@ -625,26 +644,3 @@ def decode_attention(
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **launch_opts(q.device),
         )
     return out
-
-
-def _launch_shares(q, out, k_cache, v_cache, block_tables, context_lens, counters, plan: LaunchPlan,
-                   cfg: DecodeConfig, qk_scale: float, v_scale: float, v_scaled: bool) -> None:
-    """`decode_attention` with fewer programs than shares (`launch_plan`)."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    block_d = check_head_dim(head_dim)
-    f16_dots = fp16_dots(k_cache.dtype, q.dtype)
-    part_o = torch.empty((batch, num_heads, plan.shares, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_heads, plan.shares), dtype=torch.float32, device=q.device)
-    _decode_shares_kernel[(num_kv_heads, batch, plan.splits)](
-        q, out, k_cache, v_cache, block_tables, context_lens, part_o, part_lse, counters,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_heads, num_kv_heads, num_heads // num_kv_heads, head_dim, plan.shares, plan.splits, qk_scale, v_scale,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        BLOCK_N=cfg.block_n, BLOCK_D=block_d, GROUP_P=plan.group_p, MERGE_S=plan.merge_s,
-        PRECISION=dot_precision(q.dtype), V_SCALED=v_scaled, F16_DOTS=f16_dots,
-        PTX_CVT=f16_dots and q.device.type == "cuda", PRELOAD_ORDER=plan.preload, EVEN_D=head_dim == block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(q.device),
-    )
