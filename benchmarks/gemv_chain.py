@@ -9,10 +9,12 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
     python benchmarks/gemv_chain.py --rows 5 --tp 1   # 5 rows of x (a verify step of 4 drafts): the few-row GEMV
+    python benchmarks/gemv_chain.py --rows 4 8 16 --tp 1 --mma   # its tensor-core sibling, 3-16 rows
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is `gemv_rows.linear_rows`, the
-SiLU-and-mul a kernel of its own as after cuBLAS); the sweep ranks the configurations by
+SiLU-and-mul a kernel of its own as after cuBLAS; with --mma, `gemv_rows_mma.linear_rows_mma`
+with SiLU-and-mul in its epilogue); the sweep ranks the configurations by
 their time with PDL where the GPU has it (as the engine launches them). Then the whole
 per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) over the layers plus the LM
 head, ms per step: what the linear layers cost in one decode step.
@@ -28,12 +30,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
 from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
 from agent_infer.kernels.triton.gemv_rows import linear_rows, rows_config  # noqa: E402
+from agent_infer.kernels.triton.gemv_rows_mma import MmaConfig, linear_rows_mma, mma_config  # noqa: E402
 from agent_infer.kernels.triton.utils import pdl_enabled  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
 
@@ -112,15 +116,18 @@ class Weight:
         self.ref = w if Weight.layout is None else F8.dequantize(self.w, self.scale, F8.Fp8Config(Weight.layout, self.block), DT)
         self.nbytes = self.w.numel() * self.w.element_size()
 
-    def __call__(self, x: torch.Tensor, *, config: RowConfig, pdl: bool | None = None,
+    def __call__(self, x: torch.Tensor, *, config: RowConfig | MmaConfig, pdl: bool | None = None,
                  silu_mul: bool = False) -> torch.Tensor:
         return gemv(x, self.w, config, pdl, silu_mul, self.scale, self.block)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig, pdl: bool | None, silu_mul: bool = False,
+def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig | MmaConfig, pdl: bool | None, silu_mul: bool = False,
          scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The engine's batch-1 GEMV for one row of x, the few-row GEMV (then the SiLU-and-mul
-    kernel) for more."""
+    kernel) for more, or with an MmaConfig its tensor-core sibling (SiLU in its epilogue)."""
+    if isinstance(config, MmaConfig):
+        assert scale is None, "the few-row GEMV takes bf16 weights"
+        return linear_rows_mma(x, w, config=config, pdl=pdl, silu_mul=silu_mul)
     if x.shape[0] == 1:
         return linear_m1(x, w, scale=scale, block=block, config=config, pdl=pdl, silu_mul=silu_mul)
     assert scale is None, "the few-row GEMV takes bf16 weights"
@@ -128,7 +135,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig, pdl: bool | None, 
     return silu_and_mul(y) if silu_mul else y
 
 
-def sweep(rows: int) -> list[RowConfig]:
+def mma_sweep() -> list[MmaConfig]:
+    """Tiles of 16 weight rows on one or two warps (mma.sync), 32 on two or four, 64 on a
+    warpgroup (Hopper's wgmma); with and without the first tile before the PDL wait."""
+    out = []
+    for bn, warps, bks in ((16, (1, 2), (128, 256, 512)), (32, (2, 4), (128, 256)), (64, (4,), (64, 128, 256))):
+        for w, bk, stages, prefetch in itertools.product(warps, bks, (3, 4), (True, False)):
+            out.append(MmaConfig(bn, bk, w, stages, prefetch))
+    return out
+
+
+def sweep(rows: int, mma: bool = False) -> list[RowConfig | MmaConfig]:
+    if mma:
+        return mma_sweep()
     if rows > 1:
         # A thread holds bn x (bk / 8 / threads) groups of 8 weights, and one fp32 sum per
         # group and row of x: at most 64 such sums and 64 weights a thread.
@@ -152,7 +171,7 @@ def sweep(rows: int) -> list[RowConfig]:
 
 
 def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False,
-                rows: int = 1) -> RowConfig:
+                rows: int = 1, mma: bool = False) -> RowConfig | MmaConfig:
     """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the SiLU-and-mul) on
     `rows` rows of x."""
     ws = [Weight(n, k) for _ in range(layers)]
@@ -173,19 +192,26 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
 
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
-    default = rows_config(k) if rows > 1 else row_config(out_n, k, torch.device(DEV),
-                                                               fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep(rows) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    if mma:
+        default = mma_config(out_n, k)
+    elif rows > 1:
+        default = rows_config(k)
+    else:
+        default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
+    configs = [default] + ([c for c in sweep(rows, mma) if k % c.block_k == 0 and c != default] if do_sweep else [])
     timed = []
     for cfg in configs:
-        err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
+        try:
+            err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
+        except triton.runtime.errors.OutOfResources:  # a tile the GPU cannot hold
+            continue
         t = chain(cfg, False)
         t_pdl = chain(cfg, True) if pdl_enabled(torch.device(DEV)) else t
         timed.append((t_pdl, t, cfg, err))
     t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
     t_pdl, t_best, best, err = timed[0]
-    tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.prefetch}"  # noqa: E731
+    tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{int(c.prefetch)}"  # noqa: E731
     print(
         f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e3:5.2f} TB/s | "
         f"triton default {t_def:6.1f}, +PDL {t_def_pdl:6.1f} | best with PDL {t_pdl:6.1f} us "
@@ -199,7 +225,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     return best
 
 
-def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig], rows: int = 1) -> None:
+def bench_chain(m: Shape, tp: int, best: dict[str, RowConfig | MmaConfig], rows: int = 1) -> None:
     sh = shapes(m, tp)
     layers = [{name: Weight(n, k) for name, (n, k) in sh.items()} for _ in range(m.layers)]
     head = torch.randn(m.vocab // tp, m.hidden, dtype=DT, device=DEV) * m.hidden**-0.5  # bf16 in every format
@@ -241,27 +267,32 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
-    ap.add_argument("--rows", type=int, default=1, help="rows of x (2-8: the few-row GEMV)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1],
+                    help="rows of x (2-8: the few-row GEMV; 1-16 with --mma), each in turn")
+    ap.add_argument("--mma", action="store_true", help="the few-row GEMV on the tensor cores (gemv_rows_mma)")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
     m = MODELS[args.model]
-    assert args.rows == 1 or args.fp8 is None, "the few-row GEMV takes bf16 weights"
+    assert args.rows == [1] or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
-          f"{args.rows} row(s) of x")
-    for tp in args.tp:
+          f"{args.rows} row(s) of x, {'tensor cores' if args.mma else 'FMA'}")
+    for rows, tp in itertools.product(args.rows, args.tp):
         best = {}
         Weight.layout = args.fp8
+        sweep_on = not args.no_sweep
         for name, (n, k) in shapes(m, tp).items():
-            best[name] = bench_shape(f"{name}/tp{tp}", n, k, m.layers, not args.no_sweep, rows=args.rows)
+            best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows, mma=args.mma)
         if m.inter:
             n, k = shapes(m, tp)["gate_up"]
-            best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}", n, k, m.layers, not args.no_sweep, silu=True,
-                                               rows=args.rows)
+            best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}/M{rows}", n, k, m.layers, sweep_on, silu=True,
+                                               rows=rows, mma=args.mma)
         Weight.layout = None
-        best["head"] = bench_shape(f"head/tp{tp}", m.vocab // tp, m.hidden, m.layers, False, rows=args.rows)
+        # The LM head is swept for the tensor-core kernel only (its tile is the engine's choice there).
+        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and args.mma,
+                                   rows=rows, mma=args.mma)
         Weight.layout = args.fp8
-        bench_chain(m, tp, best, args.rows)
+        bench_chain(m, tp, best, rows)
 
 
 if __name__ == "__main__":

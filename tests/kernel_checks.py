@@ -307,13 +307,17 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
 
 
 def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, config=None,
-                    epilogue: str = "plain", calls: int = 2) -> None:
-    """The few-row GEMV (2-8 rows) against F.linear in fp32, x's rows strided (a view
-    into a wider buffer, as a verify step's hidden rows may be). `epilogue` "silu": a
-    [gate; up] weight of 2n rows ending in SiLU-and-mul (against the reference's
-    silu_and_mul of the rounded projection); "add_norm": the residual add + RMSNorm by
-    the last program, `calls` launches in a row on one counter, which each must re-arm."""
-    from agent_infer.kernels.triton.gemv_rows import linear_rows
+                    epilogue: str = "plain", calls: int = 2, mma: bool = False) -> None:
+    """The few-row GEMV (2-8 rows; with `mma`, its tensor-core sibling, 1-16 rows)
+    against F.linear in fp32, x's rows strided (a view into a wider buffer, as a verify
+    step's hidden rows may be). `epilogue` "silu": a [gate; up] weight of 2n rows ending
+    in SiLU-and-mul (against the reference's silu_and_mul of the rounded projection);
+    "add_norm": the residual add + RMSNorm by the last program, `calls` launches in a row
+    on one counter, which each must re-arm."""
+    if mma:
+        from agent_infer.kernels.triton.gemv_rows_mma import linear_rows_mma as linear_rows
+    else:
+        from agent_infer.kernels.triton.gemv_rows import linear_rows
 
     rows_w = 2 * n if epilogue == "silu" else n
     w = randn(rows_w, k, dtype=dtype, device=device, seed=35, scale=k**-0.5)

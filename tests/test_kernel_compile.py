@@ -170,6 +170,46 @@ def test_few_row_gemv_epilogues_compile_without_spills(m, epilogue, k):
         assert regs <= _registers_per_thread(_compile_few_row_gemv(m, k)[0])[0] + 8, regs
 
 
+def _compile_few_row_mma(n: int, k: int, epilogue: str = "plain", config=None):
+    """The tensor-core few-row GEMV as a launch compiles it for sm_90 (bf16, an [n, k]
+    weight, its default launch unless `config`)."""
+    from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel, mma_config
+
+    cfg = config or mma_config(n, k)
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr", "count_ptr", "M", "N", "K", "sxm", "swn",
+             "som", "srm", "up_offset", "eps"]
+    types = ["*bf16"] * 6 + ["*i32"] + ["i32"] * 8 + ["fp32"]
+    constexprs = {"HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_M": BLOCK_M,
+                  "PRECISION": "tf32", "SILU_MUL": epilogue == "silu", "ADD_NORM": epilogue == "add_norm",
+                  "BLOCK_H": 256 * cfg.num_warps, "PREFETCH": cfg.prefetch}
+    signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
+    aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N", "eps"))
+    return _compile_sm90(_gemv_rows_mma_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, aligned=aligned)
+
+
+@pytest.mark.parametrize("epilogue", ["plain", "silu", "add_norm"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (12288, 4096), (151936, 4096), (960, 576)])
+def test_few_row_mma_streams_through_the_tensor_cores(n, k, epilogue):
+    """The tensor-core few-row GEMV in its default launches at the Qwen3-8B and SmolLM2
+    shapes: the weight tiles stream into shared memory by 16-byte asynchronous copies
+    (Triton's pipeline), the products run as MMAs (the warpgroup MMA for 64-row tiles),
+    the loads wait for the previous kernel (PDL), and nothing spills."""
+    from agent_infer.kernels.triton.gemv_rows_mma import mma_config
+
+    cfg = mma_config(n, k)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
+    kernel = _compile_few_row_mma(n, k, epilogue)
+    regs, stack = _registers_per_thread(kernel)
+    ptx = kernel.asm["ptx"]
+    print(f"N={n} K={k} {epilogue}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
+    assert stack == 0, f"{stack} bytes of stack"
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
+    assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
+    assert "griddepcontrol.wait" in ptx
+    if epilogue == "add_norm":
+        assert "atom.global" in ptx and "ld.global.cg" in ptx
+
+
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
 def test_fp8_gemv_compiles_for_sm90(scale, block):
     """The batch-1 GEMV over e4m3 weights (read as int32 words) in its default launch

@@ -94,6 +94,7 @@ else:
     import torch
 
     from agent_infer.kernels.triton.gemv import GemvConfig, RowConfig
+    from agent_infer.kernels.triton.gemv_rows_mma import MmaConfig
     from tests import attention_checks as ac
     from tests import kernel_checks as kc
 
@@ -320,6 +321,19 @@ else:
     )
     def test_gemv_rows_epilogues(dtype, m, n, k, bias, config, epilogue):
         kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue)
+
+    # The few-row GEMV on the tensor cores, 1-16 rows in one variant: tails of weight rows,
+    # tiles of one and several programs, K loops of one and several tiles, every epilogue.
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize(
+        "m,n,k,bias,config,epilogue",
+        [(5, 100, 256, True, None, "plain"), (1, 33, 64, False, MmaConfig(16, 64, 1, 1), "plain"),
+         (16, 70, 128, False, MmaConfig(32, 32, 2, 2), "plain"), (8, 48, 192, True, MmaConfig(16, 64, 2, 3), "silu"),
+         (3, 20, 64, False, None, "silu"), (5, 70, 128, True, MmaConfig(16, 32, 2, 2), "add_norm"),
+         (9, 600, 64, False, MmaConfig(64, 64, 4, 2), "add_norm")],  # the row in 3 chunks of 256
+    )
+    def test_gemv_rows_mma(dtype, m, n, k, bias, config, epilogue):
+        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue, mma=True)
 
     # The batch-invariant mode's projections: m rows in one launch, each as its own M = 1.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -238,6 +238,18 @@ def test_gemv_rows_epilogues(dtype, m, n, k, epilogue):
     kc.check_gemv_rows(DEV, dtype, m, n, k, bias=False, epilogue=epilogue, calls=3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 16])
+@pytest.mark.parametrize("n,k,epilogue", [(6144, 4096, "plain"), (4096, 12288, "add_norm"), (12288, 4096, "silu"),
+                                          (4096, 4096, "add_norm"), (151936, 4096, "plain"), (960, 576, "plain"),
+                                          (1000, 4032, "plain")])
+def test_gemv_rows_mma(dtype, m, n, k, epilogue):
+    """The few-row GEMV on the tensor cores at the Qwen3-8B (LM head included) and
+    SmolLM2-135M shapes in its default launches, every epilogue, the add + norm's counter
+    shared by consecutive launches."""
+    kc.check_gemv_rows(DEV, dtype, m, n, k, bias=(n == 1000), epilogue=epilogue, calls=3, mma=True)
+
+
 # The batch-invariant mode's GEMM at the Qwen3-8B and SmolLM2-135M shapes (K split or
 # not), up to a batch of 8 with 8 drafts each.
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,7 +38,7 @@ from agent_infer.kernels.triton.utils import bias_silu_mul, launch_opts, pdl_beg
 MAX_ROWS = 8
 MAX_SILU_ROWS = MAX_ROWS // 2
 # Columns of a row the add + norm epilogue holds at a time, per warp (8 a thread;
-# `_last_program_add_norm_rows`).
+# `last_program_add_norm_rows`).
 ADD_NORM_CHUNK = 256
 # The row counts the engine sends here (`takes`): 2, where the kernel streams the weights
 # faster than cuBLAS. Each further row of x adds its loads, conversions and FMAs to every
@@ -72,11 +72,11 @@ def _store_row(acc, up_acc, out_ptr, som, b_ptr, n, n_mask, up_offset, j: tl.con
 
 
 @triton.jit
-def _last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, programs,
-                                ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, programs, rows,
+                               CHUNK: tl.constexpr):
     """Run by every program after storing its outputs: the last of the `programs` to
     arrive does residual <- y + residual, out <- rms_norm(residual) * weight for each of
-    the ROWS rows, rounded as `norm.add_rms_norm_row` rounds, and re-arms the counter. In
+    the `rows` rows, rounded as `norm.add_rms_norm_row` rounds, and re-arms the counter. In
     two passes of CHUNK columns over a row (the sum stored and its squares added, then
     the normalised row), so the epilogue holds a chunk, not a row: compiled for sm_90 a
     whole 4,096-wide row took the kernel from 48 to 128 registers a thread, a third of
@@ -84,7 +84,7 @@ def _last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N
     if last_to_arrive(count_ptr, programs):
         tl.debug_barrier()
         cols = tl.arange(0, CHUNK)
-        for r in range(ROWS):
+        for r in range(rows):
             squares = tl.zeros([CHUNK], dtype=tl.float32)
             for c0 in range(0, N, CHUNK):
                 h = c0 + cols
@@ -176,8 +176,8 @@ def _gemv_rows_kernel(
         _store_row(a6, a6, out_ptr, som, b_ptr, n, n_mask, up_offset, 6, ROWS, HAS_BIAS, False)
         _store_row(a7, a7, out_ptr, som, b_ptr, n, n_mask, up_offset, 7, ROWS, HAS_BIAS, False)
     if ADD_NORM:
-        _last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, tl.num_programs(0),
-                                    ROWS, BLOCK_H)
+        last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, tl.num_programs(0),
+                                   ROWS, BLOCK_H)
 
 
 def rows_config(k: int) -> RowConfig:

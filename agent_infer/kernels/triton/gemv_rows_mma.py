@@ -1,0 +1,153 @@
+"""The few-row GEMV on the tensor cores: y = x W^T (+ b) for x [M, K] with 1 <= M <=
+MAX_ROWS (a speculative verify step at batch 1, a small decode batch), W [N, K].
+
+The FMA few-row GEMV (gemv_rows.py) spends instructions in proportion to the rows: at 5
+rows its K loop issues about 19 instructions a weight, and it streams the Qwen3-8B
+projections at 2.0 TB/s against cuBLAS's 2.5 (docs/PERFORMANCE.md). Here the products
+go to the tensor cores, a few instructions a weight whatever the rows, and the launch
+keeps the batch-1 GEMV's shape: each program owns BLOCK_N weight rows over the whole K
+(no split, no second kernel), its first tile loaded before the PDL wait, x's rows padded
+to one 16-row operand by masked loads that move no bytes. The weight tile is the dot's
+left operand, [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 16], so a 64-row tile can take
+Hopper's warpgroup MMA. Like the batch-1 GEMV it ends a [gate; up] projection in
+SiLU-and-mul (a second dot over the up rows) and the o and down projections in the
+residual add + RMSNorm (the last program, `gemv_rows.last_program_add_norm_rows`).
+The reference is F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from agent_infer.kernels.triton.gemv import MAX_ADD_NORM_FEATURES
+from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, last_program_add_norm_rows
+from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
+
+# x's rows in the dot's right operand: the narrowest tile tl.dot takes.
+BLOCK_M = 16
+MAX_ROWS = BLOCK_M
+# The row counts `takes` accepts; 2 rows take the FMA few-row GEMV.
+ENGINE_ROWS = range(3, MAX_ROWS + 1)
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape: BLOCK_N weight rows a program, BLOCK_K columns a tile; num_stages
+    tiles in flight through shared memory (Triton's pipeliner) after the first."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: bool = True  # the first tile loaded before the PDL wait, into registers
+
+
+# M is not specialised: each row count would otherwise compile its own variant.
+@triton.jit(do_not_specialize=["M"])
+def _gemv_rows_mma_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, M, N, K, sxm, swn, som, srm, up_offset, eps,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr = False,
+    ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, PREFETCH: tl.constexpr = True,
+):
+    """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for j < M and this program's BLOCK_N
+    rows of w; K a multiple of BLOCK_K. SILU_MUL: rows n + up_offset of w are the up
+    halves, and out is silu(gate) * up. ADD_NORM: the last program to finish does
+    residual <- out + residual, out <- rms_norm(residual) * weight for every row (one
+    counter for the launch, re-armed)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
+    up_rows = w_rows + up_offset * swn
+    x_rows = x_ptr + m[:, None] * sxm + kk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = acc
+    start = 0
+    if PREFETCH:
+        # The first tile before the wait: weights never depend on the previous kernel.
+        w = tl.load(w_rows, mask=n_mask[:, None], other=0.0)
+        if SILU_MUL:
+            u = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
+        pdl_begin(PDL)
+        x = tl.trans(tl.load(x_rows, mask=m_mask[:, None], other=0.0))
+        acc = tl.dot(w, x, input_precision=PRECISION)
+        if SILU_MUL:
+            acc_u = tl.dot(u, x, input_precision=PRECISION)
+        start = BLOCK_K
+    else:
+        pdl_begin(PDL)
+    for k0 in range(start, K, BLOCK_K):
+        x = tl.trans(tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0))
+        acc = tl.dot(tl.load(w_rows + k0, mask=n_mask[:, None], other=0.0), x, acc, input_precision=PRECISION)
+        if SILU_MUL:
+            acc_u = tl.dot(tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0), x, acc_u,
+                           input_precision=PRECISION)
+    y = bias_silu_mul(acc, acc_u, n[:, None], n_mask[:, None], b_ptr, up_offset, HAS_BIAS, SILU_MUL,
+                      out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m[None, :] * som + n[:, None], y.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+    if ADD_NORM:
+        last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, tl.num_programs(0),
+                                   M, BLOCK_H)
+
+
+def mma_config(n: int, k: int) -> MmaConfig:
+    """The launch for an [n, k] weight (n output rows; gate/up pairs count their gate
+    rows). Provisional until a GPU sweep (`benchmarks/gemv_chain.py --mma`) sets it:
+    outputs of at least 16,384 rows in 64-row tiles (the warpgroup MMA, still two
+    programs an SM), narrower ones in 16-row tiles, so 4,096 rows give 256 programs."""
+    block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
+    if n >= 16384:
+        return MmaConfig(64, min(block_k, 128), num_warps=4, num_stages=3, prefetch=False)
+    return MmaConfig(16, block_k, num_warps=2, num_stages=3, prefetch=False)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
+    x over a weight of the same dtype, K a multiple of 64."""
+    return (
+        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
+    )
+
+
+def linear_rows_mma(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
+    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+    config: MmaConfig | None = None, pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_ROWS, last dim contiguous) @ weight [N, K]^T (+ bias) ->
+    [M, N] in x's dtype. `silu_mul`: weight is [gate; up], 2N rows, and the result
+    silu(gate) * up [M, N]. `add_norm` = (residual [M, N], norm weight [N], counter
+    (int32, zero between calls), eps): the result is rms_norm(y + residual) * weight, and
+    the residual takes y + residual in place (ops.linear_add_rms_norm)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
+    cfg = config or mma_config(n, k)
+    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
+    if add_norm is not None:
+        assert not silu_mul and n <= MAX_ADD_NORM_FEATURES, (silu_mul, n)
+        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1
+        assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+        assert counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == x.device
+    _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), residual.stride(0), n, eps,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
+        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
+        BLOCK_H=min(ADD_NORM_CHUNK * cfg.num_warps, triton.next_power_of_2(n)) if add_norm is not None else 16,
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
+    )
+    return out
