@@ -193,12 +193,33 @@ def rows_config(k: int) -> RowConfig:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
-    x over a weight of the same dtype, K a multiple of 64 (whole groups in every tile)."""
+    """Whether the engine's projection x @ weight^T goes here (ENGINE_ROWS rows)."""
+    return takes_rows(x, weight, ENGINE_ROWS)
+
+
+def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows) -> bool:
+    """Whether x @ weight^T suits a few-row GEMV taking `rows` (a collection of row
+    counts): 16-bit x over a weight of the same dtype, K a multiple of 64 (whole groups
+    in every tile)."""
     return (
-        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+        x.dim() == 2 and x.shape[0] in rows and x.stride(1) == 1 and weight.is_contiguous()
         and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
     )
+
+
+def add_norm_operands(add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None, out: torch.Tensor,
+                      silu_mul: bool) -> tuple:
+    """(residual, norm weight, counter, eps) of a few-row GEMV's launch for its output
+    `out` [M, N]: `add_norm` checked, or placeholders (out, out, out, 0.0) without one."""
+    if add_norm is None:
+        return out, out, out, 0.0
+    residual, norm_weight, counter, _ = add_norm
+    m, n = out.shape
+    assert not silu_mul and n <= MAX_ADD_NORM_FEATURES, (silu_mul, n)
+    assert residual.shape == (m, n) and residual.dtype == out.dtype and residual.stride(-1) == 1
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+    assert counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == out.device
+    return add_norm
 
 
 def linear_rows(
@@ -220,12 +241,7 @@ def linear_rows(
     cfg = config or rows_config(k)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
-    if add_norm is not None:
-        assert not silu_mul and n <= MAX_ADD_NORM_FEATURES, (silu_mul, n)
-        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1
-        assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
-        assert counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == x.device
+    residual, norm_weight, counter, eps = add_norm_operands(add_norm, out, silu_mul)
     opts = launch_opts(x.device, pdl)
     _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, n, k, x.stride(0),

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv import MAX_ADD_NORM_FEATURES
-from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, last_program_add_norm_rows
+from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, add_norm_operands, last_program_add_norm_rows, takes_rows
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
@@ -110,12 +109,8 @@ def mma_config(n: int, k: int) -> MmaConfig:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
-    x over a weight of the same dtype, K a multiple of 64."""
-    return (
-        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
-        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
-    )
+    """Whether the engine's projection x @ weight^T goes here (ENGINE_ROWS rows)."""
+    return takes_rows(x, weight, ENGINE_ROWS)
 
 
 def linear_rows_mma(
@@ -136,12 +131,7 @@ def linear_rows_mma(
     cfg = config or mma_config(n, k)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, counter, eps = add_norm if add_norm is not None else (out, out, out, 0.0)
-    if add_norm is not None:
-        assert not silu_mul and n <= MAX_ADD_NORM_FEATURES, (silu_mul, n)
-        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1
-        assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
-        assert counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == x.device
+    residual, norm_weight, counter, eps = add_norm_operands(add_norm, out, silu_mul)
     _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), residual.stride(0), n, eps,
