@@ -6,13 +6,19 @@ rows its K loop issues about 19 instructions a weight, and it streams the Qwen3-
 projections at 2.0 TB/s against cuBLAS's 2.5 (docs/PERFORMANCE.md). Here the products
 go to the tensor cores, a few instructions a weight whatever the rows, and the launch
 keeps the batch-1 GEMV's shape: each program owns BLOCK_N weight rows over the whole K
-(no split, no second kernel), its first tile loaded before the PDL wait, x's rows padded
+(no split, no second kernel), the weight tiles streamed through shared memory by
+Triton's pipeline (optionally the first one loaded before the PDL wait), x's rows padded
 to one 16-row operand by masked loads that move no bytes. The weight tile is the dot's
 left operand, [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 16], so a 64-row tile can take
 Hopper's warpgroup MMA. Like the batch-1 GEMV it ends a [gate; up] projection in
 SiLU-and-mul (a second dot over the up rows) and the o and down projections in the
 residual add + RMSNorm (the last program, `gemv_rows.last_program_add_norm_rows`).
 The reference is F.linear.
+
+The engine does not send it projections yet: they stay on cuBLAS (3 rows and more) until
+a GPU measures this kernel ahead of it (`benchmarks/gemv_chain.py --mma --rows M`, then
+the verify step of `benchmarks/spec_decode.py verify`); docs/PERFORMANCE.md says where
+that stands.
 """
 
 from __future__ import annotations
@@ -23,14 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, add_norm_operands, last_program_add_norm_rows, takes_rows
+from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, add_norm_operands, last_program_add_norm_rows
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M
-# The row counts `takes` accepts; 2 rows take the FMA few-row GEMV.
-ENGINE_ROWS = range(3, MAX_ROWS + 1)
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,6 @@ def mma_config(n: int, k: int) -> MmaConfig:
     if n >= 16384:
         return MmaConfig(64, min(block_k, 128), num_warps=4, num_stages=3, prefetch=False)
     return MmaConfig(16, block_k, num_warps=2, num_stages=3, prefetch=False)
-
-
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the engine's projection x @ weight^T goes here (ENGINE_ROWS rows)."""
-    return takes_rows(x, weight, ENGINE_ROWS)
 
 
 def linear_rows_mma(
