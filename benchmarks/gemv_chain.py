@@ -202,17 +202,16 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     else:
         default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
     configs = [default] + ([c for c in sweep(rows, mma) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    pdl = pdl_enabled(torch.device(DEV))
     timed = []
     for cfg in configs:
         try:
             err = ((ws[0](x, config=cfg, silu_mul=silu).float() - ref).norm() / ref.norm()).item()
         except triton.runtime.errors.OutOfResources:  # a tile the GPU cannot hold
             continue
-        pdl = pdl_enabled(torch.device(DEV))
-        t_pdl = chain(cfg, True) if pdl else None
+        t_pdl = chain(cfg, pdl)
         # The tensor-core sweep times the engine's launch alone (each launch kind compiles its own).
-        t = t_pdl if mma and pdl else chain(cfg, False)
-        t_pdl = t if t_pdl is None else t_pdl
+        t = chain(cfg, False) if pdl and not mma else t_pdl
         timed.append((t_pdl, t, cfg, err))
     t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
