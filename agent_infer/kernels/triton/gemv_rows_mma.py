@@ -13,7 +13,10 @@ left operand, [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 16], so a 64-row tile can t
 Hopper's warpgroup MMA. Like the batch-1 GEMV it ends a [gate; up] projection in
 SiLU-and-mul (a second dot over the up rows) and the o and down projections in the
 residual add + RMSNorm (the last program, `gemv_rows.last_program_add_norm_rows`).
-The reference is F.linear.
+The reference is F.linear. `gemv._gemv_kernel` with `swap_ab` takes the same dot; that
+kernel is the batch-invariant mode's GEMM (a K split with its second kernel, a whole row
+held in its add + norm, SiLU only with x on the left), kept apart so that neither's
+compiled code moves with the other's needs.
 
 The engine does not send it projections yet: they stay on cuBLAS (3 rows and more) until
 a GPU measures this kernel ahead of it (`benchmarks/gemv_chain.py --mma --rows M`, then
