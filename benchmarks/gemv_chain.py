@@ -196,7 +196,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
     if mma:
-        default = mma_config(out_n, k)
+        default = mma_config(out_n, k, silu)
     elif rows > 1:
         default = rows_config(k)
     else:
@@ -218,7 +218,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
     t_pdl, t_best, best, err = timed[0]
     tag = lambda c: f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{int(c.prefetch)}"  # noqa: E731
     print(
-        f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e3:5.2f} TB/s | "
+        f"{name:8s} N={n:6d} K={k:6d} | cuBLAS bf16 {t_cublas:6.1f} us {2 * n * k / t_cublas / 1e6:5.2f} TB/s | "
         f"triton default {t_def:6.1f}, +PDL {t_def_pdl:6.1f} | best with PDL {t_pdl:6.1f} us "
         f"{gbytes / t_pdl * 1e3:5.2f} TB/s, without {t_best:6.1f} ({tag(best)}, err {err:.1e})",
         flush=True,

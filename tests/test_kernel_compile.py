@@ -16,6 +16,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton's compiler (not the interpreter)",
 )
 
+# The shared memory one block of an sm_90 GPU may take (per SM: 228 KB).
+SM90_SHARED_BYTES = 227 * 1024
+
 
 def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
                   aligned: tuple[int, ...] = ()):
@@ -115,21 +118,18 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
-def _compile_few_row_gemv(m: int, k: int, epilogue: str = "plain"):
+def _compile_few_row_gemv(m: int, k: int, silu: bool = False):
     """The few-row GEMV as its default launch compiles it for sm_90 (bf16, `m` rows over
-    K = `k`), plain, ending in SiLU-and-mul ("silu") or in the add + norm ("add_norm",
-    its row in chunks of 8 values a thread). Returns (kernel, config)."""
+    K = `k`), plain or ending in SiLU-and-mul. Returns (kernel, config)."""
     from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
 
     cfg = rows_config(k)
-    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr", "count_ptr", "N", "K", "sxm", "swn", "som",
-             "srm", "up_offset", "eps"]
-    types = ["*bf16"] * 6 + ["*i32"] + ["i32"] * 7 + ["fp32"]
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "sxm", "swn", "som", "up_offset"]
+    types = ["*bf16"] * 4 + ["i32"] * 6
     constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                  "SILU_MUL": epilogue == "silu", "ADD_NORM": epilogue == "add_norm",
-                  "BLOCK_H": 256 * cfg.num_warps, "VEC": 8}
+                  "SILU_MUL": silu, "VEC": 8}
     signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
-    aligned = tuple(i for i, name in enumerate(names) if name not in ("N", "eps"))
+    aligned = tuple(i for i, name in enumerate(names) if name != "N")
     return _compile_sm90(_gemv_rows_kernel, signature, constexprs, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, aligned=aligned), cfg
 
@@ -153,61 +153,53 @@ def test_few_row_gemv_keeps_rows_in_registers(m, k):
     assert kernel.metadata.shared <= 128 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
 
 
-@pytest.mark.parametrize("m,epilogue", [(2, "silu"), (4, "silu"), (2, "add_norm")])
+@pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("k", [4096, 12288])
-def test_few_row_gemv_epilogues_compile_without_spills(m, epilogue, k):
-    """The few-row GEMV's fused ends at Qwen3-8B's K: the gate/up pair's two weight tiles
-    stream in the same loop (16-byte loads each), and the add + norm's last program
-    (an atomic counter, the row re-read past L1) fits with no spills, in the registers
-    the plain kernel takes (its row in chunks: a whole 4,096-wide row took 128 against
-    48, a third of the programs an SM holds for the K loop)."""
-    kernel, _ = _compile_few_row_gemv(m, k, epilogue)
+def test_few_row_gemv_silu_compiles_without_spills(m, k):
+    """The few-row GEMV ending in SiLU-and-mul at Qwen3-8B's K: the gate/up pair's two
+    weight tiles stream in the same loop (16-byte loads each), with no spills."""
+    kernel, _ = _compile_few_row_gemv(m, k, silu=True)
     regs, stack = _registers_per_thread(kernel)
-    assert stack == 0, f"{epilogue} M={m} K={k}: {stack} bytes of stack, {regs} registers"
+    assert stack == 0, f"silu M={m} K={k}: {stack} bytes of stack, {regs} registers"
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", kernel.asm["ptx"]), "no 16-byte loads"
-    if epilogue == "add_norm":
-        assert "atom.global" in kernel.asm["ptx"] and "ld.global.cg" in kernel.asm["ptx"]
-        assert regs <= _registers_per_thread(_compile_few_row_gemv(m, k)[0])[0] + 8, regs
 
 
-def _compile_few_row_mma(n: int, k: int, epilogue: str = "plain", config=None):
+def _compile_few_row_mma(n: int, k: int, silu: bool = False, config=None):
     """The tensor-core few-row GEMV as a launch compiles it for sm_90 (bf16, an [n, k]
     weight, its default launch unless `config`)."""
     from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel, mma_config
 
-    cfg = config or mma_config(n, k)
-    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr", "count_ptr", "M", "N", "K", "sxm", "swn",
-             "som", "srm", "up_offset", "eps"]
-    types = ["*bf16"] * 6 + ["*i32"] + ["i32"] * 8 + ["fp32"]
+    cfg = config or mma_config(n, k, silu)
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som", "up_offset"]
+    types = ["*bf16"] * 4 + ["i32"] * 7
     constexprs = {"HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_M": BLOCK_M,
-                  "PRECISION": "tf32", "SILU_MUL": epilogue == "silu", "ADD_NORM": epilogue == "add_norm",
-                  "BLOCK_H": 256 * cfg.num_warps, "PREFETCH": cfg.prefetch}
+                  "PRECISION": "tf32", "SILU_MUL": silu, "PREFETCH": cfg.prefetch}
     signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
-    aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N", "eps"))
+    aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N"))
     return _compile_sm90(_gemv_rows_mma_kernel, signature, constexprs, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, aligned=aligned)
 
 
-@pytest.mark.parametrize("epilogue", ["plain", "silu", "add_norm"])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (12288, 4096), (151936, 4096), (960, 576)])
-def test_few_row_mma_streams_through_the_tensor_cores(n, k, epilogue):
+def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     """The tensor-core few-row GEMV in its default launches at the Qwen3-8B and SmolLM2
     shapes: the weight tiles stream into shared memory by 16-byte asynchronous copies
     (Triton's pipeline), the products run as MMAs (the warpgroup MMA for 64-row tiles),
-    the loads wait for the previous kernel (PDL), and nothing spills."""
+    the loads wait for the previous kernel (PDL), nothing spills, and the stages fit an
+    SM's shared memory (a launch past it fails only on the GPU)."""
     from agent_infer.kernels.triton.gemv_rows_mma import mma_config
 
-    cfg = mma_config(n, k)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
-    kernel = _compile_few_row_mma(n, k, epilogue)
+    cfg = mma_config(n, k, silu)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
+    kernel = _compile_few_row_mma(n, k, silu)
     regs, stack = _registers_per_thread(kernel)
     ptx = kernel.asm["ptx"]
-    print(f"N={n} K={k} {epilogue}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
+    print(f"N={n} K={k} silu={silu}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
     assert stack == 0, f"{stack} bytes of stack"
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} B of shared memory"
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
     assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
     assert "griddepcontrol.wait" in ptx
-    if epilogue == "add_norm":
-        assert "atom.global" in ptx and "ld.global.cg" in ptx
 
 
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
@@ -476,7 +468,7 @@ def test_decode_attention_residency_on_sm90(cache, variant, per_sm):
     if cache != "bf16":  # no 8-bit shared-memory loads (one byte each): V is staged as fp16
         assert "LDS.U8" not in _sass(kernel)
     assert 65536 // (regs * 128) >= per_sm, f"{regs} registers per thread: fewer than {per_sm} programs per SM"
-    assert kernel.metadata.shared * per_sm <= 227 * 1024
+    assert kernel.metadata.shared * per_sm <= SM90_SHARED_BYTES
 
 
 @pytest.mark.parametrize("preload_order", [True, False])
@@ -502,7 +494,7 @@ def test_decode_shares_kernel_holds_two_programs_per_sm(preload_order):
                            aligned=tuple(aligned))
     regs, stack = _registers_per_thread(kernel)
     assert stack == 0, f"{stack} bytes of stack (register spills)"
-    assert min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) >= 2, (regs, kernel.metadata.shared)
+    assert min(65536 // (regs * 128), SM90_SHARED_BYTES // kernel.metadata.shared) >= 2, (regs, kernel.metadata.shared)
     assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
 
 
@@ -517,7 +509,7 @@ def test_decode_attention_overlaps_kv_tiles_from_five_stages(stages, block_n, in
     kernel = _compile_decode("bf16", "direct", stages, block_n)
     assert (first_loop_wait(kernel) > 0) == in_flight, first_loop_wait(kernel)
     regs, stack = _registers_per_thread(kernel)
-    assert stack == 0 and min(65536 // (regs * 128), 227 * 1024 // kernel.metadata.shared) >= per_sm, (
+    assert stack == 0 and min(65536 // (regs * 128), SM90_SHARED_BYTES // kernel.metadata.shared) >= per_sm, (
         regs, kernel.metadata.shared)
 
 

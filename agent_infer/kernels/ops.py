@@ -121,6 +121,22 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, rows: bool = False) -> bool:
     )
 
 
+def _few_row_gemv(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton kernel for a projection of a few 16-bit rows over a weight of their
+    dtype, or None (cuBLAS): the FMA few-row GEMV at the rows where it streams the weight
+    fastest (`gemv_rows.takes`), its tensor-core sibling at more (`gemv_rows_mma.takes`).
+    Both are called as (x, weight, bias, *, silu_mul=)."""
+    if not _use_triton(x):
+        return None
+    from agent_infer.kernels.triton import gemv_rows, gemv_rows_mma
+
+    if gemv_rows.takes(x, weight):
+        return gemv_rows.linear_rows
+    if gemv_rows_mma.takes(x, weight):
+        return gemv_rows_mma.linear_rows_mma
+    return None
+
+
 def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
     """The batch-invariant mode (EngineConfig.batch_invariant): a projection of 2 to
     `invariant_rows` rows (a decode or verify step's) computes each row exactly as a
@@ -170,7 +186,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            invariant_rows: int = 0) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
     `block` (rows, columns) or, without a block, per row. One row takes the batch-1 GEMV,
-    two 16-bit rows the few-row GEMV (`gemv_rows.takes`), the rest cuBLAS or the W8A8 GEMM;
+    a few 16-bit rows a few-row GEMV (`_few_row_gemv`), the rest cuBLAS or the W8A8 GEMM;
     up to `invariant_rows` rows each as one row (`_invariant_gemm`, `_each_row`)."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
         return _linear_invariant(x, weight, bias)
@@ -186,11 +202,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
     if scale is not None:
         return _fp8_gemm(x, weight, bias, scale, block)
-    if _use_triton(x):
-        from agent_infer.kernels.triton import gemv_rows
-
-        if gemv_rows.takes(x, weight):
-            return gemv_rows.linear_rows(x, weight, bias)
+    few_rows = _few_row_gemv(x, weight)
+    if few_rows is not None:
+        return few_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -209,11 +223,9 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
         if gemv.fuses_scale(weight.shape[0] // 2, block):
             return gemv.linear_m1(x, weight, bias, silu_mul=True, scale=scale, block=block)
-    if scale is None and not each_row and _use_triton(x):
-        from agent_infer.kernels.triton import gemv_rows
-
-        if gemv_rows.takes(x, weight):  # the few-row GEMV's rows, SiLU in its epilogue
-            return gemv_rows.linear_rows(x, weight, bias, silu_mul=True)
+    few_rows = None if scale is not None or each_row else _few_row_gemv(x, weight)
+    if few_rows is not None:  # SiLU in the few-row GEMV's epilogue
+        return few_rows(x, weight, bias, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias, scale, block, invariant_rows))
 
 
@@ -224,8 +236,9 @@ def linear_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
-    program adds and normalises, found with `counter`, an int32 [1] zero between calls),
-    and on the few-row GEMV's rows (`gemv_rows.takes`) likewise.
+    program adds and normalises, found with `counter`, an int32 [1] zero between calls);
+    several rows take the add + norm kernel after the projection, one program a row (a
+    last program would walk the rows one after another: gemv_rows.py).
     `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
     row."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
@@ -244,13 +257,6 @@ def linear_add_rms_norm(
         if weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
             return gemv.linear_m1_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter,
                                                scale=scale, block=block)
-    if (scale is None and not each_row and _use_triton(x) and residual.dtype == x.dtype
-            and residual.stride(-1) == 1):
-        from agent_infer.kernels.triton import gemv, gemv_rows
-
-        # The few-row GEMV's rows: its last program adds and normalises them (one counter).
-        if gemv_rows.takes(x, weight) and weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES:
-            return gemv_rows.linear_rows(x, weight, bias, add_norm=(residual, norm_weight, counter, eps)), residual
     if each_row:
         pairs = [linear_add_rms_norm(x[i:i + 1], weight, bias, residual[i:i + 1], norm_weight, eps, counter,
                                      scale, block) for i in range(x.shape[0])]

@@ -17,10 +17,10 @@ is F.linear.
 The engine sends it the row counts in ENGINE_ROWS (ops.linear): where a GPU measured it
 faster than cuBLAS (`benchmarks/gemv_chain.py --rows M`). Like the batch-1 GEMV it ends a
 [gate; up] projection in SiLU-and-mul (up to 4 rows: the up rows take the accumulators of
-rows 4-7) and the o and down projections in the residual add + RMSNorm (the last program,
-found with a counter, adds and normalises each row): at two rows on the Qwen3-8B shape
-those two kernels had cost a step as much as the GEMV's own extra time over one row
-(docs/PERFORMANCE.md, "Where a verify step's time goes").
+rows 4-7). The residual add + RMSNorm after the o and down projections stays a kernel of
+its own (one program a row): done by the GEMV's last program, as at one row, it walked
+the rows one after another in dependent chunks, about 7 us a row at 4,096 features, and
+cost the Qwen3-8B step 1 ms at two rows (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -29,17 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv import MAX_ADD_NORM_FEATURES, RowConfig, row_block_k
-from agent_infer.kernels.triton.norm import last_to_arrive
+from agent_infer.kernels.triton.gemv import RowConfig, row_block_k
 from agent_infer.kernels.triton.utils import bias_silu_mul, launch_opts, pdl_begin
 
 # The most rows the kernel takes: a verify step of up to 7 drafts at batch 1; with
 # SiLU-and-mul half as many (the up rows' sums take the other accumulators).
 MAX_ROWS = 8
 MAX_SILU_ROWS = MAX_ROWS // 2
-# Columns of a row the add + norm epilogue holds at a time, per warp (8 a thread;
-# `last_program_add_norm_rows`).
-ADD_NORM_CHUNK = 256
 # The row counts the engine sends here (`takes`): 2, where the kernel streams the weights
 # faster than cuBLAS. Each further row of x adds its loads, conversions and FMAs to every
 # tile: level with cuBLAS at 3 rows, slower at 5 and 8 (docs/PERFORMANCE.md), so those
@@ -72,54 +68,16 @@ def _store_row(acc, up_acc, out_ptr, som, b_ptr, n, n_mask, up_offset, j: tl.con
 
 
 @triton.jit
-def last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, programs, rows,
-                               CHUNK: tl.constexpr):
-    """Run by every program after storing its outputs: the last of the `programs` to
-    arrive does residual <- y + residual, out <- rms_norm(residual) * weight for each of
-    the `rows` rows, rounded as `norm.add_rms_norm_row` rounds, and re-arms the counter. In
-    two passes of CHUNK columns over a row (the sum stored and its squares added, then
-    the normalised row), so the epilogue holds a chunk, not a row: compiled for sm_90 a
-    whole 4,096-wide row took the kernel from 48 to 128 registers a thread, a third of
-    the programs an SM holds for the K loop (tests/test_kernel_compile.py)."""
-    if last_to_arrive(count_ptr, programs):
-        tl.debug_barrier()
-        cols = tl.arange(0, CHUNK)
-        for r in range(rows):
-            squares = tl.zeros([CHUNK], dtype=tl.float32)
-            for c0 in range(0, N, CHUNK):
-                h = c0 + cols
-                mask = h < N
-                # .cg: other SMs stored y, and this SM's L1 is not kept coherent with them.
-                y = tl.load(out_ptr + r * som + h, mask=mask, other=0.0, cache_modifier=".cg")
-                res = tl.load(res_ptr + r * srm + h, mask=mask, other=0.0)
-                total = (y.to(tl.float32) + res.to(tl.float32)).to(y.dtype)
-                tl.store(res_ptr + r * srm + h, total.to(res_ptr.dtype.element_ty), mask=mask)
-                squares += total.to(tl.float32) * total.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
-            for c0 in range(0, N, CHUNK):  # each thread reads back the residual values it stored
-                h = c0 + cols
-                mask = h < N
-                total = tl.load(res_ptr + r * srm + h, mask=mask, other=0.0)
-                normed = (total.to(tl.float32) * rstd).to(total.dtype).to(tl.float32)
-                w = tl.load(nw_ptr + h, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + r * som + h, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
-
-
-@triton.jit
 def _gemv_rows_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, N, K, sxm, swn, som, srm, up_offset, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, sxm, swn, som, up_offset,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU_MUL: tl.constexpr = False, ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    VEC: tl.constexpr = 8,
+    SILU_MUL: tl.constexpr = False, VEC: tl.constexpr = 8,
 ):
     """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for j < ROWS and this program's BLOCK_N
     rows of w. K is a multiple of BLOCK_K, BLOCK_K of VEC. The next weight tile is loaded
     while this one is used; the first before the PDL wait (weights never depend on the
     predecessor). SILU_MUL (ROWS <= 4): rows n + up_offset of w are the up halves, summed
-    in accumulators 4-7, and out is silu(gate) * up. ADD_NORM: the last program to finish
-    does residual <- out + residual, out <- rms_norm(residual) * weight for every row
-    (one counter for the launch, re-armed)."""
+    in accumulators 4-7, and out is silu(gate) * up."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     groups: tl.constexpr = BLOCK_K // VEC
@@ -175,9 +133,6 @@ def _gemv_rows_kernel(
         _store_row(a5, a5, out_ptr, som, b_ptr, n, n_mask, up_offset, 5, ROWS, HAS_BIAS, False)
         _store_row(a6, a6, out_ptr, som, b_ptr, n, n_mask, up_offset, 6, ROWS, HAS_BIAS, False)
         _store_row(a7, a7, out_ptr, som, b_ptr, n, n_mask, up_offset, 7, ROWS, HAS_BIAS, False)
-    if ADD_NORM:
-        last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, tl.num_programs(0),
-                                   ROWS, BLOCK_H)
 
 
 def rows_config(k: int) -> RowConfig:
@@ -207,31 +162,13 @@ def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows) -> bool:
     )
 
 
-def add_norm_operands(add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None, out: torch.Tensor,
-                      silu_mul: bool) -> tuple:
-    """(residual, norm weight, counter, eps) of a few-row GEMV's launch for its output
-    `out` [M, N]: `add_norm` checked, or placeholders (out, out, out, 0.0) without one."""
-    if add_norm is None:
-        return out, out, out, 0.0
-    residual, norm_weight, counter, _ = add_norm
-    m, n = out.shape
-    assert not silu_mul and n <= MAX_ADD_NORM_FEATURES, (silu_mul, n)
-    assert residual.shape == (m, n) and residual.dtype == out.dtype and residual.stride(-1) == 1
-    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
-    assert counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == out.device
-    return add_norm
-
-
 def linear_rows(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
     config: RowConfig | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS, last dim contiguous) @ weight [N, K]^T (+ bias) ->
     [M, N] in x's dtype. `silu_mul` (M <= MAX_SILU_ROWS): weight is [gate; up], 2N rows,
-    and the result silu(gate) * up [M, N]. `add_norm` = (residual [M, N], norm weight [N],
-    counter (int32, zero between calls), eps): the result is rms_norm(y + residual) *
-    weight, and the residual takes y + residual in place (ops.linear_add_rms_norm)."""
+    and the result silu(gate) * up [M, N]."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     most = MAX_SILU_ROWS if silu_mul else MAX_ROWS
@@ -241,14 +178,9 @@ def linear_rows(
     cfg = config or rows_config(k)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, counter, eps = add_norm_operands(add_norm, out, silu_mul)
-    opts = launch_opts(x.device, pdl)
     _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), residual.stride(0), n, eps,
+        x, weight, bias if bias is not None else out, out, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
         ROWS=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SILU_MUL=silu_mul,
-        ADD_NORM=add_norm is not None,
-        BLOCK_H=min(ADD_NORM_CHUNK * cfg.num_warps, triton.next_power_of_2(n)) if add_norm is not None else 16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
     )
     return out

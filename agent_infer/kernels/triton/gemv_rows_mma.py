@@ -11,17 +11,16 @@ Triton's pipeline (optionally the first one loaded before the PDL wait), x's row
 to one 16-row operand by masked loads that move no bytes. The weight tile is the dot's
 left operand, [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 16], so a 64-row tile can take
 Hopper's warpgroup MMA. Like the batch-1 GEMV it ends a [gate; up] projection in
-SiLU-and-mul (a second dot over the up rows) and the o and down projections in the
-residual add + RMSNorm (the last program, `gemv_rows.last_program_add_norm_rows`).
+SiLU-and-mul (a second dot over the up rows); the residual add + RMSNorm after it stays a
+kernel of its own, as after the FMA few-row GEMV (gemv_rows.py says why).
 The reference is F.linear. `gemv._gemv_kernel` with `swap_ab` takes the same dot; that
 kernel is the batch-invariant mode's GEMM (a K split with its second kernel, a whole row
 held in its add + norm, SiLU only with x on the left), kept apart so that neither's
 compiled code moves with the other's needs.
 
-The engine does not send it projections yet: they stay on cuBLAS (3 rows and more) until
-a GPU measures this kernel ahead of it (`benchmarks/gemv_chain.py --mma --rows M`, then
-the verify step of `benchmarks/spec_decode.py verify`); docs/PERFORMANCE.md says where
-that stands.
+The engine sends it 3 to 16 rows (ENGINE_ROWS; 2 take the FMA kernel): its time hardly
+moves with the rows (x is always one 16-row operand), and at 8 rows it streamed Qwen3-8B's
+projections 12 % faster than cuBLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -32,12 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv_rows import ADD_NORM_CHUNK, add_norm_operands, last_program_add_norm_rows
+from agent_infer.kernels.triton.gemv_rows import takes_rows
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M
+# The row counts the engine sends here (`takes`); 2 rows take the FMA few-row GEMV.
+ENGINE_ROWS = range(3, MAX_ROWS + 1)
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,13 @@ class MmaConfig:
 # M is not specialised: each row count would otherwise compile its own variant.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows_mma_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, count_ptr, M, N, K, sxm, swn, som, srm, up_offset, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som, up_offset,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr = False,
-    ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16, PREFETCH: tl.constexpr = True,
+    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
 ):
     """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for j < M and this program's BLOCK_N
     rows of w; K a multiple of BLOCK_K. SILU_MUL: rows n + up_offset of w are the up
-    halves, and out is silu(gate) * up. ADD_NORM: the last program to finish does
-    residual <- out + residual, out <- rms_norm(residual) * weight for every row (one
-    counter for the launch, re-armed)."""
+    halves, and out is silu(gate) * up."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, BLOCK_M)
@@ -99,47 +97,48 @@ def _gemv_rows_mma_kernel(
                       out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[None, :] * som + n[:, None], y.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & m_mask[None, :])
-    if ADD_NORM:
-        last_program_add_norm_rows(out_ptr, res_ptr, nw_ptr, count_ptr, som, srm, N, eps, tl.num_programs(0),
-                                   M, BLOCK_H)
 
 
-def mma_config(n: int, k: int) -> MmaConfig:
-    """The launch for an [n, k] weight (n output rows; gate/up pairs count their gate
-    rows). Provisional until a GPU sweep (`benchmarks/gemv_chain.py --mma`) sets it:
-    outputs of at least 16,384 rows in 64-row tiles (the warpgroup MMA, still two
-    programs an SM), narrower ones in 16-row tiles, so 4,096 rows give 256 programs."""
-    block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
-    if n >= 16384:
-        return MmaConfig(64, min(block_k, 128), num_warps=4, num_stages=3, prefetch=False)
-    return MmaConfig(16, block_k, num_warps=2, num_stages=3, prefetch=False)
+def mma_config(n: int, k: int, silu_mul: bool = False) -> MmaConfig:
+    """The launch for an [n, k] weight (n output rows; a [gate; up] pair (`silu_mul`)
+    counts its gate rows), from the sweep at 8 rows over Qwen3-8B's projections
+    (`benchmarks/gemv_chain.py --mma`, docs/PERFORMANCE.md): 64-row tiles on a warpgroup
+    over 256 columns were the fastest or within 1 % on q/k/v, o and gate/up, over 128
+    with SiLU (whose two weight tiles a stage would take 288 KB of shared memory at 256);
+    16-row tiles on two warps over 512 columns on down (K = 12,288) and the LM head; 4
+    stages on all. Outputs under 4,096 rows (not swept) take 16-row tiles, so they still
+    spread over most SMs."""
+    def block_k(most: int) -> int:
+        return next(b for b in (512, 256, 128, 64, 32, 16) if b <= most and k % b == 0)
+
+    if 4096 <= n < 65536 and k < 8192:
+        return MmaConfig(64, block_k(128 if silu_mul else 256), num_warps=4, num_stages=4, prefetch=False)
+    return MmaConfig(16, block_k(512), num_warps=2, num_stages=4, prefetch=False)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the engine's projection x @ weight^T goes here (ENGINE_ROWS rows)."""
+    return takes_rows(x, weight, ENGINE_ROWS)
 
 
 def linear_rows_mma(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
     config: MmaConfig | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS, last dim contiguous) @ weight [N, K]^T (+ bias) ->
     [M, N] in x's dtype. `silu_mul`: weight is [gate; up], 2N rows, and the result
-    silu(gate) * up [M, N]. `add_norm` = (residual [M, N], norm weight [N], counter
-    (int32, zero between calls), eps): the result is rms_norm(y + residual) * weight, and
-    the residual takes y + residual in place (ops.linear_add_rms_norm)."""
+    silu(gate) * up [M, N]."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
-    cfg = config or mma_config(n, k)
+    cfg = config or mma_config(n, k, silu_mul)
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, counter, eps = add_norm_operands(add_norm, out, silu_mul)
     _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else out, out, residual, norm_weight, counter, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), residual.stride(0), n, eps,
+        x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
-        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
-        BLOCK_H=min(ADD_NORM_CHUNK * cfg.num_warps, triton.next_power_of_2(n)) if add_norm is not None else 16,
-        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
+        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
     )
     return out
