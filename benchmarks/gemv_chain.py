@@ -8,13 +8,12 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
-    python benchmarks/gemv_chain.py --rows 5 --tp 1   # 5 rows of x (a verify step of 4 drafts): the few-row GEMV
-    python benchmarks/gemv_chain.py --rows 4 8 16 --tp 1 --mma   # its tensor-core sibling, 3-16 rows
+    python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (a verify step, a small batch): the few-row GEMV
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
-rate (with --rows M > 1, x has M rows and the Triton side is `gemv_rows.linear_rows`, the
-SiLU-and-mul a kernel of its own as after cuBLAS; with --mma, `gemv_rows_mma.linear_rows_mma`
-with SiLU-and-mul in its epilogue); the sweep ranks the configurations by
+rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor
+cores, `gemv_rows_mma.linear_rows_mma`, with SiLU-and-mul in its epilogue, the engine's
+launch with PDL); the sweep ranks the configurations by
 their time with PDL where the GPU has it (as the engine launches them). Then the whole
 per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) over the layers plus the LM
 head, ms per step: what the linear layers cost in one decode step.
@@ -36,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from agent_infer.kernels.triton.activation import silu_and_mul  # noqa: E402
 from agent_infer.kernels.triton.gemv import RowConfig, linear_m1, row_config  # noqa: E402
-from agent_infer.kernels.triton.gemv_rows import linear_rows, rows_config  # noqa: E402
 from agent_infer.kernels.triton.gemv_rows_mma import MmaConfig, linear_rows_mma, mma_config  # noqa: E402
 from agent_infer.kernels.triton.utils import pdl_enabled  # noqa: E402
 from agent_infer.quantization import fp8 as F8  # noqa: E402
@@ -123,16 +121,12 @@ class Weight:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig | MmaConfig, pdl: bool | None, silu_mul: bool = False,
          scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The engine's batch-1 GEMV for one row of x, the few-row GEMV (then the SiLU-and-mul
-    kernel) for more, or with an MmaConfig its tensor-core sibling (SiLU in its epilogue)."""
+    """The engine's batch-1 GEMV (a RowConfig), or for several rows of x the few-row GEMV
+    (an MmaConfig), SiLU-and-mul in the epilogue of either."""
     if isinstance(config, MmaConfig):
         assert scale is None, "the few-row GEMV takes bf16 weights"
         return linear_rows_mma(x, w, config=config, pdl=pdl, silu_mul=silu_mul)
-    if x.shape[0] == 1:
-        return linear_m1(x, w, scale=scale, block=block, config=config, pdl=pdl, silu_mul=silu_mul)
-    assert scale is None, "the few-row GEMV takes bf16 weights"
-    y = linear_rows(x, w, config=config, pdl=pdl)
-    return silu_and_mul(y) if silu_mul else y
+    return linear_m1(x, w, scale=scale, block=block, config=config, pdl=pdl, silu_mul=silu_mul)
 
 
 def mma_sweep() -> list[MmaConfig]:
@@ -148,19 +142,9 @@ def mma_sweep() -> list[MmaConfig]:
     return out
 
 
-def sweep(rows: int, mma: bool = False) -> list[RowConfig | MmaConfig]:
-    if mma:
-        return mma_sweep()
+def sweep(rows: int) -> list[RowConfig | MmaConfig]:
     if rows > 1:
-        # A thread holds bn x (bk / 8 / threads) groups of 8 weights, and one fp32 sum per
-        # group and row of x: at most 64 such sums and 64 weights a thread.
-        grid = itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8))
-        out = []
-        for bn, bk, w in grid:
-            groups = bn * bk // (8 * 32 * w)
-            if bk >= 256 * w and rows * groups <= 64 and 8 * groups <= 64:
-                out.append(RowConfig(bn, bk, w, 1))
-        return out
+        return mma_sweep()
     out = []
     fp8 = Weight.layout is not None
     if fp8:
@@ -174,7 +158,7 @@ def sweep(rows: int, mma: bool = False) -> list[RowConfig | MmaConfig]:
 
 
 def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False,
-                rows: int = 1, mma: bool = False) -> RowConfig | MmaConfig:
+                rows: int = 1) -> RowConfig | MmaConfig:
     """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the SiLU-and-mul) on
     `rows` rows of x."""
     ws = [Weight(n, k) for _ in range(layers)]
@@ -190,18 +174,16 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
             if silu:
                 silu_and_mul(y)
 
-    def chain(cfg: RowConfig, pdl: bool) -> float:
+    def chain(cfg: RowConfig | MmaConfig, pdl: bool) -> float:
         return graph_time_us(lambda: [w(x, config=cfg, pdl=pdl, silu_mul=silu) for w in ws]) / layers
 
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
-    if mma:
+    if rows > 1:
         default = mma_config(out_n, k, silu)
-    elif rows > 1:
-        default = rows_config(k)
     else:
         default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep(rows, mma) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    configs = [default] + ([c for c in sweep(rows) if k % c.block_k == 0 and c != default] if do_sweep else [])
     pdl = pdl_enabled(torch.device(DEV))
     timed = []
     for cfg in configs:
@@ -211,7 +193,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
             continue
         t_pdl = chain(cfg, pdl)
         # The tensor-core sweep times the engine's launch alone (each launch kind compiles its own).
-        t = chain(cfg, False) if pdl and not mma else t_pdl
+        t = chain(cfg, False) if pdl and rows == 1 else t_pdl
         timed.append((t_pdl, t, cfg, err))
     t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
@@ -273,29 +255,28 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1],
-                    help="rows of x (2-8: the few-row GEMV; 1-16 with --mma), each in turn")
-    ap.add_argument("--mma", action="store_true", help="the few-row GEMV on the tensor cores (gemv_rows_mma)")
+                    help="rows of x (2-16: the few-row GEMV), each in turn")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
     m = MODELS[args.model]
     assert args.rows == [1] or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
-          f"{args.rows} row(s) of x, {'tensor cores' if args.mma else 'FMA'}")
+          f"{args.rows} row(s) of x")
     for rows, tp in itertools.product(args.rows, args.tp):
         best = {}
         Weight.layout = args.fp8
         sweep_on = not args.no_sweep
         for name, (n, k) in shapes(m, tp).items():
-            best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows, mma=args.mma)
+            best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows)
         if m.inter:
             n, k = shapes(m, tp)["gate_up"]
             best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}/M{rows}", n, k, m.layers, sweep_on, silu=True,
-                                               rows=rows, mma=args.mma)
+                                               rows=rows)
         Weight.layout = None
-        # The LM head is swept for the tensor-core kernel only (its tile is the engine's choice there).
-        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and args.mma,
-                                   rows=rows, mma=args.mma)
+        # The LM head is swept for the few-row GEMV only (its tile is the engine's choice there).
+        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and rows > 1,
+                                   rows=rows)
         Weight.layout = args.fp8
         bench_chain(m, tp, best, rows)
 

@@ -307,15 +307,12 @@ def check_gemv_m1(device, dtype: torch.dtype, n: int, k: int, bias: bool, silu_m
 
 
 def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, config=None,
-                    epilogue: str = "plain", mma: bool = False) -> None:
-    """The few-row GEMV (2-8 rows; with `mma`, its tensor-core sibling, 1-16 rows)
-    against F.linear in fp32, x's rows strided (a view into a wider buffer, as a verify
-    step's hidden rows may be). `epilogue` "silu": a [gate; up] weight of 2n rows ending
-    in SiLU-and-mul (against the reference's silu_and_mul of the rounded projection)."""
-    if mma:
-        from agent_infer.kernels.triton.gemv_rows_mma import linear_rows_mma as linear_rows
-    else:
-        from agent_infer.kernels.triton.gemv_rows import linear_rows
+                    epilogue: str = "plain") -> None:
+    """The few-row GEMV on the tensor cores (1-16 rows) against F.linear in fp32, x's rows
+    strided (a view into a wider buffer, as a verify step's hidden rows may be).
+    `epilogue` "silu": a [gate; up] weight of 2n rows ending in SiLU-and-mul (against the
+    reference's silu_and_mul of the rounded projection)."""
+    from agent_infer.kernels.triton.gemv_rows_mma import linear_rows_mma
 
     silu = epilogue == "silu"
     w = randn(2 * n if silu else n, k, dtype=dtype, device=device, seed=35, scale=k**-0.5)
@@ -325,7 +322,7 @@ def check_gemv_rows(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bo
     if silu:
         ref = reference.silu_and_mul(ref.to(dtype)).float()
     with poisoned_empty():
-        out = linear_rows(x, w, b, silu_mul=silu, config=config)
+        out = linear_rows_mma(x, w, b, silu_mul=silu, config=config)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out.float(), ref, f"gemv rows M={m} N={n} K={k} bias={bias} {epilogue} {config}", dtype)
 

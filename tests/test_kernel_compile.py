@@ -118,52 +118,6 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
-def _compile_few_row_gemv(m: int, k: int, silu: bool = False):
-    """The few-row GEMV as its default launch compiles it for sm_90 (bf16, `m` rows over
-    K = `k`), plain or ending in SiLU-and-mul. Returns (kernel, config)."""
-    from agent_infer.kernels.triton.gemv_rows import _gemv_rows_kernel, rows_config
-
-    cfg = rows_config(k)
-    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "sxm", "swn", "som", "up_offset"]
-    types = ["*bf16"] * 4 + ["i32"] * 6
-    constexprs = {"ROWS": m, "HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                  "SILU_MUL": silu, "VEC": 8}
-    signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
-    aligned = tuple(i for i, name in enumerate(names) if name != "N")
-    return _compile_sm90(_gemv_rows_kernel, signature, constexprs, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, aligned=aligned), cfg
-
-
-@pytest.mark.parametrize("m", range(2, 9))
-@pytest.mark.parametrize("k", [576, 2048, 4096, 12288])
-def test_few_row_gemv_keeps_rows_in_registers(m, k):
-    """The few-row GEMV in its default launch for 2-8 rows at the served models' K: each
-    thread loads whole groups of 8 columns (the weight tile's 3-D layout keeps a group in
-    one thread, so its products are summed without crossing threads); no spills, and no
-    shared memory beyond the final reductions' few bytes, i.e. x's rows load in the
-    weight tile's layout and nothing inside the K loop is re-laid out through shared
-    memory (a [rows, BLOCK_N, BLOCK_K] product did that, and spilled)."""
-    kernel, cfg = _compile_few_row_gemv(m, k)
-    regs, stack = _registers_per_thread(kernel)
-    print(f"M={m} K={k}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
-    assert re.search(r"#ttg\.blocked<\{sizePerThread = \[1, 1, 8\]", kernel.asm["ttgir"]), "a group spans threads"
-    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", kernel.asm["ptx"]), "no 16-byte loads"
-    assert stack == 0, f"M={m} K={k}: {stack} bytes of stack"
-    # A few words for the final reductions (a re-laid-out weight tile would take KBs).
-    assert kernel.metadata.shared <= 128 * cfg.num_warps, f"M={m} K={k}: {kernel.metadata.shared} B of shared memory"
-
-
-@pytest.mark.parametrize("m", [2, 4])
-@pytest.mark.parametrize("k", [4096, 12288])
-def test_few_row_gemv_silu_compiles_without_spills(m, k):
-    """The few-row GEMV ending in SiLU-and-mul at Qwen3-8B's K: the gate/up pair's two
-    weight tiles stream in the same loop (16-byte loads each), with no spills."""
-    kernel, _ = _compile_few_row_gemv(m, k, silu=True)
-    regs, stack = _registers_per_thread(kernel)
-    assert stack == 0, f"silu M={m} K={k}: {stack} bytes of stack, {regs} registers"
-    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", kernel.asm["ptx"]), "no 16-byte loads"
-
-
 def _compile_few_row_mma(n: int, k: int, silu: bool = False, config=None):
     """The tensor-core few-row GEMV as a launch compiles it for sm_90 (bf16, an [n, k]
     weight, its default launch unless `config`)."""

@@ -239,15 +239,15 @@ def test_deepseek_serving_compiles_no_variant_the_start_up_did_not(tmp_path, mon
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17])
 def test_a_projection_takes_the_kernel_its_rows_call_for(rows):
     """ops' projections of 16-bit rows on the Triton path: one row the batch-1 GEMV, the
-    FMA few-row GEMV's rows (`gemv_rows.ENGINE_ROWS`) that kernel, the tensor-core
-    sibling's (`gemv_rows_mma.ENGINE_ROWS`) that one, each with its SiLU-and-mul in one
-    launch; more rows leave Triton for cuBLAS (F.linear), the SiLU then a kernel of its
-    own. The add + norm after several rows is a kernel of its own on every path: one
-    program a row, where a GEMV's last program would walk the rows one after another."""
+    few-row GEMV's rows (`gemv_rows_mma.ENGINE_ROWS`) that kernel, each with its
+    SiLU-and-mul in one launch; more rows leave Triton for cuBLAS (F.linear), the SiLU
+    then a kernel of its own. The add + norm after several rows is a kernel of its own on
+    every path: one program a row, where a GEMV's last program would walk the rows one
+    after another."""
     from agent_infer.kernels import ops
-    from agent_infer.kernels.triton import gemv_rows, gemv_rows_mma
+    from agent_infer.kernels.triton import gemv_rows_mma
 
-    expected = ("_gemv_row_kernel" if rows == 1 else "_gemv_rows_kernel" if rows in gemv_rows.ENGINE_ROWS
+    expected = ("_gemv_row_kernel" if rows == 1
                 else "_gemv_rows_mma_kernel" if rows in gemv_rows_mma.ENGINE_ROWS else None)
     dt = torch.bfloat16
     x, w, w2 = torch.randn(rows, 256, dtype=dt), torch.randn(192, 256, dtype=dt), torch.randn(384, 256, dtype=dt)
@@ -260,7 +260,7 @@ def test_a_projection_takes_the_kernel_its_rows_call_for(rows):
         with dispatch_to_triton(), recorder.active():
             call()
         names = {name for name, _, _ in recorder.variants}
-        gemvs = names & {"_gemv_row_kernel", "_gemv_rows_kernel", "_gemv_rows_mma_kernel", "_gemv_kernel"}
+        gemvs = names & {"_gemv_row_kernel", "_gemv_rows_mma_kernel", "_gemv_kernel"}
         assert gemvs == ({expected} if expected else set()), (rows, names)
         if what == "add_norm" and rows > 1:
             assert names == gemvs | {"_fused_add_rms_norm_kernel"}, (rows, names)

@@ -298,28 +298,6 @@ else:
     def test_gemv_m1(dtype, n, k, bias, silu_mul, config):
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
-    # 2-8 rows: each row count compiles its own accumulators; tails of weight rows, tiles
-    # of several programs' rows and K loops of one and several tiles.
-    @pytest.mark.parametrize("dtype", ALL)
-    @pytest.mark.parametrize(
-        "m,n,k,bias,config",
-        [(2, 100, 256, True, None), (5, 33, 192, False, None), (8, 48, 512, True, RowConfig(1, 128, 1, 1)),
-         (3, 7, 64, False, RowConfig(2, 32, 1, 1)), (7, 20, 128, True, RowConfig(4, 32, 1, 1)),
-         (4, 64, 2048, False, None)],
-    )
-    def test_gemv_rows(dtype, m, n, k, bias, config):
-        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config)
-
-    # SiLU-and-mul, the epilogue the engine takes at 2 rows (up to 4): tails of weight
-    # rows, several programs, K loops of one and several tiles.
-    @pytest.mark.parametrize("dtype", DOT_DTYPES)
-    @pytest.mark.parametrize(
-        "m,n,k,bias,config",
-        [(2, 100, 256, True, None), (4, 33, 192, False, RowConfig(2, 64, 1, 1)), (3, 70, 64, True, None)],
-    )
-    def test_gemv_rows_silu(dtype, m, n, k, bias, config):
-        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, "silu")
-
     # The few-row GEMV on the tensor cores, 1-16 rows in one variant: tails of weight rows,
     # tiles of one and several programs, K loops of one and several tiles, SiLU-and-mul.
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -328,10 +306,10 @@ else:
         [(5, 100, 256, True, None, "plain"), (1, 33, 64, False, MmaConfig(16, 64, 1, 1), "plain"),
          (16, 70, 128, False, MmaConfig(32, 32, 2, 2), "plain"), (8, 48, 192, True, MmaConfig(16, 64, 2, 3), "silu"),
          (3, 20, 64, False, None, "silu"), (9, 600, 64, False, MmaConfig(64, 64, 4, 2), "plain"),
-         (13, 130, 512, True, None, "plain")],
+         (13, 130, 512, True, None, "plain"), (2, 100, 256, True, None, "silu")],
     )
     def test_gemv_rows_mma(dtype, m, n, k, bias, config, epilogue):
-        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue, mma=True)
+        kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue)
 
     # The batch-invariant mode's projections: m rows in one launch, each as its own M = 1.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -121,20 +121,15 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, rows: bool = False) -> bool:
     )
 
 
-def _few_row_gemv(x: torch.Tensor, weight: torch.Tensor):
-    """The Triton kernel for a projection of a few 16-bit rows over a weight of their
-    dtype, or None (cuBLAS): the FMA few-row GEMV at the rows where it streams the weight
-    fastest (`gemv_rows.takes`), its tensor-core sibling at more (`gemv_rows_mma.takes`).
-    Both are called as (x, weight, bias, *, silu_mul=)."""
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A projection of a few 16-bit rows over a weight of their dtype on the Triton path:
+    the few-row GEMV on the tensor cores, which reads the weights faster than cuBLAS at
+    2-16 rows (docs/PERFORMANCE.md)."""
     if not _use_triton(x):
-        return None
-    from agent_infer.kernels.triton import gemv_rows, gemv_rows_mma
+        return False
+    from agent_infer.kernels.triton import gemv_rows_mma
 
-    if gemv_rows.takes(x, weight):
-        return gemv_rows.linear_rows
-    if gemv_rows_mma.takes(x, weight):
-        return gemv_rows_mma.linear_rows_mma
-    return None
+    return gemv_rows_mma.takes(x, weight)
 
 
 def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
@@ -186,7 +181,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            invariant_rows: int = 0) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias). An fp8 weight comes with its `scale`, one per
     `block` (rows, columns) or, without a block, per row. One row takes the batch-1 GEMV,
-    a few 16-bit rows a few-row GEMV (`_few_row_gemv`), the rest cuBLAS or the W8A8 GEMM;
+    2-16 16-bit rows the few-row GEMV (`_few_rows`), the rest cuBLAS or the W8A8 GEMM;
     up to `invariant_rows` rows each as one row (`_invariant_gemm`, `_each_row`)."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
         return _linear_invariant(x, weight, bias)
@@ -202,9 +197,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.linear_m1(x, weight, bias, scale=scale, block=block)
     if scale is not None:
         return _fp8_gemm(x, weight, bias, scale, block)
-    few_rows = _few_row_gemv(x, weight)
-    if few_rows is not None:
-        return few_rows(x, weight, bias)
+    if _few_rows(x, weight):
+        from agent_infer.kernels.triton import gemv_rows_mma
+
+        return gemv_rows_mma.linear_rows_mma(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -223,9 +219,10 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
         if gemv.fuses_scale(weight.shape[0] // 2, block):
             return gemv.linear_m1(x, weight, bias, silu_mul=True, scale=scale, block=block)
-    few_rows = None if scale is not None or each_row else _few_row_gemv(x, weight)
-    if few_rows is not None:  # SiLU in the few-row GEMV's epilogue
-        return few_rows(x, weight, bias, silu_mul=True)
+    if scale is None and not each_row and _few_rows(x, weight):  # SiLU in the few-row GEMV's epilogue
+        from agent_infer.kernels.triton import gemv_rows_mma
+
+        return gemv_rows_mma.linear_rows_mma(x, weight, bias, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias, scale, block, invariant_rows))
 
 
@@ -238,7 +235,7 @@ def linear_add_rms_norm(
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
     program adds and normalises, found with `counter`, an int32 [1] zero between calls);
     several rows take the add + norm kernel after the projection, one program a row (a
-    last program would walk the rows one after another: gemv_rows.py).
+    last program would walk the rows one after another: gemv_rows_mma.py).
     `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
     row."""
     if _invariant_gemm(x, weight, scale, invariant_rows):

@@ -1,26 +1,28 @@
 """The few-row GEMV on the tensor cores: y = x W^T (+ b) for x [M, K] with 1 <= M <=
 MAX_ROWS (a speculative verify step at batch 1, a small decode batch), W [N, K].
 
-The FMA few-row GEMV (gemv_rows.py) spends instructions in proportion to the rows: at 5
-rows its K loop issues about 19 instructions a weight, and it streams the Qwen3-8B
-projections at 2.0 TB/s against cuBLAS's 2.5 (docs/PERFORMANCE.md). Here the products
-go to the tensor cores, a few instructions a weight whatever the rows, and the launch
-keeps the batch-1 GEMV's shape: each program owns BLOCK_N weight rows over the whole K
-(no split, no second kernel), the weight tiles streamed through shared memory by
+The products go to the tensor cores, a few instructions a weight whatever the rows (a
+GEMV on the FMA units spends them in proportion to the rows: at 5 rows about 19 a weight,
+2.0 TB/s on the Qwen3-8B projections against cuBLAS's 2.5; docs/PERFORMANCE.md), and the
+launch keeps the batch-1 GEMV's shape: each program owns BLOCK_N weight rows over the
+whole K (no split, no second kernel), the weight tiles streamed through shared memory by
 Triton's pipeline (optionally the first one loaded before the PDL wait), x's rows padded
 to one 16-row operand by masked loads that move no bytes. The weight tile is the dot's
 left operand, [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 16], so a 64-row tile can take
 Hopper's warpgroup MMA. Like the batch-1 GEMV it ends a [gate; up] projection in
-SiLU-and-mul (a second dot over the up rows); the residual add + RMSNorm after it stays a
-kernel of its own, as after the FMA few-row GEMV (gemv_rows.py says why).
+SiLU-and-mul (a second dot over the up rows). The residual add + RMSNorm after the o and
+down projections stays a kernel of its own (one program a row): done by the last
+program, as at one row, it walked the rows one after another in dependent chunks, about
+7 us a row at 4,096 features, and cost a Qwen3-8B verify step of 5 rows 4.4 ms.
 The reference is F.linear. `gemv._gemv_kernel` with `swap_ab` takes the same dot; that
 kernel is the batch-invariant mode's GEMM (a K split with its second kernel, a whole row
 held in its add + norm, SiLU only with x on the left), kept apart so that neither's
 compiled code moves with the other's needs.
 
-The engine sends it 3 to 16 rows (ENGINE_ROWS; 2 take the FMA kernel): its time hardly
-moves with the rows (x is always one 16-row operand), and at 8 rows it streamed Qwen3-8B's
-projections 12 % faster than cuBLAS (docs/PERFORMANCE.md).
+The engine sends it 2 to 16 rows (ENGINE_ROWS): its time hardly moves with the rows (x is
+always one 16-row operand); at 8 rows it streamed Qwen3-8B's projections 12 % faster than
+cuBLAS, and a verify step of 2 rows ran 0.67 ms shorter on it than on the FMA kernel it
+replaced (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv_rows import takes_rows
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M
-# The row counts the engine sends here (`takes`); 2 rows take the FMA few-row GEMV.
-ENGINE_ROWS = range(3, MAX_ROWS + 1)
+# The row counts the engine sends here (`takes`); one row takes the batch-1 GEMV.
+ENGINE_ROWS = range(2, MAX_ROWS + 1)
 
 
 @dataclass(frozen=True)
@@ -99,16 +100,18 @@ def _gemv_rows_mma_kernel(
              mask=n_mask[:, None] & m_mask[None, :])
 
 
-def mma_config(n: int, k: int, silu_mul: bool = False) -> MmaConfig:
-    """The launch for an [n, k] weight (n output rows; a [gate; up] pair (`silu_mul`)
-    counts its gate rows), from the sweep at 8 rows over Qwen3-8B's projections
-    (`benchmarks/gemv_chain.py --mma`, docs/PERFORMANCE.md): 64-row tiles on a warpgroup
-    over 256 columns were the fastest or within 1 % on q/k/v, o and gate/up, over 128
-    with SiLU (whose two weight tiles a stage would take 288 KB of shared memory at 256);
-    16-row tiles on two warps over 512 columns on down (K = 12,288) and the LM head; 4
-    stages on all. Outputs under 4,096 rows (not swept) take 16-row tiles, so they still
-    spread over most SMs."""
+def mma_config(n: int, k: int, silu_mul: bool = False, itemsize: int = 2) -> MmaConfig:
+    """The launch for an [n, k] weight of `itemsize`-byte values (n output rows; a
+    [gate; up] pair (`silu_mul`) counts its gate rows), from the sweep at 8 rows over
+    Qwen3-8B's bf16 projections (`benchmarks/gemv_chain.py --rows 8`, docs/PERFORMANCE.md):
+    64-row tiles on a warpgroup over 256 columns were the fastest or within 1 % on q/k/v,
+    o and gate/up, over 128 with SiLU (whose two tiles a stage would take 288 KB of shared
+    memory at 256); 16-row tiles on two warps over 512 columns on down (K = 12,288) and
+    the LM head; 4 stages on all. Outputs under 4,096 rows (not swept) take 16-row tiles,
+    so they still spread over most SMs. fp32 (tests) takes half the columns, the same
+    bytes a stage."""
     def block_k(most: int) -> int:
+        most = most * 2 // itemsize
         return next(b for b in (512, 256, 128, 64, 32, 16) if b <= most and k % b == 0)
 
     if 4096 <= n < 65536 and k < 8192:
@@ -117,8 +120,12 @@ def mma_config(n: int, k: int, silu_mul: bool = False) -> MmaConfig:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the engine's projection x @ weight^T goes here (ENGINE_ROWS rows)."""
-    return takes_rows(x, weight, ENGINE_ROWS)
+    """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
+    x over a weight of the same dtype, K a multiple of 64."""
+    return (
+        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
+    )
 
 
 def linear_rows_mma(
@@ -133,7 +140,7 @@ def linear_rows_mma(
     assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
-    cfg = config or mma_config(n, k, silu_mul)
+    cfg = config or mma_config(n, k, silu_mul, x.element_size())
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
