@@ -8,7 +8,7 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --fp8 channel   # e4m3 weights, one scale per row (or: block, 128 x 128)
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
-    python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (a verify step, a small batch): the few-row GEMV
+    python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (verify steps, small batches)
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor

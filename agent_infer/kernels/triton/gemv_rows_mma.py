@@ -147,6 +147,7 @@ def linear_rows_mma(
     _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
-        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
+        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
     )
     return out
