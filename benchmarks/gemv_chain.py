@@ -9,6 +9,7 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --model qwen3-30b-a3b --tp 1   # its attention projections (MoE: no MLP GEMVs)
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
     python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (verify steps, small batches)
+    python benchmarks/gemv_chain.py --rows 1 --tp 1 --few-row   # the few-row GEMV at one row
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor
@@ -142,8 +143,8 @@ def mma_sweep() -> list[MmaConfig]:
     return out
 
 
-def sweep(rows: int) -> list[RowConfig | MmaConfig]:
-    if rows > 1:
+def sweep(few_row: bool) -> list[RowConfig | MmaConfig]:
+    if few_row:
         return mma_sweep()
     out = []
     fp8 = Weight.layout is not None
@@ -158,7 +159,7 @@ def sweep(rows: int) -> list[RowConfig | MmaConfig]:
 
 
 def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bool = False,
-                rows: int = 1) -> RowConfig | MmaConfig:
+                rows: int = 1, few_row: bool = False) -> RowConfig | MmaConfig:
     """One GEMV of [n, k] per layer (with `silu`: gate/up pairs and the SiLU-and-mul) on
     `rows` rows of x."""
     ws = [Weight(n, k) for _ in range(layers)]
@@ -179,11 +180,11 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
 
     t_cublas = graph_time_us(cublas) / layers
     out_n = n // 2 if silu else n
-    if rows > 1:
+    if few_row:
         default = mma_config(out_n, k, silu)
     else:
         default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep(rows) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    configs = [default] + ([c for c in sweep(few_row) if k % c.block_k == 0 and c != default] if do_sweep else [])
     pdl = pdl_enabled(torch.device(DEV))
     timed = []
     for cfg in configs:
@@ -193,7 +194,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
             continue
         t_pdl = chain(cfg, pdl)
         # The tensor-core sweep times the engine's launch alone (each launch kind compiles its own).
-        t = chain(cfg, False) if pdl and rows == 1 else t_pdl
+        t = chain(cfg, False) if pdl and not few_row else t_pdl
         timed.append((t_pdl, t, cfg, err))
     t_def_pdl, t_def = timed[0][0], timed[0][1]
     timed.sort(key=lambda e: e[0])
@@ -256,27 +257,30 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1],
                     help="rows of x (2-16: the few-row GEMV), each in turn")
+    ap.add_argument("--few-row", action="store_true",
+                    help="the few-row GEMV at one row of x too (where the engine runs the batch-1 GEMV)")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
     m = MODELS[args.model]
-    assert args.rows == [1] or args.fp8 is None, "the few-row GEMV takes bf16 weights"
+    assert (args.rows == [1] and not args.few_row) or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
           f"{args.rows} row(s) of x")
     for rows, tp in itertools.product(args.rows, args.tp):
+        few = rows > 1 or args.few_row
         best = {}
         Weight.layout = args.fp8
         sweep_on = not args.no_sweep
         for name, (n, k) in shapes(m, tp).items():
-            best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows)
+            best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows, few_row=few)
         if m.inter:
             n, k = shapes(m, tp)["gate_up"]
             best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}/M{rows}", n, k, m.layers, sweep_on, silu=True,
-                                               rows=rows)
+                                               rows=rows, few_row=few)
         Weight.layout = None
         # The LM head is swept for the few-row GEMV only (its tile is the engine's choice there).
-        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and rows > 1,
-                                   rows=rows)
+        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and few,
+                                   rows=rows, few_row=few)
         Weight.layout = args.fp8
         bench_chain(m, tp, best, rows)
 
