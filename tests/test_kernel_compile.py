@@ -118,12 +118,10 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
-def _compile_few_row_mma(n: int, k: int, silu: bool = False, config=None):
-    """The tensor-core few-row GEMV as a launch compiles it for sm_90 (bf16, an [n, k]
-    weight, its default launch unless `config`)."""
-    from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel, mma_config
+def _compile_few_row_mma(cfg, silu: bool = False):
+    """The tensor-core few-row GEMV as a launch `cfg` compiles it for sm_90 (bf16)."""
+    from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel
 
-    cfg = config or mma_config(n, k, silu)
     names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som", "up_offset"]
     types = ["*bf16"] * 4 + ["i32"] * 7
     constexprs = {"HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_M": BLOCK_M,
@@ -145,7 +143,7 @@ def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     from agent_infer.kernels.triton.gemv_rows_mma import mma_config
 
     cfg = mma_config(n, k, silu)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
-    kernel = _compile_few_row_mma(n, k, silu)
+    kernel = _compile_few_row_mma(cfg, silu)
     regs, stack = _registers_per_thread(kernel)
     ptx = kernel.asm["ptx"]
     print(f"N={n} K={k} silu={silu}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")

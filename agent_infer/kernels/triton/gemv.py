@@ -510,10 +510,10 @@ MAX_GRID_Y = 65535
 ROW_PREFETCH_TILES = 2
 
 
-def row_block_k(k: int) -> int:
-    """The M = 1 kernels' column tile for K: 2,048, or the largest power of two below it
-    that divides K."""
-    block_k = 2048
+def row_block_k(k: int, most: int = 2048) -> int:
+    """The M = 1 kernels' column tile for K: `most` (a power of two), or the largest power
+    of two below it that divides K."""
+    block_k = most
     while k % block_k:
         block_k //= 2
     return block_k

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from agent_infer.kernels.triton.gemv import row_block_k
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
@@ -111,13 +112,10 @@ def mma_config(n: int, k: int, silu_mul: bool = False, itemsize: int = 2) -> Mma
     the LM head; 4 stages on all. Outputs under 4,096 rows (not swept) take 16-row tiles,
     so they still spread over most SMs. fp32 (tests) takes half the columns, the same
     bytes a stage."""
-    def block_k(most: int) -> int:
-        most = most * 2 // itemsize
-        return next(b for b in (512, 256, 128, 64, 32, 16) if b <= most and k % b == 0)
-
     if 4096 <= n < 65536 and k < 8192:
-        return MmaConfig(64, block_k(128 if silu_mul else 256), num_warps=4, num_stages=4, prefetch=False)
-    return MmaConfig(16, block_k(512), num_warps=2, num_stages=4, prefetch=False)
+        block_k = row_block_k(k, (128 if silu_mul else 256) * 2 // itemsize)
+        return MmaConfig(64, block_k, num_warps=4, num_stages=4, prefetch=False)
+    return MmaConfig(16, row_block_k(k, 1024 // itemsize), num_warps=2, num_stages=4, prefetch=False)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
