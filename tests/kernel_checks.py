@@ -434,27 +434,24 @@ def check_gemv(device, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, c
 
 def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool, row_counts: tuple[int, ...],
                          epilogue: str = "plain") -> None:
-    """The batch-invariant mode's GEMM (gemv.linear_invariant): for each row count, x's
-    rows (strided) in one launch give bitwise what each row's own launch gives, across
-    tiles of rows (17, 40 rows) and K splits, and the rows are F.linear's (then, by
-    `epilogue`, SiLU-and-mul on a [gate; up] weight of 2n rows, or the residual add and
-    RMSNorm with the residual updated in place and every counter re-armed) within the
-    dtype's tolerance."""
-    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, invariant_fuses_silu, linear_invariant
+    """The batch-invariant mode's GEMM (gemv_rows_mma.linear_rows_mma, as ops.linear's
+    `invariant_rows` runs it): for each row count, x's rows (strided) in one launch give
+    bitwise what each row's own launch gives, across tiles of rows (17, 40, 72 rows), and
+    the rows are F.linear's (then, by `epilogue`, SiLU-and-mul on a [gate; up] weight of
+    2n rows, or the residual add and RMSNorm kernel after it, the residual updated in
+    place) within the dtype's tolerance."""
+    from agent_infer.kernels.triton.gemv_rows_mma import linear_rows_mma
+    from agent_infer.kernels.triton.norm import fused_add_rms_norm
 
     silu_mul, add_norm = epilogue == "silu", epilogue == "add_norm"
     rows = 2 * n if silu_mul else n
-    if silu_mul:
-        assert invariant_fuses_silu(n, k, torch.device(device)), f"N={n} K={k} splits K: no fused SiLU"
     w = randn(rows, k, dtype=dtype, device=device, seed=51, scale=k**-0.5)
     b = randn(rows, dtype=dtype, device=device, seed=52) if bias else None
     norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=54)).to(dtype)
-    counters = torch.zeros(max(row_counts) // INVARIANT_BLOCK_M + 2, dtype=torch.int32, device=device)
 
     def run(x, residual=None):
-        if not add_norm:
-            return linear_invariant(x, w, b, silu_mul=silu_mul)
-        return linear_invariant(x, w, b, add_norm=(residual, norm_w, counters, 1e-6))
+        y = linear_rows_mma(x, w, b, silu_mul=silu_mul)
+        return fused_add_rms_norm(y, residual, norm_w, 1e-6)[0] if add_norm else y
 
     for m in row_counts:
         x = randn(m, k + 8, dtype=dtype, device=device, seed=53 + m)[:, 3:k + 3]
@@ -472,7 +469,6 @@ def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool,
         alone = torch.cat([run(x[i:i + 1], alone_res[i] if add_norm else None) for i in range(m)])
         assert torch.equal(out, alone), f"{label}: rows differ from their own launches"
         if add_norm:
-            assert not counters.any(), f"{label}: counters left {counters.tolist()}"
             assert torch.equal(residual, torch.cat(alone_res)), f"{label}: residual rows differ from their own launches"
             # y's rounding may differ by one ulp from F.linear's; the add and the norm then
             # round alike, so the tolerance is the GEMM's.

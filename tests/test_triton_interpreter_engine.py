@@ -88,7 +88,7 @@ if IN_CHILD:
     def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
         """batch_invariant with every kernel routed to Triton: decode and verify steps, of
         one row and of several, send every projection (the LM head too) through the mode's
-        GEMM (gemv.linear_invariant; the add + norm after a projection in its epilogue) and
+        GEMM (gemv_rows_mma.linear_rows_mma; SiLU-and-mul in its epilogue) and
         their attention through the one-row step's shares (several a program where a step
         of several rows has a smaller grid), and each prompt's greedy tokens, decoded beside
         others with drafts, equal its tokens decoded alone."""
@@ -98,7 +98,7 @@ if IN_CHILD:
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.kernels import ops
         from agent_infer.kernels.triton import decode_attention as dec
-        from agent_infer.kernels.triton import gemv
+        from agent_infer.kernels.triton import gemv_rows_mma
         from agent_infer.sampling_params import SamplingParams
         from tests.drafters import Replay
         from tests.test_speculative import NGRAM, _arrivals, spec_engine
@@ -106,16 +106,16 @@ if IN_CHILD:
 
         path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
         rows: list[int] = []
-        add_norms: list[bool] = []
+        silu: list[bool] = []
         splits: set = set()
-        invariant, attend = gemv.linear_invariant, dense_triton.decode_attention
+        invariant, attend = gemv_rows_mma.linear_rows_mma, dense_triton.decode_attention
 
         def counting(x, *a, **k):
             rows.append(x.shape[0])
-            add_norms.append(k.get("add_norm") is not None)
+            silu.append(k.get("silu_mul", False))
             return invariant(x, *a, **k)
 
-        monkeypatch.setattr(gemv, "linear_invariant", counting)
+        monkeypatch.setattr(gemv_rows_mma, "linear_rows_mma", counting)
         monkeypatch.setattr(dense_triton, "decode_attention",
                             lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("shares"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
@@ -144,8 +144,8 @@ if IN_CHILD:
         stats = spec.draft_policy.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         assert min(rows) == 1 and max(rows) > 1, f"the mode's GEMM took no one-row or no multi-row step: {rows}"
-        # Two of a layer's four projections end in the residual add + norm, in the GEMM.
-        assert {r for r, fused in zip(rows, add_norms) if fused} == set(rows), "add + norm not fused at every row count"
+        # One of a layer's four projections ends in SiLU-and-mul, in the GEMM's epilogue.
+        assert {r for r, fused in zip(rows, silu) if fused} == set(rows), "SiLU-and-mul not fused at every row count"
         assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
         assert shared_launches and min(shared_launches) > 1, "no step of several rows took the shares kernel"
 

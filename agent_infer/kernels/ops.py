@@ -144,21 +144,25 @@ def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
 
 def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant_rows: int) -> bool:
     """The batch-invariant mode on a GPU with 16- or 32-bit weights: a decode or verify
-    step's projections of 1 to `invariant_rows` rows all run the tensor-core GEMM with a
-    tile fixed by the weight's shape (gemv.linear_invariant), the one-row steps too, so a
-    row's sums do not depend on the rows beside it, and the weight is read once for all
-    of them. The add + norm after it and SiLU-and-mul run in its epilogues where the
-    weight's shape allows (else as kernels of their own), the same for every row count.
-    fp8 weights take the batch-1 GEMV's row grid (`_each_row`)."""
-    return (invariant_rows > 1 and scale is None and x.dim() == 2 and 1 <= x.shape[0] <= invariant_rows
-            and _gemv_ok(x, weight, rows=True))
+    step's projections of 1 to `invariant_rows` rows all run the few-row GEMV on the
+    tensor cores (gemv_rows_mma.linear_rows_mma), the one-row steps too: its tile follows
+    the weight's shape alone and x's rows go in 16-row tiles, so a row's sums do not
+    depend on the rows beside it, and the weight is read once for a tile of them. Its
+    epilogue ends a [gate; up] projection in SiLU-and-mul; the add + norm after a
+    projection is the one-program-a-row kernel. fp8 weights take the batch-1 GEMV's row
+    grid (`_each_row`)."""
+    if not (invariant_rows > 1 and scale is None and 1 <= x.shape[0] <= invariant_rows and _use_triton(x)):
+        return False
+    from agent_infer.kernels.triton import gemv_rows_mma
+
+    return gemv_rows_mma.fits(x, weight)
 
 
 def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      silu_mul: bool = False, add_norm: tuple | None = None) -> torch.Tensor:
-    from agent_infer.kernels.triton import gemv
+                      silu_mul: bool = False) -> torch.Tensor:
+    from agent_infer.kernels.triton import gemv_rows_mma
 
-    return gemv.linear_invariant(x, weight, bias, silu_mul=silu_mul, add_norm=add_norm)
+    return gemv_rows_mma.linear_rows_mma(x, weight, bias, silu_mul=silu_mul)
 
 
 def _row_by_row(fn, x: torch.Tensor, *args) -> torch.Tensor:
@@ -239,12 +243,6 @@ def linear_add_rms_norm(
     `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
     row."""
     if _invariant_gemm(x, weight, scale, invariant_rows):
-        from agent_infer.kernels.triton import gemv
-
-        # Decided by the step's shapes and the mode's row limit, never by the row count.
-        if (weight.shape[0] <= gemv.MAX_ADD_NORM_FEATURES and residual.dtype == x.dtype and residual.stride(-1) == 1
-                and counter.numel() >= -(-invariant_rows // gemv.INVARIANT_BLOCK_M)):
-            return _linear_invariant(x, weight, bias, add_norm=(residual, norm_weight, counter, eps)), residual
         return fused_add_rms_norm(_linear_invariant(x, weight, bias), residual, norm_weight, eps)
     each_row = _each_row(x, invariant_rows)
     if (_gemv_ok(x, weight, rows=each_row) and residual.dtype == x.dtype

@@ -232,8 +232,8 @@ def test_gemv_rows_mma(dtype, m, n, k, epilogue):
     kc.check_gemv_rows(DEV, dtype, m, n, k, bias=(n == 1000), epilogue=epilogue)
 
 
-# The batch-invariant mode's GEMM at the Qwen3-8B and SmolLM2-135M shapes (K split or
-# not), up to a batch of 8 with 8 drafts each.
+# The batch-invariant mode's GEMM at the Qwen3-8B and SmolLM2-135M shapes, up to a batch
+# of 8 with 8 drafts each.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (24576, 4096), (960, 576), (576, 1536),
                                  (49152, 576), (1000, 4000)])
@@ -262,8 +262,8 @@ def test_gemv_reduce_in_kernel(dtype, n, k, epilogue):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (576, 576), (576, 1536), (896, 4864)])
 def test_gemv_invariant_add_norm(dtype, n, k):
-    """The o and down projections of Qwen3-8B (K split: the second kernel adds and
-    normalises), SmolLM2-135M and Qwen2.5-0.5B (not split: the last program does)."""
+    """The o and down projections of Qwen3-8B, SmolLM2-135M and Qwen2.5-0.5B, then the
+    add + norm kernel."""
     kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17, 72), epilogue="add_norm")
 
 

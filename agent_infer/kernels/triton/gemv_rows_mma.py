@@ -1,5 +1,5 @@
-"""The few-row GEMV on the tensor cores: y = x W^T (+ b) for x [M, K] with 1 <= M <=
-MAX_ROWS (a speculative verify step at batch 1, a small decode batch), W [N, K].
+"""The few-row GEMV on the tensor cores: y = x W^T (+ b) for x [M, K] with a few rows (a
+speculative verify step at batch 1, a small decode batch), W [N, K].
 
 The products go to the tensor cores, a few instructions a weight whatever the rows (a
 GEMV on the FMA units spends them in proportion to the rows: at 5 rows about 19 a weight,
@@ -15,15 +15,15 @@ down projections stays a kernel of its own (one program a row): done by the last
 program, as at one row, it walked the rows one after another in dependent chunks, about
 7 us a row at 4,096 features: 4.4 ms more for a Qwen3-8B verify step of 4 drafts (a
 graph of 8 rows).
-The reference is F.linear. `gemv._gemv_kernel` with `swap_ab` takes the same dot; that
-kernel is the batch-invariant mode's GEMM (a K split with its second kernel, a whole row
-held in its add + norm, SiLU only with x on the left), kept apart so that neither's
-compiled code moves with the other's needs.
+The reference is F.linear.
 
 The engine sends it 2 to 16 rows (ENGINE_ROWS): its time hardly moves with the rows (x is
 always one 16-row operand); at 8 rows it streamed Qwen3-8B's projections 12 % faster than
 cuBLAS, and a verify step of 2 rows ran 0.67 ms shorter on it than on the FMA kernel it
-replaced (docs/PERFORMANCE.md).
+replaced (docs/PERFORMANCE.md). The batch-invariant mode sends it every decode and verify
+step's projections, one row included: more than 16 rows take several 16-row tiles, a grid
+axis over them, and since the launch's tile depends on the weight's shape alone, a row's
+sums are the same whatever rows share its step.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launc
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
 BLOCK_M = 16
-MAX_ROWS = BLOCK_M
-# The row counts the engine sends here (`takes`); one row takes the batch-1 GEMV.
-ENGINE_ROWS = range(2, MAX_ROWS + 1)
+# The row counts the engine sends here (`takes`); one row takes the batch-1 GEMV (outside
+# the batch-invariant mode).
+ENGINE_ROWS = range(2, BLOCK_M + 1)
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,13 @@ def _gemv_rows_mma_kernel(
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
 ):
-    """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for j < M and this program's BLOCK_N
-    rows of w; K a multiple of BLOCK_K. SILU_MUL: rows n + up_offset of w are the up
-    halves, and out is silu(gate) * up."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    m = tl.arange(0, BLOCK_M)
+    """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for this program's BLOCK_M rows j < M
+    of x and BLOCK_N rows of w; K a multiple of BLOCK_K. SILU_MUL: rows n + up_offset of
+    w are the up halves, and out is silu(gate) * up."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * swn + kk[None, :]
     up_rows = w_rows + up_offset * swn
@@ -118,12 +118,20 @@ def mma_config(n: int, k: int, silu_mul: bool = False, itemsize: int = 2) -> Mma
     return MmaConfig(16, row_block_k(k, 1024 // itemsize), num_warps=2, num_stages=4, prefetch=False)
 
 
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T can run here at all: 2-D x with its last dim contiguous, a
+    contiguous weight of x's dtype (16- or 32-bit), K a multiple of 16 (tl.dot's least)."""
+    return (
+        x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[1] % 16 == 0
+    )
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the engine's projection x @ weight^T goes here: ENGINE_ROWS rows of 16-bit
     x over a weight of the same dtype, K a multiple of 64."""
     return (
-        x.dim() == 2 and x.shape[0] in ENGINE_ROWS and x.stride(1) == 1 and weight.is_contiguous()
-        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0
+        fits(x, weight) and x.shape[0] in ENGINE_ROWS and x.dtype != torch.float32 and x.shape[1] % 64 == 0
     )
 
 
@@ -131,18 +139,22 @@ def linear_rows_mma(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
     config: MmaConfig | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (1 <= M <= MAX_ROWS, last dim contiguous) @ weight [N, K]^T (+ bias) ->
-    [M, N] in x's dtype. `silu_mul`: weight is [gate; up], 2N rows, and the result
-    silu(gate) * up [M, N]."""
+    """x [M, K] (M >= 1, last dim contiguous) @ weight [N, K]^T (+ bias) -> [M, N] in x's
+    dtype. `silu_mul`: weight is [gate; up], 2N rows, and the result silu(gate) * up
+    [M, N]. x's rows go in tiles of BLOCK_M over the grid's first axis, the fastest, so
+    the tiles that read one weight tile run side by side; each row's sums are the same
+    dots in the same order whatever rows share its launch (the tile comes from the
+    weight's shape alone), which the batch-invariant mode relies on."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    assert 1 <= m <= MAX_ROWS, f"the few-row GEMV takes 1..{MAX_ROWS} rows, got {m}"
-    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert m >= 1 and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
     cfg = config or mma_config(n, k, silu_mul, x.element_size())
     assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))
+    assert grid[1] < 65536, f"{grid[1]} column tiles: over the grid's second axis limit"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_rows_mma_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_rows_mma_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
         PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
