@@ -133,8 +133,7 @@ def _compile_few_row_mma(cfg, silu: bool = False):
 
 
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (12288, 4096), (151936, 4096), (960, 576),
-                                 (576, 1536), (49152, 576)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (12288, 4096), (151936, 4096), (960, 576)])
 def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     """The tensor-core few-row GEMV in its default launches at the Qwen3-8B and SmolLM2
     shapes: the weight tiles stream into shared memory by 16-byte asynchronous copies

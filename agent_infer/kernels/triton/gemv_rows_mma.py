@@ -109,14 +109,9 @@ def mma_config(n: int, k: int, silu_mul: bool = False, itemsize: int = 2) -> Mma
     64-row tiles on a warpgroup over 256 columns were the fastest or within 1 % on q/k/v,
     o and gate/up, over 128 with SiLU (whose two tiles a stage would take 288 KB of shared
     memory at 256); 16-row tiles on two warps over 512 columns on down (K = 12,288) and
-    the LM head; 4 stages on all. Short K loops (K under 1,024: swept at SmolLM2-135M's
-    shapes, K = 576, at 1 and 9 rows) take 64-row tiles on a warpgroup over 64 columns,
-    the first tile loaded before the PDL wait: a launch there is mostly latency, which
-    the prefetch hides; its down projection (K = 1,536) kept the 16-row tile. Other
-    outputs under 4,096 rows (not swept) take 16-row tiles, so they still spread over
-    most SMs. fp32 (tests) takes half the columns, the same bytes a stage."""
-    if k < 1024:
-        return MmaConfig(64, row_block_k(k, 64 * 2 // itemsize), num_warps=4, num_stages=4, prefetch=True)
+    the LM head; 4 stages on all. Outputs under 4,096 rows (not swept) take 16-row tiles,
+    so they still spread over most SMs. fp32 (tests) takes half the columns, the same
+    bytes a stage."""
     if 4096 <= n < 65536 and k < 8192:
         block_k = row_block_k(k, (128 if silu_mul else 256) * 2 // itemsize)
         return MmaConfig(64, block_k, num_warps=4, num_stages=4, prefetch=False)
