@@ -478,47 +478,6 @@ def check_gemv_invariant(device, dtype: torch.dtype, n: int, k: int, bias: bool,
             assert_close(out.float(), ref, label, dtype)
 
 
-def check_gemv_reduce_in_kernel(device, dtype: torch.dtype, n: int, k: int, bias: bool, m: int, epilogue: str,
-                                config) -> None:
-    """A K-split GEMM whose last program per output tile adds the partials
-    (`GemvConfig.reduce_in_kernel`): bitwise the two-kernel split's result (plain, and with
-    the add + norm, the residual too), silu(gate) * up close to SiLU-and-mul after the
-    two-kernel split, every counter re-armed, and each row of x bitwise its own launch."""
-    from dataclasses import replace
-
-    from agent_infer.kernels.triton.gemv import linear
-
-    assert config.split_k > 1 and config.reduce_in_kernel
-    silu_mul, add_norm = epilogue == "silu", epilogue == "add_norm"
-    w = randn(2 * n if silu_mul else n, k, dtype=dtype, device=device, seed=61, scale=k**-0.5)
-    b = randn(w.shape[0], dtype=dtype, device=device, seed=62) if bias else None
-    x = randn(m, k + 8, dtype=dtype, device=device, seed=63)[:, 2:k + 2]
-    norm_w = (1.0 + 0.1 * randn(n, dtype=torch.float32, device=device, seed=64)).to(dtype)
-    start = randn(m, n, dtype=dtype, device=device, seed=65)  # the residual before the call
-    tiles = torch.zeros(-(-n // config.block_n) * -(-m // 16), dtype=torch.int32, device=device)  # one a tile
-    counters = torch.zeros(64, dtype=torch.int32, device=device)
-    label = f"in-kernel K reduction M={m} N={n} K={k} {epilogue} {config}"
-
-    def run(rows, cfg, residual):
-        if silu_mul and not cfg.reduce_in_kernel:
-            return reference.silu_and_mul(linear(rows, w, b, cfg, block_m=16))
-        norm = (residual, norm_w, counters, 1e-6) if add_norm else None
-        return linear(rows, w, b, cfg, block_m=16, silu_mul=silu_mul, add_norm=norm, tile_counters=tiles)
-
-    want_res, got_res = start.clone(), start.clone()
-    want = run(x, replace(config, reduce_in_kernel=False), want_res)
-    with poisoned_empty():
-        got = run(x, config, got_res)
-    assert not tiles.any() and not counters.any(), f"{label}: counters left set"
-    if silu_mul:
-        assert_close(got.float(), want.float(), label, dtype)
-    else:
-        assert torch.equal(got, want), f"{label}: not the two-kernel split's sums"
-        assert torch.equal(got_res, want_res), f"{label}: residual differs"
-    alone = torch.cat([run(x[i:i + 1], config, start[i:i + 1].clone()) for i in range(m)])
-    assert torch.equal(alone, got), f"{label}: rows differ from their own launches"
-
-
 def check_gumbel_sample(device, dtype: torch.dtype, rows: int, vocab: int) -> None:
     """The one-pass sampler picks the same tokens as the PyTorch formula: same hash, same
     scores (up to rounding), greedy rows take the argmax."""

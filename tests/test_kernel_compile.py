@@ -181,13 +181,10 @@ def test_fp8_gemv_compiles_for_sm90(scale, block):
 _GEMV_KERNEL_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
     "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32", "k_per_split": "i32",
-    "res_ptr": "*bf16", "nw_ptr": "*bf16", "count_ptr": "*i32", "srm": "i32", "eps": "fp32", "tile_ptr": "*i32",
     "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "USE_DOT": "constexpr", "EVEN_K": "constexpr",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-    "SWAP_AB": "constexpr", "SILU_MUL": "constexpr", "ADD_NORM": "constexpr", "BLOCK_H": "constexpr",
-    "PDL": "constexpr", "REDUCE": "constexpr",
+    "SWAP_AB": "constexpr", "PDL": "constexpr",
 }
-_GEMV_DEFAULTS = {"ADD_NORM": False, "BLOCK_H": 1, "PDL": False, "REDUCE": False}
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
@@ -200,7 +197,7 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
 
     signature = _GEMV_KERNEL_SIGNATURE
     constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 64,
-                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "SILU_MUL": False, **_GEMV_DEFAULTS}
+                  "BLOCK_K": 128, "PRECISION": "tf32", "SWAP_AB": swap_ab, "PDL": False}
     kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=4, num_stages=4,
                            aligned=(0, 1, 3, 4, 8, 9, 10, 11))
     ptx = kernel.asm["ptx"]
@@ -208,86 +205,6 @@ def test_skinny_gemm_with_the_weight_on_the_left_takes_the_warpgroup_mma(swap_ab
     assert "cp.async" in ptx  # the weight tiles stream through the software pipeline either way
     regs, stack = _registers_per_thread(kernel)
     assert stack == 0, f"{regs} registers, {stack} bytes of stack"
-
-
-@pytest.mark.parametrize("n,k", [(1536, 576), (4864, 896)])
-def test_invariant_gemm_with_silu_streams_both_halves(n, k):
-    """The batch-invariant mode's GEMM at its own tile for a [gate; up] weight whose K it
-    does not split (SmolLM2-135M, Qwen2.5-0.5B): the two halves' tiles both stream through
-    the software pipeline into mma.sync dots, without spilling."""
-    import torch
-
-    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel, invariant_config
-
-    cfg = invariant_config(n, k, torch.device("cpu"))
-    signature = _GEMV_KERNEL_SIGNATURE
-    assert cfg.split_k == 1, cfg  # the fused epilogue needs the whole K in one program
-    ptx = {}
-    for silu in (False, True):
-        constexprs = {"HAS_BIAS": False, "SPLIT": False, "USE_DOT": True, "EVEN_K": k % cfg.block_k == 0,
-                      "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": silu, **_GEMV_DEFAULTS}
-        kernel = _compile_sm90(_gemv_kernel, signature, constexprs, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages, aligned=(0, 1, 3, 4, 9, 10, 11))
-        regs, stack = _registers_per_thread(kernel)
-        assert stack == 0, f"silu_mul={silu}: {regs} registers, {stack} bytes of stack"
-        ptx[silu] = kernel.asm["ptx"]
-    copies = {silu: text.count("cp.async.cg") + text.count("cp.async.ca") for silu, text in ptx.items()}
-    assert copies[True] == 2 * copies[False] > 0, f"asynchronous copies {copies}: the up half not pipelined"
-    assert ptx[True].count("mma.sync") >= 2 * ptx[False].count("mma.sync") > 0
-
-
-@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536)])
-def test_invariant_gemm_with_add_norm_keeps_its_loop(n, k):
-    """The mode's GEMM with the residual add + RMSNorm in its last program and PDL
-    (SmolLM2-135M's o and down projections, K not split): the K loop still streams through
-    the software pipeline into the same dots, the epilogue waits on the grid dependency
-    and takes the counter's atomic, without spilling."""
-    import torch
-
-    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel, invariant_config
-
-    cfg = invariant_config(n, k, torch.device("cpu"))
-    assert cfg.split_k == 1, cfg
-    ptx = {}
-    for fused in (False, True):
-        constexprs = {"HAS_BIAS": False, "SPLIT": False, "USE_DOT": True, "EVEN_K": k % cfg.block_k == 0,
-                      "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "PRECISION": "tf32", "SWAP_AB": False, "SILU_MUL": False, "ADD_NORM": fused,
-                      "BLOCK_H": 1024 if fused else 1, "PDL": fused, "REDUCE": False}
-        kernel = _compile_sm90(_gemv_kernel, _GEMV_KERNEL_SIGNATURE, constexprs, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages, aligned=(0, 1, 3, 4, 9, 10, 11, 12, 13, 14))
-        regs, stack = _registers_per_thread(kernel)
-        assert stack == 0, f"add_norm={fused}: {regs} registers, {stack} bytes of stack"
-        ptx[fused] = kernel.asm["ptx"]
-    for name in ("cp.async", "mma.sync"):
-        assert ptx[True].count(name) == ptx[False].count(name) > 0, name
-    assert "griddepcontrol.wait" in ptx[True] and "atom" in ptx[True] and "atom" not in ptx[False]
-
-
-@pytest.mark.parametrize("epilogue", ["plain", "silu", "add_norm"])
-def test_split_gemm_reduced_in_kernel_compiles_without_spills(epilogue):
-    """A K split reduced by the last program of each output tile (`reduce_in_kernel`), at
-    the tile the mode takes for Qwen3-8B's 4,096-column outputs (16 columns, 128-wide K
-    tiles), with each epilogue: the K loop keeps its pipelined copies and dots, the
-    reduction takes the counter's atomic, and nothing spills."""
-    from agent_infer.kernels.triton.gemv import INVARIANT_BLOCK_M, _gemv_kernel
-
-    ptx = {}
-    for reduce in (False, True):
-        constexprs = {"HAS_BIAS": False, "SPLIT": True, "USE_DOT": True, "EVEN_K": True,
-                      "BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": 16, "BLOCK_K": 128, "PRECISION": "tf32",
-                      "SWAP_AB": False, "SILU_MUL": epilogue == "silu" and reduce,
-                      "ADD_NORM": epilogue == "add_norm" and reduce, "BLOCK_H": 4096 if reduce else 1,
-                      "PDL": True, "REDUCE": reduce}
-        kernel = _compile_sm90(_gemv_kernel, _GEMV_KERNEL_SIGNATURE, constexprs, num_warps=4, num_stages=4,
-                               aligned=(0, 1, 3, 4, 9, 10, 11, 12, 13, 14, 17))
-        regs, stack = _registers_per_thread(kernel)
-        assert stack == 0, f"reduce={reduce} {epilogue}: {regs} registers, {stack} bytes of stack"
-        ptx[reduce] = kernel.asm["ptx"]
-    halves = 2 if epilogue == "silu" else 1
-    assert ptx[True].count("mma.sync") >= halves * ptx[False].count("mma.sync") > 0
-    assert "atom" in ptx[True] and "atom" not in ptx[False]
 
 
 def _run_tool(name: str, kernel, *args: str) -> str:

@@ -332,19 +332,6 @@ else:
     def test_gemv_invariant(dtype, n, k, bias, epilogue):
         kc.check_gemv_invariant(DEV, dtype, n, k, bias, (1, 5, 17, 40), epilogue)
 
-    # The K split reduced by the last program of each output tile: 3 and 4 K ranges (one
-    # short), two tiles of rows, the epilogues.
-    @pytest.mark.parametrize("dtype", DOT_DTYPES)
-    @pytest.mark.parametrize("n,k,bias,m,epilogue,split", [
-        (40, 512, True, 3, "plain", 4), (33, 320, False, 17, "plain", 3),
-        (24, 512, True, 5, "silu", 4), (40, 384, True, 17, "add_norm", 3),
-    ])
-    def test_gemv_reduce_in_kernel(dtype, n, k, bias, m, epilogue, split):
-        from agent_infer.kernels.triton.gemv import GemvConfig
-
-        config = GemvConfig(16, 64, split, use_dot=True, reduce_in_kernel=True)
-        kc.check_gemv_reduce_in_kernel(DEV, dtype, n, k, bias, m, epilogue, config)
-
     @pytest.mark.parametrize("epilogue", ["plain", "add_norm"])
     def test_gemv_m1_rows_past_the_grid_limit(epilogue, monkeypatch):
         """More output blocks than the grid's second axis holds: a launch per row, the

@@ -9,23 +9,20 @@ second small kernel adds up (deterministic, no atomics, no zero-fill).
 M == 1 uses plain FMAs into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the
 end; M > 1 uses tl.dot on an x tile padded to 16, 32 or 64 rows, x on the left or (swap_ab)
 the weight tile, which lets a Hopper GPU use its warpgroup MMA. The engine takes the
-M == 1 row kernel below for batch 1, and this one in the batch-invariant mode
-(`linear_invariant`: 16-row tiles of x over a grid axis, a tile and K split fixed by the
-weight's shape); otherwise it is benchmarked against cuBLAS for small decode batches
-(benchmarks/gpu_kernels.py, benchmarks/throughput_kernels.py --only chain). The
-reference is F.linear.
+M == 1 row kernel below for batch 1 (and, in the batch-invariant mode, for fp8 weights
+with a grid axis over the rows); this skinny GEMM is benchmarked against cuBLAS for small
+decode batches (benchmarks/gpu_kernels.py, benchmarks/throughput_kernels.py --only chain),
+and its split-reduce kernel adds the W8A8 GEMM's K split. The reference is F.linear.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.activation import silu_and_mul
 from agent_infer.kernels.triton.gemv_fp8 import row_dot_e4m3
 from agent_infer.kernels.triton.norm import add_rms_norm_row, last_to_arrive
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, num_sms, pdl_begin
@@ -48,36 +45,22 @@ class GemvConfig:
     # so BLOCK_N >= 64 fills a Hopper warpgroup MMA, whose left operand must be 64 rows
     # tall, where x's 16 padded rows on the left leave only the older, narrower MMA.
     swap_ab: bool = False
-    # With split_k > 1: the last program of each output tile adds the K ranges' partial
-    # sums (in split order, as the second kernel does) and runs the epilogue, so there is
-    # no second launch; it needs a counter per output tile (`linear`'s tile_counters).
-    reduce_in_kernel: bool = False
 
 
-# M is not specialised: the batch-invariant mode launches one variant for every row count
-# (a row count of 1 or a multiple of 16 would otherwise compile its own, mid-serving).
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, sxm, swn, som, k_per_split,
-    res_ptr, nw_ptr, count_ptr, srm, eps, tile_ptr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
-    BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False, REDUCE: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    # SILU_MUL (tl.dot, x on the left; with SPLIT only with REDUCE): the weight is [gate;
-    # up], 2N rows; the output silu(x gate^T) * (x up^T), N columns. ADD_NORM (no split, or
-    # REDUCE): the last program of a tile of rows adds the residual and normalises those
-    # rows (`_last_tile_add_norm`, one counter per tile of rows). REDUCE (SPLIT): the last
-    # K range of each output tile to finish adds the partials in split order (a counter
-    # per output tile at tile_ptr) and runs the epilogue.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.arange(0, BLOCK_M)
     m_mask = m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -87,8 +70,6 @@ def _gemv_kernel(
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if SILU_MUL:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -104,74 +85,28 @@ def _gemv_kernel(
             acc_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=PRECISION)
         elif USE_DOT:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
-            if SILU_MUL:
-                if EVEN_K:
-                    w_up = tl.load(w_rows + N * swn + kk[None, :], mask=n_mask[:, None], other=0.0)
-                else:
-                    w_up = tl.load(w_rows + N * swn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc_up += tl.dot(x.to(w.dtype), tl.trans(w_up), input_precision=PRECISION)
         else:
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
     if SWAP_AB:
         acc = tl.trans(acc_t)
     elif not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]
-    if not SILU_MUL:
-        acc_up = acc  # unused
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        splits = tl.num_programs(1)
         part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
         tl.store(part, acc, mask=out_mask)
-        if SILU_MUL:
-            tl.store(part + splits * M * N, acc_up, mask=out_mask)  # the up halves after the gates
-        if REDUCE:
-            tile = tile_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
-            if last_to_arrive(tile, splits):
-                tl.debug_barrier()
-                rows = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, splits):  # in split order: the sums the second kernel makes
-                    acc += tl.load(rows + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    if SILU_MUL:
-                        acc_up += tl.load(rows + (splits + s) * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm,
-                          eps, HAS_BIAS, SILU_MUL, ADD_NORM, BLOCK_M, BLOCK_H)
-                tl.store(tile, 0)
     else:
-        _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm, eps,
-                  HAS_BIAS, SILU_MUL, ADD_NORM, BLOCK_M, BLOCK_H)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, m, n, out_mask, out_ptr, b_ptr, res_ptr, nw_ptr, count_ptr, M, N, som, srm, eps,
-              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_H: tl.constexpr):
-    """The output tile from its whole-K sums: (+ bias) or silu(gate) * up, stored; then
-    with ADD_NORM the add + norm of the tile's rows by the last program along N."""
-    n_mask = n < N
-    if SILU_MUL:
-        y = bias_silu_mul(acc, acc_up, n[None, :], n_mask[None, :], b_ptr, N, HAS_BIAS, True,
-                          out_ptr.dtype.element_ty)
-    else:
-        y = acc
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * som + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if ADD_NORM:
-        first = tl.program_id(2) * BLOCK_M
-        _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr + tl.program_id(2), first,
-                            tl.minimum(first + BLOCK_M, M), som, srm, N, eps, tl.num_programs(0), BLOCK_H)
-
-
-@triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(
-    part_ptr, b_ptr, out_ptr, M, N, som, splits, res_ptr, nw_ptr, srm, eps,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ADD_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
+    part_ptr, b_ptr, out_ptr, M, N, som, splits,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    # ADD_NORM: BLOCK spans the row, which this program then adds to the residual and
-    # normalises.
     pdl_begin(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -181,11 +116,7 @@ def _split_reduce_kernel(
         acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    y = acc.to(out_ptr.dtype.element_ty)
-    if ADD_NORM:
-        add_rms_norm_row(y, n, mask, res_ptr + row.to(tl.int64) * srm, nw_ptr, out_ptr + row.to(tl.int64) * som, N, eps)
-    else:
-        tl.store(out_ptr + row.to(tl.int64) * som + n, y, mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
@@ -208,24 +139,14 @@ def split_for(n: int, k: int, block_n: int, block_k: int, device: torch.device) 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-    block_m: int | None = None, silu_mul: bool = False,
-    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None, pdl: bool | None = None,
-    tile_counters: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    `block_m` (tl.dot configs only): x's rows in tiles of that many, one grid axis over
-    them, any M; without it one tile, padded to M's next power of two (at least 16).
-    `silu_mul` (tl.dot with x on the left; no K split, or one reduced in the kernel):
-    weight and bias are [gate; up], the result silu_and_mul of the product, [M, N / 2].
-    `add_norm` = (residual [M, N], norm weight [N], counters (int32, one per tile of rows,
-    zero and left zero), eps): residual <- y + residual in place, and the result
-    rms_norm(residual) * norm weight, done by the last program of each tile of rows, or
-    with a K split by its second kernel. `tile_counters` (int32, one per output tile,
-    zero and left zero): for a config that reduces its K split in the kernel."""
+    """x [M, K] (M <= MAX_M) @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype; x's
+    rows in one tile, padded to M's next power of two (at least 16) on the tl.dot path."""
     m, k = x.shape
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    n = weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
-    assert m >= 1 and (block_m is not None or m <= MAX_M), f"gemv handles 1..{MAX_M} rows, got {m}"
+    assert 1 <= m <= MAX_M, f"gemv handles 1..{MAX_M} rows, got {m}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     cfg = config or default_config(m, n, k, x.device)
     if m > 1 and not cfg.use_dot:
@@ -238,113 +159,30 @@ def linear(
     split = max(1, min(cfg.split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
-    reduce = split > 1 and cfg.reduce_in_kernel
-    if silu_mul and (not cfg.use_dot or cfg.swap_ab or (split > 1 and not reduce) or weight.shape[0] % 2):
-        raise ValueError("silu_mul takes a [gate; up] weight on the tl.dot path, x on the left, no K split "
-                         "or one reduced in the kernel")
-    even_k = k % cfg.block_k == 0
-    if block_m is not None:
-        assert cfg.use_dot and block_m >= 16 and triton.next_power_of_2(block_m) == block_m
-    else:
-        block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
-    if reduce:
-        assert tile_counters is not None and tile_counters.dtype == torch.int32 and tile_counters.is_contiguous()
-        assert tile_counters.numel() >= grid[0] * grid[2], f"{tile_counters.numel()} tile counters < {grid}"
-    part = torch.empty((2 if silu_mul else 1, split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    has_bias = bias is not None
-    b = bias if has_bias else out
-    fused_norm = add_norm is not None and (split == 1 or reduce)
-    if add_norm is not None:
-        residual, norm_weight, counter, eps = add_norm
-        assert residual.shape == (m, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
-        assert norm_weight.shape == (n,) and norm_weight.is_contiguous() and n <= MAX_ADD_NORM_FEATURES
-        assert silu_mul is False and (not fused_norm or counter.numel() >= grid[2])
-        assert counter.dtype == torch.int32 and counter.is_contiguous()
-    else:
-        residual, norm_weight, counter, eps = out, out, out, 0.0
-    opts = launch_opts(x.device, pdl)
-    _gemv_kernel[grid](
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else 1
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, b, out, part,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        residual, norm_weight, counter, residual.stride(0), eps, tile_counters if reduce else counter,
-        HAS_BIAS=has_bias, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(weight.dtype),
-        SWAP_AB=cfg.swap_ab, SILU_MUL=silu_mul, ADD_NORM=fused_norm,
-        BLOCK_H=triton.next_power_of_2(n) if fused_norm else 1, REDUCE=reduce,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
     )
-    if split > 1 and not reduce:
-        split_reduce(part[0], bias, out, add_norm=None if add_norm is None else (residual, norm_weight, eps), pdl=pdl)
+    if split > 1:
+        split_reduce(part, bias, out, pdl=pdl)
     return out
 
 
-def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, pdl: bool | None = None) -> None:
+def split_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, pdl: bool | None = None) -> None:
     """out [M, N] <- the sum over S of fp32 partials part [S, M, N] (+ bias [N]), in
-    out's dtype: the second kernel of a K-split GEMM. `add_norm` = (residual [M, N], norm
-    weight, eps): one program a row adds it to the residual (in place) and normalises."""
+    out's dtype: the second kernel of a K-split GEMM."""
     split, m, n = part.shape
-    block = triton.next_power_of_2(n) if add_norm is not None else min(1024, triton.next_power_of_2(n))
-    residual, norm_weight, eps = add_norm if add_norm is not None else (out, out, 0.0)
+    block = min(1024, triton.next_power_of_2(n))
     _split_reduce_kernel[(m, triton.cdiv(n, block))](
         part, bias if bias is not None else out, out, m, n, out.stride(0), split,
-        residual, norm_weight, residual.stride(0), eps,
-        HAS_BIAS=bias is not None, BLOCK=block, ADD_NORM=add_norm is not None,
-        num_warps=4 if block <= 4096 else 8, **launch_opts(out.device, pdl),
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch_opts(out.device, pdl),
     )
-
-
-# ---- the batch-invariant mode: 1 to many rows, each summed as when alone ---------------
-
-# Rows of x a tile in the mode. Fixed, not grown with M: a wider tile could take another
-# MMA instruction (Hopper's warpgroup MMA from 64 rows), whose sums need not round alike.
-INVARIANT_BLOCK_M = 16
-
-
-# K tiles below which the mode's GEMM does not split K: a split's second kernel costs more
-# than a short K loop saves (a small model's step is a chain of such launches).
-INVARIANT_SPLIT_MIN_K_TILES = 16
-
-
-@functools.cache  # a pure function of the shape, asked at every call of the mode's GEMM
-def invariant_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """The mode's tile for an [n, k] weight, from its shape alone: every row of x then
-    takes the same dots over the same K ranges, summed in the same order, whatever rows
-    share its step (the row count only sets how many tiles of rows the grid has). The
-    widest tile of columns that still gives every SM a program, and a K split (its partial
-    sums added in a fixed order by the second kernel) only for long K loops."""
-    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), 64)
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms(device)), 16)
-    long_k = triton.cdiv(k, block_k) >= INVARIANT_SPLIT_MIN_K_TILES
-    split = split_for(n, k, block_n, block_k, device) if long_k else 1
-    return GemvConfig(block_n, block_k, split, use_dot=True)
-
-
-def invariant_fuses_silu(n: int, k: int, device: torch.device) -> bool:
-    """Whether the mode's GEMM for a [gate; up] weight of 2n rows ends in SiLU-and-mul
-    (its tile takes no K split), from the shape alone as the tile is."""
-    return invariant_config(n, k, device).split_k == 1
-
-
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False,
-                     add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) for any M, each row of the result bitwise what
-    a launch for that row alone gives (the batch-invariant mode's decode and verify
-    projections; ops.linear's `invariant_rows`). On the tensor cores: a one-row step costs
-    more than the batch-1 GEMV, a step of several rows reads the weight once. `silu_mul`:
-    a [gate; up] weight, silu(gate) * up out, in the GEMM's epilogue where
-    `invariant_fuses_silu`, else by the SiLU-and-mul kernel after it (by shape alone too).
-    `add_norm` as in `linear` (one counter per 16 rows): the residual add and RMSNorm
-    after the projection, by the GEMM's last program of each tile of rows, or by the K
-    split's second kernel, a row at a time either way."""
-    k = weight.shape[1]
-    if silu_mul and not invariant_fuses_silu(weight.shape[0] // 2, k, x.device):
-        return silu_and_mul(linear_invariant(x, weight, bias))
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    return linear(x, weight, bias, invariant_config(n, k, x.device), block_m=INVARIANT_BLOCK_M, silu_mul=silu_mul,
-                  add_norm=add_norm)
 
 
 # ---- M = 1: one program per BLOCK_N output rows, the whole K, no second kernel ----------
@@ -382,19 +220,6 @@ def _last_program_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, N, eps, programs
         tl.debug_barrier()
         _add_norm_stored_row(out_ptr, res_ptr, nw_ptr, N, eps, BLOCK_H)
         tl.store(count_ptr, 0)  # the next launch starts after this kernel ends
-
-
-@triton.jit
-def _last_tile_add_norm(out_ptr, res_ptr, nw_ptr, count_ptr, first, end, som, srm, N, eps, programs,
-                        BLOCK_H: tl.constexpr):
-    """`_last_program_add_norm` for the rows first..end - 1 of the mode's GEMM, whose
-    `programs` programs along N each stored their columns of those rows: the last one adds
-    and normalises each row in turn, the same code for a row whatever rows share its tile."""
-    if last_to_arrive(count_ptr, programs):
-        tl.debug_barrier()
-        for r in range(first, end):
-            _add_norm_stored_row(out_ptr + r * som, res_ptr + r * srm, nw_ptr, N, eps, BLOCK_H)  # < 2**31 apart
-        tl.store(count_ptr, 0)
 
 
 @triton.jit
