@@ -10,6 +10,7 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --model deepseek-v2-lite --tp 1 --fp8 channel   # stacked q / kv_a, o
     python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (verify steps, small batches)
     python benchmarks/gemv_chain.py --rows 1 --tp 1 --few-row   # the few-row GEMV at one row
+    python benchmarks/gemv_chain.py --model smollm2-135m --rows 1 9 --tp 1 --few-row   # short K (576)
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor
@@ -130,22 +131,26 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: RowConfig | MmaConfig, pdl: b
     return linear_m1(x, w, scale=scale, block=block, config=config, pdl=pdl, silu_mul=silu_mul)
 
 
-def mma_sweep() -> list[MmaConfig]:
+def mma_sweep(k: int) -> list[MmaConfig]:
     """Tiles of 16 weight rows on one or two warps (mma.sync), 32 on two or four, 64 on a
     warpgroup (Hopper's wgmma); the 64-row tiles with and without the first tile before
     the PDL wait (which holds the tile in registers: up to 255 a thread at 16 rows on
-    sm_90, tests/test_kernel_compile.py)."""
+    sm_90, tests/test_kernel_compile.py). Where no 128-column tile divides K (SmolLM2-135M's
+    576), every height also runs 64 columns, with and without the early first tile: the
+    only width that fits such a K."""
     out = []
+    short = k % 128 != 0
     for bn, warps, bks in ((16, (1, 2), (128, 256, 512)), (32, (2, 4), (128, 256)), (64, (4,), (64, 128, 256))):
-        for w, bk, stages, prefetch in itertools.product(warps, bks, (3, 4), (True, False)):
-            if bn == 64 or not prefetch:
+        for w, bk, stages, prefetch in itertools.product(warps, ((64,) if short and bn < 64 else ()) + bks, (3, 4),
+                                                         (True, False)):
+            if bn == 64 or not prefetch or bk == 64:
                 out.append(MmaConfig(bn, bk, w, stages, prefetch))
     return out
 
 
-def sweep(few_row: bool) -> list[RowConfig | MmaConfig]:
+def sweep(few_row: bool, k: int) -> list[RowConfig | MmaConfig]:
     if few_row:
-        return mma_sweep()
+        return mma_sweep(k)
     out = []
     fp8 = Weight.layout is not None
     if fp8:
@@ -184,7 +189,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
         default = mma_config(out_n, k, silu)
     else:
         default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep(few_row) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    configs = [default] + ([c for c in sweep(few_row, k) if k % c.block_k == 0 and c != default] if do_sweep else [])
     pdl = pdl_enabled(torch.device(DEV))
     timed = []
     for cfg in configs:
