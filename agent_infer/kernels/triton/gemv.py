@@ -102,7 +102,9 @@ def _gemv_kernel(
                  mask=out_mask)
 
 
-@triton.jit
+# M is not specialised: the W8A8 GEMM's K split reaches it with any row count (a count of
+# 1 or a multiple of 16 would otherwise compile its own variant, mid-serving).
+@triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(
     part_ptr, b_ptr, out_ptr, M, N, som, splits,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
