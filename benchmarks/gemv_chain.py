@@ -136,8 +136,8 @@ def mma_sweep(k: int) -> list[MmaConfig]:
     warpgroup (Hopper's wgmma); the 64-row tiles with and without the first tile before
     the PDL wait (which holds the tile in registers: up to 255 a thread at 16 rows on
     sm_90, tests/test_kernel_compile.py). Where no 128-column tile divides K (SmolLM2-135M's
-    576), every height also runs 64 columns, with and without the early first tile: the
-    only width that fits such a K."""
+    576), every height also runs 64 columns, with and without the early first tile (the
+    widest tile that divides such a K), and the wider tiles run with a masked K tail."""
     out = []
     short = k % 128 != 0
     for bn, warps, bks in ((16, (1, 2), (128, 256, 512)), (32, (2, 4), (128, 256)), (64, (4,), (64, 128, 256))):
@@ -189,7 +189,7 @@ def bench_shape(name: str, n: int, k: int, layers: int, do_sweep: bool, silu: bo
         default = mma_config(out_n, k, silu)
     else:
         default = row_config(out_n, k, torch.device(DEV), fp8=Weight.layout is not None, silu_mul=silu)
-    configs = [default] + ([c for c in sweep(few_row, k) if k % c.block_k == 0 and c != default] if do_sweep else [])
+    configs = [default] + ([c for c in sweep(few_row, k) if (few_row or k % c.block_k == 0) and c != default] if do_sweep else [])
     pdl = pdl_enabled(torch.device(DEV))
     timed = []
     for cfg in configs:

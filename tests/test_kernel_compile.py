@@ -118,14 +118,14 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
-def _compile_few_row_mma(cfg, silu: bool = False):
+def _compile_few_row_mma(cfg, silu: bool = False, even_k: bool = True):
     """The tensor-core few-row GEMV as a launch `cfg` compiles it for sm_90 (bf16)."""
     from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel
 
     names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som", "up_offset"]
     types = ["*bf16"] * 4 + ["i32"] * 7
     constexprs = {"HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_M": BLOCK_M,
-                  "PRECISION": "tf32", "SILU_MUL": silu, "PREFETCH": cfg.prefetch}
+                  "PRECISION": "tf32", "SILU_MUL": silu, "PREFETCH": cfg.prefetch, "EVEN_K": even_k}
     signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
     aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N"))
     return _compile_sm90(_gemv_rows_mma_kernel, signature, constexprs, num_warps=cfg.num_warps,
@@ -151,6 +151,27 @@ def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} B of shared memory"
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
     assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
+    assert "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("block_n,block_k,warps,prefetch", [(16, 256, 2, False), (32, 128, 2, True), (64, 128, 4, True)])
+def test_few_row_mma_with_a_k_tail_keeps_its_pipeline(block_n, block_k, warps, prefetch, silu):
+    """Tiles wider than a K they do not divide (SmolLM2-135M's 576), the last one masked:
+    the loads still stream as 16-byte asynchronous copies into the same MMAs, after the
+    PDL wait, without spilling."""
+    from agent_infer.kernels.triton.gemv_rows_mma import MmaConfig
+
+    cfg = MmaConfig(block_n, block_k, warps, 4, prefetch)
+    even, tail = _compile_few_row_mma(cfg, silu), _compile_few_row_mma(cfg, silu, even_k=False)
+    regs, stack = _registers_per_thread(tail)
+    ptx = tail.asm["ptx"]
+    print(f"{cfg} silu={silu}: {regs} registers, {tail.metadata.shared} B shared")
+    assert stack == 0, f"{stack} bytes of stack"
+    assert tail.metadata.shared <= SM90_SHARED_BYTES, f"{tail.metadata.shared} B of shared memory"
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
+    mma = "wgmma.mma_async" if block_n >= 64 else "mma.sync.aligned.m16n8k16"
+    assert ptx.count(mma) == even.asm["ptx"].count(mma) > 0
     assert "griddepcontrol.wait" in ptx
 
 

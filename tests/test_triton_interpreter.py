@@ -299,14 +299,17 @@ else:
         kc.check_gemv_m1(DEV, dtype, n, k, bias, silu_mul, config)
 
     # The few-row GEMV on the tensor cores, 1-16 rows in one variant: tails of weight rows,
-    # tiles of one and several programs, K loops of one and several tiles, SiLU-and-mul.
+    # tiles of one and several programs, K loops of one and several tiles, SiLU-and-mul,
+    # K tails (a last tile past K, a K shorter than one tile, with the early first tile).
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
     @pytest.mark.parametrize(
         "m,n,k,bias,config,epilogue",
         [(5, 100, 256, True, None, "plain"), (1, 33, 64, False, MmaConfig(16, 64, 1, 1), "plain"),
          (16, 70, 128, False, MmaConfig(32, 32, 2, 2), "plain"), (8, 48, 192, True, MmaConfig(16, 64, 2, 3), "silu"),
          (3, 20, 64, False, None, "silu"), (9, 600, 64, False, MmaConfig(64, 64, 4, 2), "plain"),
-         (13, 130, 512, True, None, "plain"), (2, 100, 256, True, None, "silu")],
+         (13, 130, 512, True, None, "plain"), (2, 100, 256, True, None, "silu"),
+         (5, 40, 200, True, MmaConfig(16, 64, 1, 2, False), "plain"), (3, 24, 80, False, MmaConfig(16, 128, 1, 2), "silu"),
+         (9, 33, 576, False, MmaConfig(32, 256, 2, 3), "plain")],
     )
     def test_gemv_rows_mma(dtype, m, n, k, bias, config, epilogue):
         kc.check_gemv_rows(DEV, dtype, m, n, k, bias, config, epilogue)

@@ -56,16 +56,29 @@ class MmaConfig:
     prefetch: bool = True  # the first tile loaded before the PDL wait, into registers
 
 
+@triton.jit
+def _tile_mask(rows_mask, kk, k_left, EVEN_K: tl.constexpr):
+    """The load mask of a [rows, BLOCK_K] tile: its rows, and with a K tail (not EVEN_K)
+    the columns short of the `k_left` that remain."""
+    if EVEN_K:
+        mask = rows_mask[:, None]
+    else:
+        mask = rows_mask[:, None] & (kk < k_left)[None, :]
+    return mask
+
+
 # M is not specialised: each row count would otherwise compile its own variant.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows_mma_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som, up_offset,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SILU_MUL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
+    EVEN_K: tl.constexpr = True,
 ):
     """out[j, n] = sum_k x[j, k] w[n, k] (+ b[n]) for this program's BLOCK_M rows j < M
-    of x and BLOCK_N rows of w; K a multiple of BLOCK_K. SILU_MUL: rows n + up_offset of
-    w are the up halves, and out is silu(gate) * up."""
+    of x and BLOCK_N rows of w; EVEN_K: K a multiple of BLOCK_K, else the last tile's
+    columns past K are masked (loaded as zeros). SILU_MUL: rows n + up_offset of w are
+    the up halves, and out is silu(gate) * up."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,11 +92,12 @@ def _gemv_rows_mma_kernel(
     start = 0
     if PREFETCH:
         # The first tile before the wait: weights never depend on the previous kernel.
-        w = tl.load(w_rows, mask=n_mask[:, None], other=0.0)
+        w_mask = _tile_mask(n_mask, kk, K, EVEN_K)
+        w = tl.load(w_rows, mask=w_mask, other=0.0)
         if SILU_MUL:
-            u = tl.load(up_rows, mask=n_mask[:, None], other=0.0)
+            u = tl.load(up_rows, mask=w_mask, other=0.0)
         pdl_begin(PDL)
-        x = tl.trans(tl.load(x_rows, mask=m_mask[:, None], other=0.0))
+        x = tl.trans(tl.load(x_rows, mask=_tile_mask(m_mask, kk, K, EVEN_K), other=0.0))
         acc = tl.dot(w, x, input_precision=PRECISION)
         if SILU_MUL:
             acc_u = tl.dot(u, x, input_precision=PRECISION)
@@ -91,11 +105,11 @@ def _gemv_rows_mma_kernel(
     else:
         pdl_begin(PDL)
     for k0 in range(start, K, BLOCK_K):
-        x = tl.trans(tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0))
-        acc = tl.dot(tl.load(w_rows + k0, mask=n_mask[:, None], other=0.0), x, acc, input_precision=PRECISION)
+        w_mask = _tile_mask(n_mask, kk, K - k0, EVEN_K)
+        x = tl.trans(tl.load(x_rows + k0, mask=_tile_mask(m_mask, kk, K - k0, EVEN_K), other=0.0))
+        acc = tl.dot(tl.load(w_rows + k0, mask=w_mask, other=0.0), x, acc, input_precision=PRECISION)
         if SILU_MUL:
-            acc_u = tl.dot(tl.load(up_rows + k0, mask=n_mask[:, None], other=0.0), x, acc_u,
-                           input_precision=PRECISION)
+            acc_u = tl.dot(tl.load(up_rows + k0, mask=w_mask, other=0.0), x, acc_u, input_precision=PRECISION)
     y = bias_silu_mul(acc, acc_u, n[:, None], n_mask[:, None], b_ptr, up_offset, HAS_BIAS, SILU_MUL,
                       out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[None, :] * som + n[:, None], y.to(out_ptr.dtype.element_ty),
@@ -150,14 +164,13 @@ def linear_rows_mma(
     assert m >= 1 and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
     cfg = config or mma_config(n, k, silu_mul, x.element_size())
-    assert k % cfg.block_k == 0, f"K={k} is not a multiple of block_k={cfg.block_k}"
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))
     assert grid[1] < 65536, f"{grid[1]} column tiles: over the grid's second axis limit"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_rows_mma_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
-        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
+        PRECISION=dot_precision(x.dtype), SILU_MUL=silu_mul, PREFETCH=cfg.prefetch, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x.device, pdl),
     )
     return out
