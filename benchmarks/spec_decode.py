@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import statistics
@@ -213,8 +214,12 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
     if anchor:
         head += ["tok/s plain, default engine", "spec / that"]
     rows = [tuple(head + ["plain = first"])]
-    payload, first = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens}, None
-    step_rows = []
+    # The prompts quote this checkout's files, so an edit to one changes the workload: the
+    # digest of their token ids tells whether two runs' prompts were the same.
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:12]
+    payload = {"model": path, "dtype": args.dtype, "k": args.num_speculative_tokens, "prompt_digest": digest}
+    first = None
+    step_rows = [("prompts: digest of their token ids", digest, "", "")]
     for batch in args.batches:
         engines = [plain, *specs.values(), *([anchor] if anchor else [])]
         names = ["plain", *specs, *(["plain, default engine"] if anchor else [])]
