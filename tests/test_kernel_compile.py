@@ -143,15 +143,22 @@ def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     from agent_infer.kernels.triton.gemv_rows_mma import mma_config
 
     cfg = mma_config(n, k, silu)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
-    kernel = _compile_few_row_mma(cfg, silu)
+    ptx = _streamed_few_row_ptx(_compile_few_row_mma(cfg, silu), f"N={n} K={k} silu={silu}: {cfg}")
+    assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
+
+
+def _streamed_few_row_ptx(kernel, label: str) -> str:
+    """A compiled few-row GEMV's PTX, once its loads are checked to stream as 16-byte
+    asynchronous copies after the PDL wait, without spills, within an SM's shared memory."""
     regs, stack = _registers_per_thread(kernel)
     ptx = kernel.asm["ptx"]
-    print(f"N={n} K={k} silu={silu}: {cfg}, {regs} registers, {kernel.metadata.shared} B shared")
-    assert stack == 0, f"{stack} bytes of stack"
-    assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} B of shared memory"
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
-    assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
-    assert "griddepcontrol.wait" in ptx
+    print(f"{label}: {regs} registers, {kernel.metadata.shared} B shared")
+    assert stack == 0, f"{label}: {stack} bytes of stack"
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{label}: {kernel.metadata.shared} B of shared memory"
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), \
+        f"{label}: no 16-byte async copies"
+    assert "griddepcontrol.wait" in ptx, label
+    return ptx
 
 
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
@@ -163,16 +170,9 @@ def test_few_row_mma_with_a_k_tail_keeps_its_pipeline(block_n, block_k, warps, p
     from agent_infer.kernels.triton.gemv_rows_mma import MmaConfig
 
     cfg = MmaConfig(block_n, block_k, warps, 4, prefetch)
-    even, tail = _compile_few_row_mma(cfg, silu), _compile_few_row_mma(cfg, silu, even_k=False)
-    regs, stack = _registers_per_thread(tail)
-    ptx = tail.asm["ptx"]
-    print(f"{cfg} silu={silu}: {regs} registers, {tail.metadata.shared} B shared")
-    assert stack == 0, f"{stack} bytes of stack"
-    assert tail.metadata.shared <= SM90_SHARED_BYTES, f"{tail.metadata.shared} B of shared memory"
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte async copies"
+    ptx = _streamed_few_row_ptx(_compile_few_row_mma(cfg, silu, even_k=False), f"{cfg} silu={silu}, K tail")
     mma = "wgmma.mma_async" if block_n >= 64 else "mma.sync.aligned.m16n8k16"
-    assert ptx.count(mma) == even.asm["ptx"].count(mma) > 0
-    assert "griddepcontrol.wait" in ptx
+    assert ptx.count(mma) == _compile_few_row_mma(cfg, silu).asm["ptx"].count(mma) > 0
 
 
 @pytest.mark.parametrize("scale,block", [(1, (1, 1)), (2, (128, 128))], ids=["channel", "block"])
