@@ -10,7 +10,8 @@
           and whether the greedy texts are identical. The engines live side by side and
           take each group of prompts in turn, so a drift in the host's pace falls on all
           of them; --compare-chain adds one that reads every verify step back before the
-          next is launched.
+          next is launched; --host-profile N then profiles the host's work (cProfile) over
+          N prompts at batch 1, plain and with drafts, to show what a verify step adds.
   mtp     DeepSeek-V3's MTP layer: a plain step, a verify step with its draft (and the
           draft layer's own pass), and a step of MTP mode with drafting off (the draft
           layer's pass alone) on --random-weights deepseek-v3-small.
@@ -265,8 +266,28 @@ def cmd_agent(args) -> tuple[list[tuple], dict]:
         step_rows += [(f"{name}: acceptance by position", " / ".join(f"{a:.2f}" for a in per_pos), "", ""),
                       (f"{name}: tokens per verify row", s.mean_acceptance_length, "", ""),
                       (f"{name}: chained verify rows", f"{s.num_chained_rows}", "", "")]
+    if args.host_profile:
+        for name, eng in [("plain", plain), *specs.items()]:
+            host_profile(name, eng, prompts[: args.host_profile], args.max_tokens)
     width = len(rows[0])
     return rows + [tuple(list(r) + [""] * (width - len(r))) for r in step_rows], payload
+
+
+def host_profile(name: str, eng: LLMEngine, prompts: list[list[int]], max_tokens: int, top: int = 25) -> None:
+    """The host's own time by function (cProfile's tottime) over `prompts` at batch 1: on
+    a GPU the device's share shows as the wait for read-back, the rest is what the host
+    spends on a step (cProfile slows Python code alike in both engines, so compare the
+    two lists, not absolute figures)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    steps = eng.stats.steps
+    prof.enable()
+    run_agent([eng], prompts, 1, max_tokens)
+    prof.disable()
+    print(f"\n== host profile, {name}: {len(prompts)} prompts at batch 1, {eng.stats.steps - steps} steps")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def _kept_plain(eng: LLMEngine) -> int:
@@ -344,6 +365,9 @@ def main() -> int:
                    help="every engine with batch_invariant: decode and verify rows computed as one-row steps, so "
                         "greedy text with drafts equals text without in bf16 too (the 'identical' column); agent "
                         "also runs the default engine's plain decoding beside them, the fastest plain anchor")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="agent: after the timing, the host's time by function over N prompts at batch 1, "
+                        "plain and with drafts (cProfile)")
     p.add_argument("--profile", type=int, nargs="*", default=[],
                    help="verify: after the timing, the kernels' device time per step at these k (a GPU's profiler)")
     p.add_argument("--output-json", default=None)
