@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.gemv import row_block_k
+from agent_infer.kernels.triton.gemv import MAX_GRID_Y, row_block_k
 from agent_infer.kernels.triton.utils import bias_silu_mul, dot_precision, launch_opts, pdl_begin
 
 # x's rows in the dot's right operand: the narrowest tile tl.dot takes.
@@ -165,7 +165,7 @@ def linear_rows_mma(
     assert weight.dtype == x.dtype, f"weight {weight.dtype}, x {x.dtype}"
     cfg = config or mma_config(n, k, silu_mul, x.element_size())
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))
-    assert grid[1] < 65536, f"{grid[1]} column tiles: over the grid's second axis limit"
+    assert grid[1] <= MAX_GRID_Y, f"{grid[1]} column tiles: over the grid's second axis limit"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_rows_mma_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
