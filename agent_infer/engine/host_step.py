@@ -97,7 +97,10 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         row_seq += [i] * n
         row_start += range(start, start + n)
         row_len += [1] * n
-    tables = block_tables([batch.seqs[i] for i in row_seq])
+    # A verify row's k + 1 attention rows share their sequence's table: built once a sequence.
+    tables = block_tables(batch.seqs)
+    if len(row_seq) != len(batch.seqs):
+        tables = tables[np.asarray(row_seq)]
     starts = np.asarray(row_start, dtype=np.int64)
     query_lens = np.asarray(row_len, dtype=np.int32)
     positions, slots, qsl = ragged_slots(tables, starts, query_lens, block_size)

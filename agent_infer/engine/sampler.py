@@ -41,16 +41,17 @@ class SamplingBatch:
         """One row per sequence; with `drafts` (per sequence), 1 + len(drafts) rows each:
         row j samples output token num_output_tokens + j as if drafts[:j] came first
         (its seed position, and the output its penalties count)."""
+        params = [s.sampling_params for s in seqs]
+        nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        penalties = any(p.has_penalties for p in params)
+        if nlp < 0 and not penalties and all(p.temperature == 0.0 for p in params):
+            # The common decode case: argmax only, no per-row tensors to build or copy.
+            return SamplingBatch(None, None, None, None, None, None, True, -1)
         rows = [(s, d[:j]) for s, d in zip(seqs, drafts) for j in range(1 + len(d))] if drafts else None
         if rows is not None:
             seqs = [s for s, _ in rows]
-        params = [s.sampling_params for s in seqs]
+            params = [s.sampling_params for s in seqs]
         greedy = [p.temperature == 0.0 for p in params]
-        nlp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
-        penalties = any(p.has_penalties for p in params)
-        if all(greedy) and nlp < 0 and not penalties:
-            # The common decode case: argmax only, no per-row tensors to build or copy.
-            return SamplingBatch(None, None, None, None, None, None, True, -1)
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
