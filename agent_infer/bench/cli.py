@@ -12,8 +12,8 @@ import importlib
 import sys
 from typing import Callable
 
-PRESETS = ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "qwen2-7b", "tiny", "deepseek-v2-lite", "deepseek-v3-small",
-           "qwen3-30b-a3b")  # agent_infer.bench.random_weights.PRESETS
+PRESETS = ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "qwen2-7b", "smollm2-135m", "tiny", "deepseek-v2-lite",
+           "deepseek-v3-small", "qwen3-30b-a3b")  # agent_infer.bench.random_weights.PRESETS
 
 
 def _latency(args: argparse.Namespace) -> int:

@@ -147,6 +147,13 @@ PRESETS: dict[str, RandomPreset | HubPreset] = {
         num_kv_heads=4, head_dim=128, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
     ),
+    # The default model's shape (SmolLM2-135M-Instruct): its step costs on a GPU without
+    # its weights (a 135M model's kernels are latency, not bytes: random values time alike).
+    "smollm2-135m": RandomPreset(
+        "LlamaForCausalLM", "llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
     # A few MB, for tests. The vocabulary is SmolLM2's (49152) so the copied tokenizer's
     # ids are all valid and text prompts work too.
     "tiny": RandomPreset(
