@@ -147,8 +147,8 @@ def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
 # it the tensor-core GEMM (`_invariant_gemm`). Small weights are read in a few µs and
 # their launches are latency-bound: there the row grid's one-row steps are the default
 # engine's own (its add + norm inside the GEMV), and the rows of a verify step re-read
-# the weight from L2 side by side. Large weights would be moved to the SMs once per row
-# (docs/PERFORMANCE.md, speculative decoding: a third of a plain step a row on Qwen3-8B).
+# the weight from L2 side by side. Large weights would be moved to the SMs once per row,
+# each row costing a good part of a plain step (docs/PERFORMANCE.md, speculative decoding).
 INVARIANT_ROW_GRID_MAX_BYTES = 4 << 20
 
 
