@@ -97,17 +97,18 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         row_seq += [i] * n
         row_start += range(start, start + n)
         row_len += [1] * n
+    owner = np.asarray(row_seq, dtype=np.int64)
     # A verify row's k + 1 attention rows share their sequence's table: built once a sequence.
     tables = block_tables(batch.seqs)
-    if len(row_seq) != len(batch.seqs):
-        tables = tables[np.asarray(row_seq)]
+    if len(owner) != len(batch.seqs):
+        tables = tables[owner]
     starts = np.asarray(row_start, dtype=np.int64)
     query_lens = np.asarray(row_len, dtype=np.int32)
     positions, slots, qsl = ragged_slots(tables, starts, query_lens, block_size)
-    rows_per_seq = np.bincount(np.asarray(row_seq), minlength=len(batch.seqs))
+    rows_per_seq = np.bincount(owner, minlength=len(batch.seqs))
     seq_rows = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
     np.cumsum(rows_per_seq, out=seq_rows[1:])
-    samples = np.asarray(batch.samples, dtype=bool)[row_seq]
+    samples = np.asarray(batch.samples, dtype=bool)[owner]
     first_token = qsl[seq_rows[:-1]]
     prompt_lp = _prompt_lp_rows(batch, first_token) if batch.is_prefill else None
     num_decode_rows = int(seq_rows[num_decode_seqs])
