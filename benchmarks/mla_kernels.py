@@ -1,5 +1,6 @@
 """DeepSeek MLA kernels on one GPU at DeepSeek-V2-Lite's shapes (16 heads, kv_lora_rank
-512 + rope 64 = 576 cached values per token and layer, bf16, block size 16).
+512 + rope 64 = 576 cached values per token and layer, bf16, block size 16 unless
+--block-sizes says otherwise).
 
     python benchmarks/mla_kernels.py                 # decode + prefill + rope/store, defaults
     python benchmarks/mla_kernels.py --sweep         # + split counts and tile configs per case
@@ -67,12 +68,12 @@ BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (512, 1024, 4096)
 
 
-def decode_inputs(batch: int, ctx: int, heads: int, copies: int):
-    """`copies` latent caches holding `batch` sequences of `ctx` tokens each, every table a
-    shuffled set of blocks; one query."""
-    blocks = triton.cdiv(ctx, BLOCK)
+def decode_inputs(batch: int, ctx: int, heads: int, copies: int, block: int = BLOCK):
+    """`copies` latent caches holding `batch` sequences of `ctx` tokens each in blocks of
+    `block` tokens, every table a shuffled set of blocks; one query."""
+    blocks = triton.cdiv(ctx, block)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    caches = [torch.randn(batch * blocks + 1, BLOCK, WIDTH, dtype=DT, device=DEV, generator=gen) for _ in range(copies)]
+    caches = [torch.randn(batch * blocks + 1, block, WIDTH, dtype=DT, device=DEV, generator=gen) for _ in range(copies)]
     tables = torch.randperm(batch * blocks, device=DEV, generator=gen).view(batch, blocks).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     q = torch.randn(batch, heads, WIDTH, dtype=DT, device=DEV, generator=gen)
@@ -89,10 +90,11 @@ def parse_config(text: str) -> MlaDecodeConfig:
 
 
 def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
-                 grid: tuple[list[int], list[int]] | None = None, configs: list[MlaDecodeConfig] = ()) -> dict:
+                 grid: tuple[list[int], list[int]] | None = None, configs: list[MlaDecodeConfig] = (),
+                 block: int = BLOCK) -> dict:
     latent_bytes = batch * ctx * WIDTH * 2
     copies = max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / latent_bytes)))
-    caches, tables, lens, q = decode_inputs(batch, ctx, heads, copies)
+    caches, tables, lens, q = decode_inputs(batch, ctx, heads, copies, block)
     out = torch.empty(batch, heads, RANK, dtype=DT, device=DEV)
     counters = mla_decode_counters(batch, heads, DEV)
 
@@ -114,7 +116,7 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
 
     err = error(counters=counters)
     splits = mla_decode_num_splits(batch, heads, torch.device(DEV))
-    row = {"batch": batch, "ctx": ctx, "splits": splits, "err": err,
+    row = {"batch": batch, "ctx": ctx, "block": block, "splits": splits, "err": err,
            "roofline": latent_bytes / HBM_BYTES_PER_S * 1e6,
            "two": timed(), "counters": timed(counters=counters)}
     if splits > 1:  # the in-launch merge at the default split count, whatever MERGE_MAX_SPLITS says
@@ -122,7 +124,7 @@ def bench_decode(batch: int, ctx: int, heads: int, sweep: bool,
     if small:
         row["ref"] = graph_time_us(lambda: reference.mla_decode(q, caches[0], tables, lens, SCALE, RANK), replays=5)
     best = min(v for k, v in row.items() if k in ("two", "counters", "merged"))
-    print(f"decode b{batch:3d} ctx{ctx:6d}: {splits:2d} splits | two kernels {row['two']:7.1f} us | "
+    print(f"decode b{batch:3d} ctx{ctx:6d} bs{block:3d}: {splits:2d} splits | two kernels {row['two']:7.1f} us | "
           f"counters {row['counters']:7.1f} us | forced in-launch merge {row.get('merged', float('nan')):7.1f} us | "
           f"roofline {row['roofline']:6.1f} us ({row['roofline'] / best:4.0%}) | "
           f"{latent_bytes / best / 1e6:5.2f} TB/s | ref {row.get('ref', float('nan')):8.1f} us | err {err:.1e}",
@@ -264,6 +266,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=[],
                     help='decode tiles to time beside the default, "block_h,block_n,warps,stages", '
                          'at the default split count and --splits, each checked against the reference')
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[BLOCK],
+                    help="decode: the cache's block sizes, each in turn (a key tile inside one block "
+                         "takes one table entry)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__,
@@ -273,9 +278,10 @@ def main() -> None:
     if "decode" in only:
         for batch in args.batches:
             for ctx in args.contexts:
-                grid = (args.splits, args.stages) if args.splits else None
-                decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid,
-                                                [parse_config(c) for c in args.configs]))
+                for block in args.block_sizes:
+                    grid = (args.splits, args.stages) if args.splits else None
+                    decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid,
+                                                    [parse_config(c) for c in args.configs], block))
     if "prefill" in only:
         cases = [("14 x 562", [562] * 14, [0] * 14), ("128", [128], [0]), ("512", [512], [0]), ("1024", [1024], [0]),
                  ("100..1024 x 8", [100, 230, 360, 490, 620, 750, 880, 1024], [0] * 8),
@@ -289,13 +295,13 @@ def main() -> None:
     if decode_rows:
         print(f"\nMLA decode, {args.heads} heads, bf16, CUDA graph, us per layer call "
               f"(x{LAYERS} layers = the attention share of a step)")
-        print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'two-kern':>9} {'counters':>9} {'roofline':>9} "
+        print(f"{'batch':>5} {'ctx':>6} {'block':>5} {'splits':>6} {'two-kern':>9} {'counters':>9} {'roofline':>9} "
               f"{'of roof':>7} {'TB/s':>5} {'ref':>9} {'x ref':>6} {'27 layers ms':>12}")
         for r in decode_rows:
             best = min(r["two"], r["counters"])
             ref = r.get("ref", float("nan"))
             read_tbs = r["batch"] * r["ctx"] * WIDTH * 2 / best / 1e6
-            print(f"{r['batch']:5d} {r['ctx']:6d} {r['splits']:6d} {r['two']:9.1f} {r['counters']:9.1f} "
+            print(f"{r['batch']:5d} {r['ctx']:6d} {r['block']:5d} {r['splits']:6d} {r['two']:9.1f} {r['counters']:9.1f} "
                   f"{r['roofline']:9.1f} {r['roofline'] / best:7.0%} {read_tbs:5.2f} {ref:9.1f} {ref / best:6.1f} "
                   f"{best * LAYERS / 1e3:12.3f}")
     if prefill_rows:

@@ -37,7 +37,7 @@ class LatentBatch:
 
     def __init__(self, device, dtype: torch.dtype, context_lens: list[int], heads: int, rank: int, rope_dim: int,
                  block_size: int, padding_rows: int = 0, seed: int = 0, pool_layout: bool = False,
-                 cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0):
+                 cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0, row_padding: int = 0):
         self.rank, self.width = rank, rank + rope_dim
         self.cache_scale = cache_scale
         self.real = len(context_lens)
@@ -51,8 +51,9 @@ class LatentBatch:
         for i, n in enumerate(blocks_per_seq):
             tables[i, :n] = perm[used : used + n]
             used += n
-        self.kv_cache = kv_cache_randn(num_blocks, block_size, self.width, dtype=dtype, cache_dtype=cache_dtype,
-                                       device=device, seed=seed + 1)
+        # row_padding: the rows as views of wider ones (a row stride past L + R).
+        self.kv_cache = kv_cache_randn(num_blocks, block_size, self.width + row_padding, dtype=dtype,
+                                       cache_dtype=cache_dtype, device=device, seed=seed + 1)[..., : self.width]
         if pool_layout:  # the KV pool's [blocks, block_size, 1, L + R]
             self.kv_cache = self.kv_cache.unsqueeze(2)
         self.block_tables = tables.to(device)
@@ -77,18 +78,19 @@ def _check_rows(out: torch.Tensor, ref: torch.Tensor, real: int, what: str) -> N
 def check_mla_decode(
     device, dtype: torch.dtype, context_lens: list[int], heads: int, rank: int, rope_dim: int, block_size: int,
     split_counts: tuple[int, ...] = (), padding_rows: int = 1, config=None, pool_layout: bool = False,
-    cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0,
+    cache_dtype: torch.dtype | None = None, cache_scale: float = 1.0, row_padding: int = 0,
 ) -> None:
     """The default call (shape-derived splits, two-kernel merge); then for each forced
     split count the two-kernel path and the in-launch merge (the combine kernel taken
     away, so the merge must happen in the one launch), the latter twice in a row on the
     same counters (the first must leave them zero, counter slack untouched); then the
     default call with counters into a given strided `out`. Padding rows must be zeros.
-    `cache_dtype` fp8: the cache's entries times `cache_scale` are the rows."""
+    `cache_dtype` fp8: the cache's entries times `cache_scale` are the rows. `row_padding`:
+    the cache's rows are views of rows that many values wider."""
     from agent_infer.kernels.triton import mla_decode as dec
 
     b = LatentBatch(device, dtype, context_lens, heads, rank, rope_dim, block_size, padding_rows,
-                    pool_layout=pool_layout, cache_dtype=cache_dtype, cache_scale=cache_scale)
+                    pool_layout=pool_layout, cache_dtype=cache_dtype, cache_scale=cache_scale, row_padding=row_padding)
     ref = b.reference()
     args = (b.q, b.kv_cache, b.block_tables, b.context_lens, b.scale, rank)
 

@@ -433,6 +433,7 @@ else:
         ([90, 31], 3, 48, 16, 16, (4,), MlaDecodeConfig(32, 16, 4, 2)),  # 32 heads a block
         ([70], 16, 512, 64, 16, (3,), None),  # V2-Lite's widths
         ([1, 16, 81], 3, 48, 16, 16, (1, 4, 7), None),  # one token, one block, many blocks + 1
+        ([1, 63, 64, 130], 3, 48, 16, 64, (2, 5), None),  # key tiles inside 64-token blocks
     ]
 
     @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -450,6 +451,14 @@ else:
         the in-launch merge; a scale left out is 8x off in the rows."""
         mc.check_mla_decode(DEV, dtype, [1, 17, 100], 3, 48, 16, 16, (3,), padding_rows=1,
                             cache_dtype=kc.FP8, cache_scale=0.125)
+
+    @pytest.mark.parametrize("dtype", DOT_DTYPES)
+    @pytest.mark.parametrize("block_size", [16, 32])
+    def test_mla_decode_strided_rows(dtype, block_size):
+        """Cache rows with a stride past L + R (views of wider rows), where a key tile spans
+        cache blocks (16-token blocks, 32-key bf16 tiles) and where it lies in one (the
+        stride then at run time, not the packed rows' constant)."""
+        mc.check_mla_decode(DEV, dtype, [1, 33, 70], 3, 48, 16, block_size, (3,), padding_rows=1, row_padding=8)
 
     def test_mla_decode_pool_layout():
         """The KV pool's per-layer view [blocks, block_size, 1, L + R] reads as the 3-d cache."""

@@ -37,6 +37,7 @@ MLA_DECODE_CASES = [
     (_lens(40, 3000, 0), 16, 16, (2, 4)),
     (_lens(40, 3000, 1), 4, 16, (3,)),  # TP 4
     ([100, 2500], 128, 16, (4, 16)),  # V2 / V3 at TP 1: 8 head blocks
+    ([1, 63, 64, 65, 513, 4096], 16, 64, (1, 3, 64)),  # key tiles inside one cache block
 ]
 
 
@@ -52,7 +53,7 @@ def test_mla_decode_pool_layout():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", MLA_DECODE_CASES[:3] + MLA_DECODE_CASES[-1:],
+@pytest.mark.parametrize("case", MLA_DECODE_CASES[:3] + MLA_DECODE_CASES[-2:],
                          ids=lambda c: f"b{len(c[0])}-max{max(c[0])}-h{c[1]}-bs{c[2]}-s{c[3]}")
 def test_mla_decode_fp8_cache(dtype, case):
     """An fp8 latent cache with a scale: fp16 dots (PTX conversion) for 16-bit queries."""
@@ -123,7 +124,7 @@ def test_mla_rope_store_fp8_cache(absorb, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize(
     "batch,splits,merged",
     [(4, None, False), (4, 4, True), (70, None, True), (300, None, True)],

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agent_infer.kernels.triton.paged import kv_block_ids, kv_row_offsets, tile_load, whole_tiles_end
+from agent_infer.kernels.triton.paged import kv_block_ids, kv_row_offsets, tile_load, tile_row_offsets, whole_tiles_end
 from agent_infer.kernels.triton.utils import (
     cache_scaled, dot_precision, e4m3_to_f16_ptx, fp16_dots, launch_opts, num_sms, pdl_begin, to_f16_scaled,
 )
@@ -112,15 +112,22 @@ def _merge_splits(
 
 
 @triton.jit
-def _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
-               KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr):
+def _load_rows(kv_ptr, table_row_ptr, start, kpos, kmask, cl, cr, kv_b, kv_s,
+               KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, PACKED: tl.constexpr, FULL: tl.constexpr):
     """The two latent halves [BLOCK_N, HALF_L] (columns cl and HALF_L + cl) and the
-    rope-key part [BLOCK_N, BLOCK_R] of the cache rows of key positions `kpos` where
-    `kmask`; zeros elsewhere (also in padded columns). FULL: every position is a key, so
-    the copies go unmasked unless columns are padded."""
-    block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, not FULL)
-    rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
+    rope-key part [BLOCK_N, BLOCK_R] of the cache rows of key positions `kpos` (the tile
+    from `start`) where `kmask`; zeros elsewhere (also in padded columns). FULL: every
+    position is a key, so the copies go unmasked unless columns are padded. PACKED: the
+    cache's rows lie back to back (row stride KV_LORA + ROPE_DIM)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # Tiles start at multiples of BLOCK_N (split shares are whole tiles), so a tile lies
+        # in one cache block: one table entry, a thread's copies at constant distances.
+        rows = tile_row_offsets(table_row_ptr, start, kv_b, kv_s, BLOCK_SIZE, BLOCK_N,
+                                KV_LORA + ROPE_DIM if PACKED else 0)
+    else:
+        block = kv_block_ids(table_row_ptr, kpos, kmask, BLOCK_SIZE, not FULL)
+        rows = kv_row_offsets(block, kpos, kv_b, kv_s, BLOCK_SIZE)
     lat_lo = tile_load(kv_ptr + rows[:, None] + cl[None, :], kmask[:, None] & (cl < KV_LORA)[None, :],
                         not FULL or 2 * HALF_L != KV_LORA)
     lat_hi = tile_load(kv_ptr + rows[:, None] + HALF_L + cl[None, :],
@@ -135,13 +142,13 @@ def _attend_tile(kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, a
                  kv_b, kv_s, qk_scale,
                  KV_LORA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-                 PTX_CVT: tl.constexpr, FULL: tl.constexpr):
+                 PTX_CVT: tl.constexpr, PACKED: tl.constexpr, FULL: tl.constexpr):
     """One key tile from position `start` (keys below `hi`; FULL: all of them) folded
     into the running softmax state (m_i, l_i, acc_lo, acc_hi), which it returns."""
     kpos = start + tl.arange(0, BLOCK_N)
     kmask = kpos < hi
-    lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, kpos, kmask, cl, cr, kv_b, kv_s,
-                                    KV_LORA, ROPE_DIM, BLOCK_SIZE, HALF_L, BLOCK_R, FULL)
+    lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, start, kpos, kmask, cl, cr, kv_b, kv_s,
+                                    KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PACKED, FULL)
     if PTX_CVT:  # converted before Triton stages the dot operands (utils.e4m3_to_f16_ptx)
         lat_lo = e4m3_to_f16_ptx(lat_lo)
         lat_hi = e4m3_to_f16_ptx(lat_hi)
@@ -196,7 +203,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_C: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, V_SCALED: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    PTX_CVT: tl.constexpr = False,
+    PTX_CVT: tl.constexpr = False, PACKED: tl.constexpr = False,
 ):
     # Head blocks on the fastest grid axis: at H = 128 the programs of one sequence run
     # side by side, so each latent tile comes from HBM once and from L2 for the others.
@@ -244,11 +251,13 @@ def _mla_decode_kernel(
     if full_hi < hi:
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
             kv_ptr, table_row_ptr, full_hi, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr, kv_b, kv_s,
-            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, False)
+            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, PACKED,
+            False)
     for start in range(lo, full_hi, BLOCK_N):
         m_i, l_i, acc_lo, acc_hi = _attend_tile(
             kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, cl, cr, kv_b, kv_s,
-            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, True)
+            qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, PACKED,
+            True)
 
     has_keys = l_i > 0
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
@@ -505,7 +514,8 @@ def mla_decode(
         KV_LORA=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
-        V_SCALED=scaled, F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda", num_warps=cfg.num_warps,
+        V_SCALED=scaled, F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda", PACKED=kv_s == width,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts,
     )
     if plan.combine_s:

@@ -1,7 +1,8 @@
 """Addressing of the paged KV cache [num_blocks, block_size, Hkv, D] from a block table,
 shared by the attention kernels. Keys are gathered one position at a time (position ->
 table entry -> physical block), so a key tile may span several cache blocks and any
-power-of-two block size works with any tile size."""
+power-of-two block size works with any tile size. A tile that lies in one cache block
+(`tile_row_offsets`) takes one table entry and rows at a fixed stride instead."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ def kv_row_offsets(block, kpos, stride_block, stride_slot, BLOCK_SIZE: tl.conste
     blk = block.to(tl.uint32).to(tl.uint64) * stride_block.to(tl.uint32).to(tl.uint64)
     slot = (kpos.to(tl.uint32) % BLOCK_SIZE).to(tl.int32)
     return blk.to(tl.int64) + slot * stride_slot
+
+
+@triton.jit
+def tile_row_offsets(table_row_ptr, start, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROW: tl.constexpr):
+    """Element offsets (int64) of the cache rows of key positions start .. start + BLOCK_N - 1,
+    a tile inside one cache block (BLOCK_SIZE a multiple of BLOCK_N, `start` a multiple of
+    BLOCK_N, and below the context, so its table entry exists). One table entry a tile
+    instead of one a key, and the rows at a fixed stride from one base: a thread's copies
+    then differ by constants. ROW: the slot stride as a constant where the caller knows it
+    (rows packed back to back), else 0 (`stride_slot` at run time)."""
+    pos = tl.cast(start, tl.uint32)  # a Python int under the interpreter
+    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE).to(tl.int32))
+    base = (block.to(tl.uint32).to(tl.uint64) * stride_block.to(tl.uint32).to(tl.uint64)).to(tl.int64)
+    # The tile's first slot joins the scalar base; the per-key part is then the same every tile.
+    if ROW > 0:
+        return base + (pos % BLOCK_SIZE).to(tl.int32) * ROW + tl.arange(0, BLOCK_N) * ROW
+    return base + (pos % BLOCK_SIZE).to(tl.int32) * stride_slot + tl.arange(0, BLOCK_N) * stride_slot
 
 
 @triton.jit
