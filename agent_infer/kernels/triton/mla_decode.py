@@ -144,7 +144,8 @@ def _attend_tile(kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, a
                  HALF_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
                  PTX_CVT: tl.constexpr, PACKED: tl.constexpr, FULL: tl.constexpr):
     """One key tile from position `start` (keys below `hi`; FULL: all of them) folded
-    into the running softmax state (m_i, l_i, acc_lo, acc_hi), which it returns."""
+    into the running softmax state (m_i, l_i per key column, acc_lo, acc_hi), which it
+    returns."""
     kpos = start + tl.arange(0, BLOCK_N)
     kmask = kpos < hi
     lat_lo, lat_hi, pe = _load_rows(kv_ptr, table_row_ptr, start, kpos, kmask, cl, cr, kv_b, kv_s,
@@ -169,7 +170,9 @@ def _attend_tile(kv_ptr, table_row_ptr, start, hi, q_lo, q_hi, q_pe, m_i, l_i, a
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # The softmax sums stay per key column until the end: the tile's warps split its keys,
+    # so a row sum a tile is a reduction across warps through shared memory (two barriers).
+    l_i = l_i * alpha[:, None] + p
     p = p.to(lat_lo.dtype)
     acc_lo = acc_lo * alpha[:, None] + tl.dot(p, lat_lo, input_precision=PRECISION)
     acc_hi = acc_hi * alpha[:, None] + tl.dot(p, lat_hi, input_precision=PRECISION)
@@ -244,7 +247,7 @@ def _mla_decode_kernel(
     acc_lo = tl.zeros([BLOCK_H, HALF_L], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_L], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     # The partial key tile the last split of a sequence may end on goes first, from the
     # initial state; then whole tiles, their copies unmasked.
     full_hi = whole_tiles_end(lo, hi, BLOCK_N)
@@ -259,6 +262,7 @@ def _mla_decode_kernel(
             qk_scale, KV_LORA, ROPE_DIM, BLOCK_SIZE, BLOCK_N, HALF_L, BLOCK_R, PRECISION, F16_DOTS, PTX_CVT, PACKED,
             True)
 
+    l_i = tl.sum(l_i, axis=1)
     has_keys = l_i > 0
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
     if V_SCALED:  # an fp8 cache holds the rows divided by the scale; the merges are linear in o
