@@ -92,8 +92,9 @@ def _merge_group(
 
 @triton.jit
 def _share_result(acc, m_i, l_i, v_scale, V_SCALED: tl.constexpr):
-    """A share's normalised output and log2-sum-exp from its softmax state: zeros and
-    -inf where it held no key."""
+    """A share's normalised output and log2-sum-exp from its softmax state (the sums per
+    key column): zeros and -inf where it held no key."""
+    l_i = tl.sum(l_i, axis=1)
     has_keys = l_i > 0
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     if V_SCALED:  # an fp8 cache holds v / v_scale; the merges are linear in o
@@ -146,7 +147,8 @@ def _load_tile(k_base, v_base, block, kpos, mask, d, d_mask, kc_b, kc_s, vc_b, v
 def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexpr, PTX_CVT: tl.constexpr,
                  Q_SCALED: tl.constexpr):
     """One key tile (K, V; keys where `kmask`) folded into the running softmax state
-    (acc, m_i, l_i) of the group's queries; Q_SCALED: q already carries qk_scale."""
+    (acc, m_i, l_i per key column) of the group's queries; Q_SCALED: q already carries
+    qk_scale."""
     if PTX_CVT:
         v = e4m3_to_f16_ptx(v)
     k = k.to(q.dtype)  # an fp8 cache is read back as q's dtype (no-op otherwise)
@@ -158,7 +160,9 @@ def _attend_tile(q, acc, m_i, l_i, k, v, kmask, qk_scale, PRECISION: tl.constexp
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # The softmax sums stay per key column until the share's end: the tile's warps split
+    # its keys, so a row sum a tile is a reduction across warps through shared memory.
+    l_i = l_i * alpha[:, None] + p
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -249,7 +253,7 @@ def _decode_split_kernel(
         q = to_f16_scaled(q, qk_scale)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     first = lo
     if PRELOAD:
         newest = kmask & (kpos == ctx - 1)  # in one program's first tile at most
@@ -298,7 +302,7 @@ def _attend_share(q, lo, hi, table_row_ptr, k_base, v_base, d, d_mask, kc_b, kc_
     whole tiles between; without, the partial tile, then the whole tiles."""
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     first = lo
     if PRELOAD_ORDER:
         if lo < hi:
