@@ -519,8 +519,7 @@ def mla_decode(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         DIRECT=plan.direct, MERGE=plan.merge, MERGE_S=plan.merge_s, MERGE_C=merge_c, PRECISION=dot_precision(q.dtype),
         V_SCALED=scaled, F16_DOTS=f16_dots, PTX_CVT=f16_dots and q.device.type == "cuda", PACKED=kv_s == width,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **opts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     if plan.combine_s:
         _mla_combine_kernel[(batch, num_heads, triton.cdiv(kv_lora_rank, plan.combine_c))](
