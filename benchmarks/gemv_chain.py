@@ -11,13 +11,11 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (verify steps, small batches)
     python benchmarks/gemv_chain.py --rows 1 --tp 1 --few-row   # the few-row GEMV at one row
     python benchmarks/gemv_chain.py --model smollm2-135m --rows 1 9 --tp 1 --few-row   # short K (576)
-    python benchmarks/gemv_chain.py --model smollm2-135m --rows 9 --tp 1 --row-grid   # the batch-1 GEMV's row grid
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor
 cores, `gemv_rows_mma.linear_rows_mma`, with SiLU-and-mul in its epilogue, the engine's
-launch with PDL; with --row-grid the batch-1 GEMV with a grid axis over the rows, each row
-summed as alone, as the batch-invariant mode runs small weights); the sweep ranks the configurations by
+launch with PDL); the sweep ranks the configurations by
 their time with PDL where the GPU has it (as the engine launches them). Then the whole
 per-layer chain (qkv, o, gate_up [+ SiLU-and-mul], down) over the layers plus the LM
 head, ms per step: what the linear layers cost in one decode step.
@@ -267,19 +265,15 @@ def main() -> None:
                     help="rows of x (2-16: the few-row GEMV), each in turn")
     ap.add_argument("--few-row", action="store_true",
                     help="the few-row GEMV at one row of x too (where the engine runs the batch-1 GEMV)")
-    ap.add_argument("--row-grid", action="store_true",
-                    help="rows of x past one on the batch-1 GEMV's row grid, not the few-row GEMV")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
     args = ap.parse_args()
     m = MODELS[args.model]
-    assert not (args.few_row and args.row_grid), "--few-row and --row-grid name two kernels for the rows"
-    assert (not args.few_row and (args.rows == [1] or args.row_grid)) or args.fp8 is None, \
-        "the few-row GEMV takes bf16 weights"
+    assert (args.rows == [1] and not args.few_row) or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
           f"{args.rows} row(s) of x")
     for rows, tp in itertools.product(args.rows, args.tp):
-        few = (rows > 1 and not args.row_grid) or args.few_row
+        few = rows > 1 or args.few_row
         best = {}
         Weight.layout = args.fp8
         sweep_on = not args.no_sweep

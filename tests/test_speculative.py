@@ -414,30 +414,6 @@ def test_batch_invariant_refuses_what_it_cannot_honour(default_model_dir, tmp_pa
                                model_impl="transformers", batch_invariant=True))
 
 
-@pytest.mark.parametrize("n,k,dtype,gemm", [
-    (960, 576, torch.bfloat16, False), (3072, 576, torch.bfloat16, False), (576, 1536, torch.bfloat16, False),
-    (49152, 576, torch.bfloat16, True), (1024, 2048, torch.bfloat16, False), (3072, 1024, torch.bfloat16, True),
-    (6144, 4096, torch.bfloat16, True), (3072, 576, torch.float32, True),
-], ids=lambda v: str(v).replace("torch.", ""))
-def test_batch_invariant_mode_picks_its_kernel_by_the_weight_alone(monkeypatch, n, k, dtype, gemm):
-    """On a GPU the mode sends a weight of at most ops.INVARIANT_ROW_GRID_MAX_BYTES to the
-    batch-1 GEMV's row grid and a larger one to the tensor-core GEMM, whatever the rows:
-    the default model's layer projections (SmolLM2-135M, bf16) and Qwen3-0.6B's o to the
-    row grid; their LM heads, Qwen3-0.6B's other projections, Qwen3-8B's, and the default
-    model's gate/up in fp32 to the GEMM. (Meta tensors: the choice reads shapes only.)"""
-    pytest.importorskip("triton")
-    from agent_infer.kernels import ops
-
-    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-    w = torch.empty(n, k, dtype=dtype, device="meta")
-    for rows in (1, 2, 9, 72):
-        x = torch.empty(rows, k, dtype=dtype, device="meta")
-        assert ops._invariant_gemm(x, w, None, 72) == gemm, (rows, n, k, dtype)
-        assert gemm or ops._gemv_ok(x, w, rows=True), "a small weight's rows must fit the row grid"
-        # Outside the mode (0) or past its rows, neither of its kernels.
-        assert not ops._invariant_gemm(x, w, None, 0) and not ops._invariant_gemm(x, w, None, rows - 1)
-
-
 # ---- distribution ------------------------------------------------------------------------------
 
 

@@ -85,24 +85,20 @@ if IN_CHILD:
         assert got == expected
         assert mixed_calls, "no mixed step reached the Triton backend"
 
-    @pytest.mark.parametrize("route", ["gemm", "row grid"])
-    def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch, route):
+    def test_batch_invariant_on_triton_kernels(tmp_path, monkeypatch):
         """batch_invariant with every kernel routed to Triton: decode and verify steps, of
-        one row and of several, send every projection (the LM head too) through one of the
-        mode's two kernels, chosen by the weight's bytes (ops.INVARIANT_ROW_GRID_MAX_BYTES,
-        set here to send all to one): the tensor-core GEMM (gemv_rows_mma.linear_rows_mma;
-        SiLU-and-mul in its epilogue) or the batch-1 GEMV, its rows on a grid axis (SiLU
-        and the add + norm in its epilogue); their attention goes through the one-row
-        step's shares (several a program where a step of several rows has a smaller grid),
-        and each prompt's greedy tokens, decoded beside others with drafts, equal its
-        tokens decoded alone."""
+        one row and of several, send every projection (the LM head too) through the mode's
+        GEMM (gemv_rows_mma.linear_rows_mma; SiLU-and-mul in its epilogue) and
+        their attention through the one-row step's shares (several a program where a step
+        of several rows has a smaller grid), and each prompt's greedy tokens, decoded beside
+        others with drafts, equal its tokens decoded alone."""
         from agent_infer.attention import dense_triton
         from agent_infer.config import EngineConfig
         from agent_infer.engine import model_runner
         from agent_infer.engine.llm_engine import LLMEngine
         from agent_infer.kernels import ops
         from agent_infer.kernels.triton import decode_attention as dec
-        from agent_infer.kernels.triton import gemv, gemv_rows_mma
+        from agent_infer.kernels.triton import gemv_rows_mma
         from agent_infer.sampling_params import SamplingParams
         from tests.drafters import Replay
         from tests.test_speculative import NGRAM, _arrivals, spec_engine
@@ -111,41 +107,15 @@ if IN_CHILD:
         path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
         rows: list[int] = []
         silu: list[bool] = []
-        add_norm: list[int] = []  # the rows of each launch with the add + norm in its epilogue
-        other: list[int] = []  # the rows of each launch of the kernel this route does not take
         splits: set = set()
-        invariant, launch_row, attend = gemv_rows_mma.linear_rows_mma, gemv._launch_row, dense_triton.decode_attention
+        invariant, attend = gemv_rows_mma.linear_rows_mma, dense_triton.decode_attention
 
-        decoding = [False]  # whether a decode step runs (a prefill's one sampled row runs the usual way)
-        step_kind = model_runner.ModelRunner._step_kind
-
-        def tracking(runner, decode):
-            decoding[0] = decode
-            return step_kind(runner, decode)
-
-        def count(kernel, x, k):
-            if not decoding[0]:
-                return
-            if kernel != route:
-                other.append(x.shape[0])
-                return
+        def counting(x, *a, **k):
             rows.append(x.shape[0])
             silu.append(k.get("silu_mul", False))
-            if k.get("add_norm") is not None:
-                add_norm.append(x.shape[0])
-
-        def counting_gemm(x, *a, **k):
-            count("gemm", x, k)
             return invariant(x, *a, **k)
 
-        def counting_row_grid(x, *a, **k):
-            count("row grid", x, k)
-            return launch_row(x, *a, **k)
-
-        monkeypatch.setattr(model_runner.ModelRunner, "_step_kind", tracking)
-        monkeypatch.setattr(ops, "INVARIANT_ROW_GRID_MAX_BYTES", 0 if route == "gemm" else 1 << 40)
-        monkeypatch.setattr(gemv_rows_mma, "linear_rows_mma", counting_gemm)
-        monkeypatch.setattr(gemv, "_launch_row", counting_row_grid)
+        monkeypatch.setattr(gemv_rows_mma, "linear_rows_mma", counting)
         monkeypatch.setattr(dense_triton, "decode_attention",
                             lambda q, *a, **k: splits.add((q.shape[0] > 1, k.get("shares"))) or attend(q, *a, **k))
         monkeypatch.setattr(ops, "_use_triton", lambda x: True)
@@ -173,12 +143,9 @@ if IN_CHILD:
         assert _arrivals(spec, prompts, params) == [o.token_ids for o in outs]
         stats = spec.draft_policy.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-        assert rows and min(rows) == 1 and max(rows) > 1, f"the {route} took no one-row or no multi-row step: {rows}"
-        assert not other, f"a decode step's projection left the {route}: rows {other}"
-        # One of a layer's four projections ends in SiLU-and-mul, in the kernel's epilogue;
-        # on the row grid two more end in the add + norm.
+        assert min(rows) == 1 and max(rows) > 1, f"the mode's GEMM took no one-row or no multi-row step: {rows}"
+        # One of a layer's four projections ends in SiLU-and-mul, in the GEMM's epilogue.
         assert {r for r, fused in zip(rows, silu) if fused} == set(rows), "SiLU-and-mul not fused at every row count"
-        assert route == "gemm" or set(add_norm) == set(rows), f"add + norm not fused at every row count: {add_norm}"
         assert {(True, 3)} <= splits and {n for _, n in splits} == {3}, splits
         assert shared_launches and min(shared_launches) > 1, "no step of several rows took the shares kernel"
 

@@ -136,36 +136,22 @@ def _each_row(x: torch.Tensor, invariant_rows: int) -> bool:
     """The batch-invariant mode (EngineConfig.batch_invariant): a projection of 2 to
     `invariant_rows` rows (a decode or verify step's) computes each row exactly as a
     step of one row does, so a token's logits do not depend on what else is in its step.
-    On a GPU (fp8 and small weights: `_invariant_gemm` takes the others first) the batch-1
+    On a GPU (fp8 weights; 16- and 32-bit ones take `_invariant_gemm` first) the batch-1
     GEMV takes all the rows in one launch (a grid axis over them); elsewhere the rows go
     one by one through the batch-1 path."""
     return invariant_rows > 1 and x.dim() == 2 and 1 < x.shape[0] <= invariant_rows
 
 
-# The batch-invariant mode's split between its two kernels, by the weight's bytes: up to
-# this size a decode or verify step's projection runs the batch-1 GEMV's row grid, past
-# it the tensor-core GEMM (`_invariant_gemm`). Small weights are read in a few µs and
-# their launches are latency-bound: there the row grid's one-row steps are the default
-# engine's own (its add + norm inside the GEMV), and the rows of a verify step re-read
-# the weight from L2 side by side. Large weights would be moved to the SMs once per row,
-# each row costing a good part of a plain step (docs/PERFORMANCE.md, speculative decoding).
-INVARIANT_ROW_GRID_MAX_BYTES = 4 << 20
-
-
 def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant_rows: int) -> bool:
-    """The batch-invariant mode on a GPU with 16- or 32-bit weights over
-    INVARIANT_ROW_GRID_MAX_BYTES: a decode or verify step's projections of 1 to
-    `invariant_rows` rows all run the few-row GEMV on the tensor cores
-    (gemv_rows_mma.linear_rows_mma), the one-row steps too: its tile follows the weight's
-    shape alone and x's rows go in 16-row tiles, so a row's sums do not depend on the rows
-    beside it, and the weight is read once for a tile of them. Its epilogue ends a [gate;
-    up] projection in SiLU-and-mul; the add + norm after a projection is the
-    one-program-a-row kernel. Smaller weights and fp8 ones take the batch-1 GEMV, its row
-    grid from two rows on (`_each_row`): the choice follows the weight alone, so each
-    projection sums a row one way at every row count."""
+    """The batch-invariant mode on a GPU with 16- or 32-bit weights: a decode or verify
+    step's projections of 1 to `invariant_rows` rows all run the few-row GEMV on the
+    tensor cores (gemv_rows_mma.linear_rows_mma), the one-row steps too: its tile follows
+    the weight's shape alone and x's rows go in 16-row tiles, so a row's sums do not
+    depend on the rows beside it, and the weight is read once for a tile of them. Its
+    epilogue ends a [gate; up] projection in SiLU-and-mul; the add + norm after a
+    projection is the one-program-a-row kernel. fp8 weights take the batch-1 GEMV's row
+    grid (`_each_row`)."""
     if not (invariant_rows > 1 and scale is None and 1 <= x.shape[0] <= invariant_rows and _use_triton(x)):
-        return False
-    if weight.numel() * weight.element_size() <= INVARIANT_ROW_GRID_MAX_BYTES and _gemv_ok(x, weight, rows=True):
         return False
     from agent_infer.kernels.triton import gemv_rows_mma
 

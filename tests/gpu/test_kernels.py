@@ -255,17 +255,6 @@ def test_gemv_invariant_add_norm(dtype, n, k):
     kc.check_gemv_invariant(DEV, dtype, n, k, bias=False, row_counts=(1, 3, 9, 17, 72), epilogue="add_norm")
 
 
-# The mode's other kernel: weights of at most ops.INVARIANT_ROW_GRID_MAX_BYTES (every
-# projection of SmolLM2-135M's layers, Qwen3-0.6B's o) run the batch-1 GEMV with its rows
-# on a grid axis, in the engine's launches (SiLU and the add + norm in the epilogue).
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [2, 9, 16])
-@pytest.mark.parametrize("n,k,epilogue", [(960, 576, "plain"), (1536, 576, "silu"), (576, 576, "add_norm"),
-                                          (576, 1536, "add_norm"), (1024, 2048, "add_norm"), (1000, 4032, "plain")])
-def test_gemv_m1_rows_invariant(dtype, m, n, k, epilogue):
-    kc.check_gemv_m1_rows_invariant(DEV, dtype, m, n, k, n == 1000, epilogue)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (1000, 4000), (896, 4864)])
 def test_gemv_m1_add_norm(dtype, n, k):
