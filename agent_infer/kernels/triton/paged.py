@@ -47,13 +47,16 @@ def tile_row_offsets(table_row_ptr, start, stride_block, stride_slot, BLOCK_SIZE
     instead of one a key, and the rows at a fixed stride from one base: a thread's copies
     then differ by constants. ROW: the slot stride as a constant where the caller knows it
     (rows packed back to back), else 0 (`stride_slot` at run time)."""
-    pos = tl.cast(start, tl.uint32)  # a Python int under the interpreter
-    block = tl.load(table_row_ptr + (pos // BLOCK_SIZE).to(tl.int32))
-    base = (block.to(tl.uint32).to(tl.uint64) * stride_block.to(tl.uint32).to(tl.uint64)).to(tl.int64)
-    # The tile's first slot joins the scalar base; the per-key part is then the same every tile.
+    pos = tl.cast(start, tl.int32)  # a Python int under the interpreter
     if ROW > 0:
-        return base + (pos % BLOCK_SIZE).to(tl.int32) * ROW + tl.arange(0, BLOCK_N) * ROW
-    return base + (pos % BLOCK_SIZE).to(tl.int32) * stride_slot + tl.arange(0, BLOCK_N) * stride_slot
+        stride = ROW
+    else:
+        stride = stride_slot
+    # The tile's first row is a scalar (its block and slot as for any key); the per-key part
+    # is then the same every tile.
+    base = kv_row_offsets(kv_block_ids(table_row_ptr, pos, True, BLOCK_SIZE, False), pos, stride_block, stride,
+                          BLOCK_SIZE)
+    return base + tl.arange(0, BLOCK_N) * stride
 
 
 @triton.jit
