@@ -118,23 +118,16 @@ def test_bf16_gemv_prefetches_only_tiles_it_reads(n, k):
         assert regs < full, f"K={k}: {regs} registers with {cfg.prefetch} tiles, {full} with {ROW_PREFETCH_TILES}"
 
 
-def _compile_few_row_mma(cfg, silu: bool = False, even_k: bool = True, add_norm_features: int = 0):
-    """The tensor-core few-row GEMV as a launch `cfg` compiles it for sm_90 (bf16); with
-    `add_norm_features`, ending in the add + norm of rows that wide."""
-    import triton
+def _compile_few_row_mma(cfg, silu: bool = False, even_k: bool = True):
+    """The tensor-core few-row GEMV as a launch `cfg` compiles it for sm_90 (bf16)."""
+    from agent_infer.kernels.triton.gemv_rows_mma import BLOCK_M, _gemv_rows_mma_kernel
 
-    from agent_infer.kernels.triton.gemv_rows_mma import _NORM_TILE_ELEMS, BLOCK_M, _gemv_rows_mma_kernel
-
-    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr", "count_ptr", "M", "N", "K", "sxm", "swn",
-             "som", "srm", "up_offset", "eps"]
-    types = ["*bf16"] * 6 + ["*i32"] + ["i32"] * 8 + ["fp32"]
-    block_h = triton.next_power_of_2(add_norm_features) if add_norm_features else 1
+    names = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som", "up_offset"]
+    types = ["*bf16"] * 4 + ["i32"] * 7
     constexprs = {"HAS_BIAS": False, "PDL": True, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_M": BLOCK_M,
-                  "PRECISION": "tf32", "SILU_MUL": silu, "PREFETCH": cfg.prefetch, "EVEN_K": even_k,
-                  "ADD_NORM": bool(add_norm_features), "BLOCK_H": block_h,
-                  "NORM_ROWS": max(1, _NORM_TILE_ELEMS // block_h)}
+                  "PRECISION": "tf32", "SILU_MUL": silu, "PREFETCH": cfg.prefetch, "EVEN_K": even_k}
     signature = dict(zip(names, types)) | dict.fromkeys(constexprs, "constexpr")
-    aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N", "eps"))
+    aligned = tuple(i for i, name in enumerate(names) if name not in ("M", "N"))
     return _compile_sm90(_gemv_rows_mma_kernel, signature, constexprs, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, aligned=aligned)
 
@@ -152,21 +145,6 @@ def test_few_row_mma_streams_through_the_tensor_cores(n, k, silu):
     cfg = mma_config(n, k, silu)  # n output rows (with SiLU, of a [gate; up] weight of 2n)
     ptx = _streamed_few_row_ptx(_compile_few_row_mma(cfg, silu), f"N={n} K={k} silu={silu}: {cfg}")
     assert ("wgmma.mma_async" in ptx) if cfg.block_n >= 64 else ("mma.sync.aligned.m16n8k16" in ptx)
-
-
-@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (1024, 3072)])
-def test_few_row_mma_ends_in_the_add_norm(n, k):
-    """The o and down projections of SmolLM2-135M and Qwen3-0.6B with the residual add +
-    RMSNorm in their last program: the same streamed MMAs as the plain launch, one atomic
-    arrival a program, nothing spilled."""
-    from agent_infer.kernels.triton.gemv_rows_mma import mma_config, takes_add_norm
-
-    assert takes_add_norm(n)
-    cfg = mma_config(n, k)
-    ptx = _streamed_few_row_ptx(_compile_few_row_mma(cfg, add_norm_features=n), f"N={n} K={k} add + norm: {cfg}")
-    mma = "wgmma.mma_async" if cfg.block_n >= 64 else "mma.sync.aligned.m16n8k16"
-    assert ptx.count(mma) == _compile_few_row_mma(cfg).asm["ptx"].count(mma) > 0
-    assert len(re.findall(r"atom\.\S*add", ptx)) == 1, "one arrival on the tile's counter"
 
 
 def _streamed_few_row_ptx(kernel, label: str) -> str:

@@ -158,16 +158,6 @@ def _invariant_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     return gemv_rows_mma.fits(x, weight)
 
 
-def _rows_add_norm_ok(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, counter: torch.Tensor) -> bool:
-    """Whether the few-row GEMV can end in the add + norm: rows short enough (a property
-    of the weight alone, so the batch-invariant mode's rows stay invariant), a residual of
-    x's dtype with contiguous rows, and a counter for each tile of rows."""
-    from agent_infer.kernels.triton import gemv_rows_mma
-
-    return (gemv_rows_mma.takes_add_norm(weight.shape[0]) and residual.dtype == x.dtype
-            and residual.stride(-1) == 1 and counter.numel() * gemv_rows_mma.BLOCK_M >= x.shape[0])
-
-
 def _linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       silu_mul: bool = False) -> torch.Tensor:
     from agent_infer.kernels.triton import gemv_rows_mma
@@ -248,17 +238,12 @@ def linear_add_rms_norm(
     """fused_add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): returns
     (normed, residual). At batch 1 on the GEMV path one launch does it all (the last
     program adds and normalises, found with `counter`, an int32 [1] zero between calls);
-    so does the few-row GEMV for rows of up to gemv_rows_mma.MAX_ADD_NORM_FEATURES (one
-    counter per tile of its rows); longer rows take the add + norm kernel after the
-    projection, one program a row (a last program would walk them one after another:
-    gemv_rows_mma.py). `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then
-    takes one counter per row."""
-    if _invariant_gemm(x, weight, scale, invariant_rows) or (scale is None and _few_rows(x, weight)):
-        from agent_infer.kernels.triton import gemv_rows_mma
-
-        if _rows_add_norm_ok(x, weight, residual, counter):
-            return gemv_rows_mma.linear_rows_mma_add_rms_norm(x, weight, bias, residual, norm_weight, eps, counter)
-        return fused_add_rms_norm(gemv_rows_mma.linear_rows_mma(x, weight, bias), residual, norm_weight, eps)
+    several rows take the add + norm kernel after the projection, one program a row (a
+    last program would walk the rows one after another: gemv_rows_mma.py).
+    `invariant_rows` as in `linear`; the batch-1 GEMV's row grid then takes one counter per
+    row."""
+    if _invariant_gemm(x, weight, scale, invariant_rows):
+        return fused_add_rms_norm(_linear_invariant(x, weight, bias), residual, norm_weight, eps)
     each_row = _each_row(x, invariant_rows)
     if (_gemv_ok(x, weight, rows=each_row) and residual.dtype == x.dtype
             and (residual.stride(-1) == 1 and counter.numel() >= x.shape[0] if each_row else residual.is_contiguous())):

@@ -58,24 +58,15 @@ def _fused_add_rms_norm_kernel(
     x_offs = (row_a * sxa + row_b * sxb)[:, None] + cols[None, :]
     r_offs = (row_a * sra + row_b * srb)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-    add_rms_norm_rows(x, mask, cols, r_ptr + r_offs, w_ptr, x_ptr + x_offs, n_cols, eps)
-
-
-@triton.jit
-def add_rms_norm_rows(y, mask, cols, res_ptrs, w_ptr, out_ptrs, n_cols, eps):
-    """Rows of `_fused_add_rms_norm_kernel` for a y [R, BLOCK_N] held in registers (its
-    values in the activation dtype), `mask` its valid elements: residual <- y + residual,
-    out <- rms_norm(residual) * weight at the pointers given. Each row is summed alike
-    whatever its place in the tile (the reduction runs along the row)."""
-    r = tl.load(res_ptrs, mask=mask, other=0.0)
+    r = tl.load(r_ptr + r_offs, mask=mask, other=0.0)
     # The sum is rounded to the activation dtype before the statistics, as the reference does.
-    s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
-    tl.store(res_ptrs, s.to(res_ptrs.dtype.element_ty), mask=mask)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(r_ptr + r_offs, s.to(r_ptr.dtype.element_ty), mask=mask)
     h = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-    h = (h * rstd[:, None]).to(y.dtype).to(tl.float32)
+    h = (h * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (h * w[None, :]).to(out_ptrs.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + x_offs, (h * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
