@@ -584,6 +584,44 @@ def test_the_policy_times_each_step_with_its_own_yield(default_model_dir, chain)
     assert len(records) >= decode_steps - 1, (len(records), decode_steps)  # the first after the prefill may be left out
 
 
+def test_the_batch_rule_times_verify_steps_not_empty_lookups_or_misplaced_rows(default_model_dir, smol_engine):
+    """The batch rule compares what a verify step costs and yields with a plain step: a
+    step whose lookups found nothing (and kept its overlap with the step in flight) runs
+    as a plain step and is timed as one; a step whose verify rows all followed a wrong
+    guess of the row in flight (misplaced, rejected through no fault of the text, whose
+    rejection is the row before it's) is timed as neither; every other verify step is
+    timed as drafting, with its own yield."""
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
+               chat_ids(smol_engine, "Copy this line: def add(a, b): return a + b")]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = smol_engine.generate(prompts, params)
+    engine = spec_engine(default_model_dir)
+    engine.drafter = MissAndGuess(plain)
+    engine.draft_policy.may_draft = lambda request_id, length: True  # no pause after misses
+    records, record = [], engine.draft_policy.record_step
+    engine.draft_policy.record_step = lambda n, s, drafting, tokens: records.append((drafting, tokens - n)) or \
+        record(n, s, drafting, tokens)
+    timed, time_for_policy = [], engine._time_for_policy
+
+    def log_timing(batch, now):
+        before = len(records)
+        time_for_policy(batch, now)
+        timed.append((batch.num_prompt_rows, batch.num_draft_tokens, list(batch.misplaced), sum(batch.accepted),
+                      records[before:]))
+
+    engine._time_for_policy = log_timing
+    got = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    decode = [t for t in timed if t[0] == 0][1:]  # the first read-back has no step before it to time from
+    empty = [rec for _, drafts, _, _, rec in decode if drafts == 0]
+    misplaced = [rec for _, drafts, mis, _, rec in decode if drafts and all(mis)]
+    verify = [(rec, acc) for _, drafts, mis, acc, rec in decode if drafts and not all(mis)]
+    assert len(empty) >= 3 and len(misplaced) >= 2 and len(verify) >= 5, (len(empty), len(misplaced), len(verify))
+    assert all(rec == [(False, 0)] for rec in empty), empty
+    assert all(rec == [] for rec in misplaced), misplaced
+    assert all(rec == [(True, acc)] for rec, acc in verify), verify
+
+
 def test_misplaced_drafts_are_no_verdict_on_the_text():
     """Rows whose drafts followed a wrong guess of the row before them are counted in the
     metrics but never pause drafting; rows that fail on their own do."""

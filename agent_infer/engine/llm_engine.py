@@ -294,10 +294,11 @@ class LLMEngine:
         if self._inflight is not None and self._penalty_requests:
             outputs += self._resolve()  # penalties need every earlier token on the host
         candidates = self._draft_candidates()
-        drafting = bool(candidates)
-        if drafting and not self._propose_behind(candidates):
+        looked_serially = False
+        if candidates and not self._propose_behind(candidates):
             if self._inflight is not None:
                 outputs += self._resolve()  # drafts follow the last token, which must be known
+                looked_serially = True
             self._propose(candidates)
         batch = self.scheduler.schedule()
         if batch is None:
@@ -306,7 +307,7 @@ class LLMEngine:
             elif self.scheduler.running and not self.scheduler.waiting:
                 raise RuntimeError("scheduler produced no work while requests are running")
             return outputs
-        batch.started_s, batch.drafting = t0, drafting
+        batch.started_s, batch.looked_serially = t0, looked_serially
         launched = self._launch(batch)
         if self._early_outputs:
             outputs += self._early_outputs
@@ -433,11 +434,22 @@ class LLMEngine:
         pipeline whichever call launched or read it; timing the calls instead put a verify
         step that is read back in a later call (chained) on that call, whose yield and
         kind were another step's: each probe of a rule that had turned drafting off then
-        seemed to yield one token a row, and drafting never came back on."""
+        seemed to yield one token a row, and drafting never came back on.
+
+        A drafting step is one that verified drafts, or whose lookup cost it its overlap
+        with the step in flight; a step whose lookups all came back empty runs as a plain
+        step and is timed as one (a dry text is the pause rule's verdict). A step whose
+        verify rows all followed a wrong guess of the row in flight is timed as neither:
+        their rejection is that row's, already recorded with it. Timed as one-token
+        drafting steps, both kinds held the rule's yield under what verifying gives and
+        its median drafting time between a plain and a verify step's, so the rule turned
+        drafting off in stretches where it paid (docs/PERFORMANCE.md)."""
         last, self._last_read_back = self._last_read_back, now
-        if batch.num_prompt_rows == 0 and last is not None:
-            self.draft_policy.record_step(len(batch), now - max(last, batch.started_s), batch.drafting,
-                                          len(batch) + sum(batch.accepted))
+        if batch.num_prompt_rows or last is None or (batch.misplaced and all(batch.misplaced)):
+            return
+        self.draft_policy.record_step(len(batch), now - max(last, batch.started_s),
+                                      batch.num_draft_tokens > 0 or batch.looked_serially,
+                                      len(batch) + sum(batch.accepted))
 
     def _worker_failed(self, error: Exception):
         """A TP step failed part-way (a worker died or failed, or rank 0's own part of the

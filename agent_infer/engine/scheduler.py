@@ -69,9 +69,10 @@ class ScheduledBatch:
     accepted: list[int] = field(default_factory=list)
     misplaced: list[bool] = field(default_factory=list)
     # Set by the engine for the draft policy's timing: when the call that launched the
-    # step began, and whether that call looked for drafts (found or not).
+    # step began, and whether that call read the step in flight back before looking for
+    # drafts (the lookup cost the step its overlap).
     started_s: float = 0.0
-    drafting: bool = False
+    looked_serially: bool = False
 
     @property
     def num_tokens(self) -> int:

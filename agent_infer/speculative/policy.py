@@ -5,8 +5,11 @@ Drafting must never cost. Three rules keep it so:
   costs host time), stops drafting for a while, twice as long each time it fails again
   (text that stops repeating itself), and resumes on its own;
 * per decode batch size (in powers of two), the engine times plain steps and drafting
-  steps (those that looked for drafts, found or not), each from the read-back of the step
-  before it to its own with the tokens it gave (whichever call read it back), and drafts
+  steps (those that verified drafts, or whose lookup cost them their overlap; a lookup
+  that found nothing leaves a plain step, and a step whose rows all followed a wrong guess
+  of the row before them is not timed: `LLMEngine._time_for_policy`), each from the
+  read-back of the step before it to its own with the tokens it gave (whichever call read
+  it back), and drafts
   only while a drafting step yields more tokens per second than a plain one: at large
   batches a step is compute-bound, a verify step costs up to k + 1 plain ones, and
   drafting turns itself off. The times compared are the medians of the last few steps of each kind, and the
