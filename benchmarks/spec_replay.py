@@ -11,6 +11,7 @@ rule and the batch rule of `DraftPolicy` as in this tree, each step charged a fi
 
     python benchmarks/spec_replay.py --dtype bfloat16 --costs 0.73,0.96 0.82,1.15 0.82,1.6 0.82,3.0
     python benchmarks/spec_replay.py --texts /tmp/texts.json --shuffle   # text that does not repeat
+    python benchmarks/spec_replay.py --texts /tmp/texts.json --no-chain  # acceptance without chained rows
 
 Per cost pair: tokens per time against plain decoding's (× plain), the steps the batch
 rule kept plain, tokens a verify row and acceptance at the first position, for the tree's
@@ -53,8 +54,8 @@ class Replay:
     """Batch 1 through one DraftPolicy, prompt after prompt as `run_agent` sends them."""
 
     def __init__(self, k: int, min_n: int, max_n: int, costs: tuple[float, float, float], batch_rule: bool,
-                 old_timing: bool):
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+                 old_timing: bool, chain: bool = True):
+        self.k, self.min_n, self.max_n, self.chain = k, min_n, max_n, chain
         self.plain_s, self.verify_s, self.lookup_s = costs
         self.batch_rule, self.old_timing = batch_rule, old_timing
         self.policy = DraftPolicy()
@@ -83,8 +84,8 @@ class Replay:
                 pos = min(p0 + accepted + 1, end)
                 pol.on_verified(rid, len(drafts), accepted, pos)
                 self._step(self.verify_s, True, pos - p0)
-                if pos >= end:
-                    break
+                if pos >= end or not self.chain:
+                    continue
                 # Drafted behind it: its drafts as if accepted, then lookup's next token as its own.
                 run = self._look(seq[:p0] + drafts, 1 + min(self.k, end - p0 - len(drafts) - 2))
                 if accepted < len(drafts) or run[:1] != seq[pos - 1:pos]:
@@ -134,6 +135,9 @@ def main() -> int:
                    help="plain,verify step costs in ms (a verify step's, whatever its drafts)")
     p.add_argument("--lookup-ms", type=float, default=0.015, help="what a lookup that finds nothing adds")
     p.add_argument("--shuffle", action="store_true", help="each output's tokens shuffled: text that does not repeat")
+    p.add_argument("--no-chain", action="store_true",
+                   help="each verify row read back before the next row is drafted (its cost unchanged: only the "
+                        "tokens a verify row and the acceptance compare)")
     args = p.parse_args()
     if args.texts and os.path.exists(args.texts):
         with open(args.texts) as f:
@@ -153,7 +157,7 @@ def main() -> int:
         plain_ms, verify_ms = (float(x) for x in pair.split(","))
         for name, batch_rule, old in (("this tree", True, False), ("--old-timing", True, True), ("no batch rule", False, False)):
             r = Replay(args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max,
-                       (plain_ms, verify_ms, args.lookup_ms), batch_rule, old)
+                       (plain_ms, verify_ms, args.lookup_ms), batch_rule, old, chain=not args.no_chain)
             for i, (prompt, out) in enumerate(texts):
                 r.run(str(i), list(prompt) + list(out), len(prompt) + 1)
             s = r.policy.stats
