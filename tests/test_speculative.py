@@ -557,6 +557,31 @@ def test_drafting_stops_where_it_costs():
     assert DraftPolicy(disable_by_batch_size=8).batch_drafts(8) is False
 
 
+def test_plain_probes_only_where_no_plain_step_came_on_its_own():
+    """While drafting pays, the batch rule refreshes its plain timing with a plain step only
+    where none came on its own (a pause, a lookup that found nothing) for PLAIN_PROBE_EVERY
+    steps: a forced plain step costs what a verify step would have given."""
+    from agent_infer.speculative.policy import PLAIN_PROBE_EVERY
+
+    def forced(natural_every: int, steps: int = 1000) -> int:
+        policy, count = DraftPolicy(), 0
+        policy.record_step(1, 1.0, False, 1)
+        for i in range(1, steps + 1):
+            if i % natural_every == 0:  # a step without drafts, timed as plain
+                policy.record_step(1, 1.0, False, 1)
+                policy._bucket(1).steps += 1
+                continue
+            if policy.batch_drafts(1):
+                policy.record_step(1, 1.1, True, 3)
+            else:
+                count += 1
+                policy.record_step(1, 1.0, False, 1)
+        return count
+
+    assert forced(10**9) == pytest.approx(1000 / PLAIN_PROBE_EVERY, abs=2)  # none come on their own
+    assert forced(PLAIN_PROBE_EVERY * 3 // 4 + 1) == 0  # one every 49 steps: no forced one
+
+
 @pytest.mark.parametrize("chain", [True, False])
 def test_the_policy_times_each_step_with_its_own_yield(default_model_dir, chain):
     """The batch rule sees each decode step's own time and tokens, whichever call read it

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 FAILS_BEFORE_PAUSE = 3  # verify steps in a row that accept nothing
 MAX_PAUSE_STEPS = 16  # at most this many tokens go undrafted once the text repeats again
-PLAIN_PROBE_EVERY = 64  # while drafting pays: one plain step in this many refreshes its timing
+PLAIN_PROBE_EVERY = 64  # while drafting pays: a plain step when none was timed in this many steps
 MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
 PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
@@ -86,6 +86,7 @@ class _Bucket:
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
     next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
+    last_plain: int = 0  # the step count when a plain step was last timed
     kept_plain: int = 0  # steps this rule kept plain because drafting did not pay
 
 
@@ -112,7 +113,9 @@ class DraftPolicy:
         plain_s, verify_s = statistics.median(b.plain), statistics.median(b.verify)
         if b.tokens_per_row * plain_s >= verify_s:  # more tokens per second than a plain step
             b.next_probe = 0
-            return b.steps % PLAIN_PROBE_EVERY != 0
+            # A plain step only where none came on its own (a pause, a lookup that found
+            # nothing) for a while: its timing would otherwise go stale.
+            return b.steps - b.last_plain < PLAIN_PROBE_EVERY
         if b.steps < b.next_probe:
             b.kept_plain += 1
             return False
@@ -131,6 +134,7 @@ class DraftPolicy:
             b.tokens_per_row = _ema(b.tokens_per_row, tokens / num_decoding)
         else:
             b.plain.append(seconds)
+            b.last_plain = b.steps
 
     def _bucket(self, n: int) -> _Bucket:
         return self._buckets.setdefault(n.bit_length(), _Bucket())
