@@ -9,8 +9,8 @@ Drafting must never cost. Three rules keep it so:
   that found nothing leaves a plain step, and a step whose rows all followed a wrong guess
   of the row before them is not timed: `LLMEngine._time_for_policy`), each from the
   read-back of the step before it to its own with the tokens it gave (whichever call read
-  it back), and drafts
-  only while a drafting step yields more tokens per second than a plain one: at large
+  it back), and drafts only while a drafting step yields more tokens per second than a
+  plain one: at large
   batches a step is compute-bound, a verify step costs up to k + 1 plain ones, and
   drafting turns itself off. The times compared are the medians of the last few steps of each kind, and the
   rule waits for three drafting steps, so that one stalled step (a compilation, a
