@@ -276,12 +276,12 @@ def main() -> None:
           f"{MERGE_MAX_SPLITS} splits", flush=True)
     decode_rows, prefill_rows = [], []
     if "decode" in only:
+        grid = (args.splits, args.stages) if args.splits else None
+        configs = [parse_config(c) for c in args.configs]
         for batch in args.batches:
             for ctx in args.contexts:
                 for block in args.block_sizes:
-                    grid = (args.splits, args.stages) if args.splits else None
-                    decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid,
-                                                    [parse_config(c) for c in args.configs], block))
+                    decode_rows.append(bench_decode(batch, ctx, args.heads, args.sweep, grid, configs, block))
     if "prefill" in only:
         cases = [("14 x 562", [562] * 14, [0] * 14), ("128", [128], [0]), ("512", [512], [0]), ("1024", [1024], [0]),
                  ("100..1024 x 8", [100, 230, 360, 490, 620, 750, 880, 1024], [0] * 8),

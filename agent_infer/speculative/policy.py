@@ -10,13 +10,13 @@ Drafting must never cost. Three rules keep it so:
   of the row before them is not timed: `LLMEngine._time_for_policy`), each from the
   read-back of the step before it to its own with the tokens it gave (whichever call read
   it back), and drafts only while a drafting step yields more tokens per second than a
-  plain one: at large
-  batches a step is compute-bound, a verify step costs up to k + 1 plain ones, and
-  drafting turns itself off. The times compared are the medians of the last few steps of each kind, and the
-  rule waits for three drafting steps, so that one stalled step (a compilation, a
-  collection) cannot turn drafting off for the rest of a run. While off it probes now
-  and then, as rarely as keeps the probes' cost near 1 % of the steps' time (and at
-  least every 512 steps), so a change in the workload turns it back on;
+  plain one: at large batches a step is compute-bound, a verify step costs up to k + 1
+  plain ones, and drafting turns itself off. The times compared are the medians of the
+  last few steps of each kind, and the rule waits for three drafting steps, so that one
+  stalled step (a compilation, a collection) cannot turn drafting off for the rest of a
+  run. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
+  the steps' time (and at least every 512 steps), so a change in the workload turns it
+  back on;
 * a verify row whose drafts followed a wrong guess of the row before it (drafted while
   that row was in flight: llm_engine) is no verdict on the text, and does not count
   toward a pause.
