@@ -4,19 +4,20 @@ A run on a GPU gives one sample of the policy's decisions on one host's timings;
 replays them without a GPU. The texts are the default model's greedy answers to
 `spec_decode.py agent`'s prompts (generated here on the CPU, or read from --texts), and
 each step of batch 1 is replayed as the engine runs it: prompt lookup (`propose_ngram`),
-the next row drafted behind a verify row still in flight as if all its drafts were
-accepted (its drafts misplaced when that guess is wrong: rejected, one token), the pause
-rule and the batch rule of `DraftPolicy` as in this tree, each step charged a fixed cost
-(--plain-ms, --verify-ms; a lookup that finds nothing costs a plain step and --lookup-ms).
+the next row drafted behind a verify row still in flight (the host's lookup in the tokens
+it knows says whether and how many to draft, the device looks them up in the real text;
+`--guess`: the host's lookup after a guess of what the row in flight gives), the pause rule and the batch rule of `DraftPolicy` as in this tree, each
+step charged a fixed cost (--costs; a lookup that finds nothing, read back first, costs a
+plain step and --lookup-ms).
 
     python benchmarks/spec_replay.py --dtype bfloat16 --costs 0.73,0.96 0.82,1.15 0.82,1.6 0.82,3.0
     python benchmarks/spec_replay.py --texts /tmp/texts.json --shuffle   # text that does not repeat
     python benchmarks/spec_replay.py --texts /tmp/texts.json --no-chain  # acceptance without chained rows
+    python benchmarks/spec_replay.py --texts /tmp/texts.json --guess  # rows behind one in flight sized on a guess
 
 Per cost pair: tokens per time against plain decoding's (× plain), the steps the batch
-rule kept plain, tokens a verify row and acceptance at the first position, for the tree's
-timing of the rule's steps, for the timing before it (`--old-timing` rows: every step that
-looked for drafts timed as drafting, misplaced rows too) and without the batch rule.
+rule kept plain, tokens a verify row and acceptance at the first position, with and
+without the batch rule.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class Replay:
     """Batch 1 through one DraftPolicy, prompt after prompt as `run_agent` sends them."""
 
     def __init__(self, k: int, min_n: int, max_n: int, costs: tuple[float, float, float], batch_rule: bool,
-                 old_timing: bool, chain: bool = True):
-        self.k, self.min_n, self.max_n, self.chain = k, min_n, max_n, chain
+                 chain: bool = True, guess: bool = False):
+        self.k, self.min_n, self.max_n, self.chain, self.guess = k, min_n, max_n, chain, guess
         self.plain_s, self.verify_s, self.lookup_s = costs
-        self.batch_rule, self.old_timing = batch_rule, old_timing
+        self.batch_rule = batch_rule
         self.policy = DraftPolicy()
         self.time = 0.0
         self.tokens = 0
@@ -65,11 +66,10 @@ class Replay:
     def _look(self, tokens: list[int], k: int) -> list[int]:
         return propose_ngram(np.asarray(tokens, dtype=np.int64), k, self.min_n, self.max_n) if k > 0 else []
 
-    def _step(self, seconds: float, drafting: bool, tokens: int, timed: bool = True) -> None:
+    def _step(self, seconds: float, drafting: bool, tokens: int) -> None:
         self.time += seconds
         self.tokens += tokens
-        if timed:
-            self.policy.record_step(1, seconds, drafting, tokens)
+        self.policy.record_step(1, seconds, drafting, tokens)
 
     def run(self, rid: str, seq: list[int], start: int) -> None:
         """One prompt's decode: seq is prompt + output, `start` tokens known after the prefill."""
@@ -84,18 +84,23 @@ class Replay:
                 pos = min(p0 + accepted + 1, end)
                 pol.on_verified(rid, len(drafts), accepted, pos)
                 self._step(self.verify_s, True, pos - p0)
-                if pos >= end or not self.chain:
+                if pos >= end or not self.chain or not self._drafts_now(rid, pos, end):
                     continue
-                # Drafted behind it: its drafts as if accepted, then lookup's next token as its own.
-                run = self._look(seq[:p0] + drafts, 1 + min(self.k, end - p0 - len(drafts) - 2))
-                if accepted < len(drafts) or run[:1] != seq[pos - 1:pos]:
-                    if run[1:] and self._drafts_now(rid, pos, end):  # misplaced: rejected, one token
-                        pol.on_verified(rid, len(run[1:]), 0, pos + 1, judge=False)
-                        self._step(self.verify_s, True, 1, timed=self.old_timing)
-                        pos += 1
+                # Drafted behind it, the room as if it accepted all its drafts: the host's
+                # lookup says how many, the device looks them up in the real text, the host's
+                # drafts left in the slots past what it finds.
+                room = min(self.k, end - p0 - len(drafts) - 2)
+                if self.guess:  # after its drafts as if accepted, then lookup's next token as its own
+                    host = self._look(seq[:p0] + drafts, 1 + room)[1:]
+                else:
+                    host = self._look(seq[:p0], room)
+                if not host:  # a miss: the row runs plain, the step keeps its overlap
+                    pol.on_verified(rid, 0, 0, pos + 1)
+                    self._step(self.plain_s, False, 1)
+                    pos += 1
                     continue
-                if run[1:] and self._drafts_now(rid, pos, end):
-                    flight = (run[1:1 + min(self.k, end - pos - 1)], pos)
+                found = self._look(seq[:pos], len(host))
+                flight = (found + host[len(found):], pos)
                 continue
             room = min(self.k, end - pos - 1)
             if not self._drafts_now(rid, pos, end) or room <= 0:
@@ -105,7 +110,7 @@ class Replay:
             drafts = self._look(seq[:pos], room)
             if not drafts:  # a miss: the pause rule counts it; the step runs plain
                 pol.on_verified(rid, 0, 0, pos + 1)
-                self._step(self.plain_s + self.lookup_s, self.old_timing, 1)
+                self._step(self.plain_s + self.lookup_s, False, 1)
                 pos += 1
                 continue
             flight = (drafts, pos)
@@ -135,6 +140,8 @@ def main() -> int:
                    help="plain,verify step costs in ms (a verify step's, whatever its drafts)")
     p.add_argument("--lookup-ms", type=float, default=0.015, help="what a lookup that finds nothing adds")
     p.add_argument("--shuffle", action="store_true", help="each output's tokens shuffled: text that does not repeat")
+    p.add_argument("--guess", action="store_true",
+                   help="rows behind one in flight sized by a lookup after a guess of what it gives")
     p.add_argument("--no-chain", action="store_true",
                    help="each verify row read back before the next row is drafted (its cost unchanged: only the "
                         "tokens a verify row and the acceptance compare)")
@@ -152,12 +159,12 @@ def main() -> int:
         texts = [(prompt, rnd.sample(out, len(out))) for prompt, out in texts]
     from agent_infer.bench.table import render_table
 
-    rows = [("costs plain / verify ms", "timing", "x plain", "kept plain", "tokens a verify row", "first position")]
+    rows = [("costs plain / verify ms", "rule", "x plain", "kept plain", "tokens a verify row", "first position")]
     for pair in args.costs:
         plain_ms, verify_ms = (float(x) for x in pair.split(","))
-        for name, batch_rule, old in (("this tree", True, False), ("--old-timing", True, True), ("no batch rule", False, False)):
+        for name, batch_rule in (("this tree", True), ("no batch rule", False)):
             r = Replay(args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max,
-                       (plain_ms, verify_ms, args.lookup_ms), batch_rule, old, chain=not args.no_chain)
+                       (plain_ms, verify_ms, args.lookup_ms), batch_rule, chain=not args.no_chain, guess=args.guess)
             for i, (prompt, out) in enumerate(texts):
                 r.run(str(i), list(prompt) + list(out), len(prompt) + 1)
             s = r.policy.stats

@@ -528,6 +528,69 @@ def check_fill_placeholders(device, n: int) -> None:
     assert torch.equal(got.cpu(), want)
 
 
+def check_lookup_drafts(device, max_k: int, min_n: int, max_n: int, block: int) -> None:
+    """Rows drafted behind a row in flight get `propose_ngram`'s drafts on their real
+    history (the known tokens, the drafts the row in flight accepted, its sample after
+    them) in their draft slots, and keep their other ids; rows that look up nothing stay
+    as they were. Histories of a small alphabet (matches of every length, ties between
+    ends) and of no repeats, from empty to several blocks + 1, rows in flight of 0 to
+    max_k drafts with a random number accepted; the kernel on `device` and the PyTorch
+    reference against a loop over the rows."""
+    import numpy as np
+
+    from agent_infer.kernels.triton.ngram import lookup_drafts
+    from agent_infer.speculative.ngram import propose_ngram
+
+    gen = torch.Generator().manual_seed(max_k * 100 + min_n * 10 + max_n)
+
+    def randint(lo, hi, n=None):
+        return torch.randint(lo, hi, (1,) if n is None else (n,), generator=gen)
+
+    lengths = [0, 1, min_n, min_n + 1, block - 1, block, block + 1, 2 * block + 3, 3 * block + 1]
+    ids, hist, offsets, starts, slots, refs, ref_k, prev_in, prev_tok = [], [], [0], [], [], [], [], [], []
+    want, hits = [], 0
+    for r, known in enumerate(lengths):
+        if r % 3 == 1:  # a row that looks up nothing between the lookup rows
+            ids += randint(3000, 4000, 1 + int(randint(0, max_k + 1))).tolist()
+        tokens = randint(0, 1000 if r == 5 else 5, known).tolist()  # row 5: no repeats
+        k = int(randint(0, max_k + 1))
+        accepted = int(randint(0, k + 1))
+        drafts = randint(0, 5, k).tolist()
+        sample = int(randint(0, 5))
+        if accepted < k and sample == drafts[accepted]:
+            sample = (sample + 1) % 5
+        refs.append(len(prev_in) + k)
+        ref_k.append(k)
+        prev_in += [int(randint(0, 5))] + drafts
+        prev_tok += drafts[:accepted] + [sample] + randint(0, 5, k - accepted).tolist()
+        n = int(randint(1, max_k + 1))
+        starts.append(len(ids))
+        slots.append(n)
+        row = randint(2000, 3000, 1 + n).tolist()
+        ids += row
+        hist += tokens
+        offsets.append(len(hist))
+        full = np.asarray(tokens + drafts[:accepted] + [sample], dtype=np.int64)
+        found = propose_ngram(full, n, min_n, max_n)
+        want.append((starts[-1], row[:1] + found + row[1 + len(found):]))
+        hits += bool(found)
+    assert 2 <= hits <= len(want) - 2, "the cases should mix rows that find drafts with rows that find none"
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    args = [t(hist), t(offsets), t(starts), t(slots), t(refs), t(ref_k), t(prev_tok), t(prev_in)]
+    expected = t(ids)
+    for at, row in want:
+        expected[at : at + len(row)] = t(row)
+    got_ref = t(ids)
+    reference.lookup_drafts(got_ref, *args, min_n, max_n, max_k)
+    assert torch.equal(got_ref, expected)
+    got = t(ids).to(device)
+    lookup_drafts(got, *(a.to(device) for a in args), min_n, max_n, max_k, block=block)
+    assert torch.equal(got.cpu(), expected)
+
+
 def check_resolve_rows(device, num_seqs: int, max_k: int) -> None:
     """Rows of sequences whose verify row (k drafts, a random number of them accepted) is
     still in flight move back by the drafts rejected: position, context length and the

@@ -227,6 +227,51 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
     assert published and published <= real
 
 
+def test_drafts_behind_a_row_in_flight_follow_the_text_it_gave(default_model_dir, smol_engine):
+    """Prompt lookup behind a row still in flight: the host's guess of what that row gives
+    only sizes the next row, whose drafts the device looks up in the text the row really
+    gave (`ops.lookup_drafts`). Every such row verifies exactly `propose_ngram`'s drafts
+    on the sequence's real tokens before it (as many as it found, the guess's after
+    them), rows where the guess was wrong among them, and the tokens are plain
+    decoding's."""
+    import numpy as np
+
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
+               "one two three four one two four three one two three five one two",
+               chat_ids(smol_engine, "Copy this line twice: def add(a, b): return a + b")]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = smol_engine.generate(prompts, params)
+    engine = spec_engine(default_model_dir)
+    spec = engine.config.speculative_config
+    guesses, build_step = {}, engine.runner.build_step
+
+    def keep_guesses(batch):
+        guesses[id(batch)] = [list(d) for d in batch.drafts]
+        return build_step(batch)
+
+    checked, on_result = [], engine.scheduler.on_result
+
+    def check(batch, tokens):
+        for i, history in enumerate(batch.draft_histories):
+            if history is None:
+                continue
+            seq, drafts = batch.seqs[i], batch.drafts[i]
+            real = np.asarray(seq.prompt_token_ids + seq.output_token_ids[: seq.num_resolved], dtype=np.int64)
+            assert np.array_equal(history, real[: len(history)]), "the host's tokens are the sequence's"
+            found = propose_ngram(real, len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
+            guess = guesses[id(batch)][i]
+            assert drafts == found + guess[len(found):], (drafts, found, guess)
+            checked.append(found != guess[: len(found)])
+        return on_result(batch, tokens)
+
+    engine.runner.build_step, engine.scheduler.on_result = keep_guesses, check
+    got = engine.generate(prompts, params) + [engine.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain + plain]
+    assert len(checked) >= 10 and sum(checked) >= 2, checked  # rows the guess got wrong among them
+    stats = engine.draft_policy.stats
+    assert stats.num_chained_rows >= 10 and stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens, stats
+
+
 class MissAndGuess(Replay):
     """Replay that finds nothing at every third proposal and, at every fifth, proposes a
     wrong token and a wrong one after it (`wrong_calls`): behind a one-token step the
@@ -275,7 +320,7 @@ def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_mode
         engine._propose_behind = count_behind
         verified, on_verified = [], engine.draft_policy.on_verified
         engine.draft_policy.on_verified = \
-            lambda rid, d, a, n, judge=True: verified.append((d, a)) or on_verified(rid, d, a, n, judge)
+            lambda rid, d, a, n: verified.append((d, a)) or on_verified(rid, d, a, n)
         got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)] + engine.generate(prompts, params)
         for a, b in zip(plain + plain, got):
             assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
@@ -283,10 +328,11 @@ def test_drafts_behind_a_one_token_step_give_plain_decodings_tokens(default_mode
                 assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
         assert sum(took for took, _ in behind) >= 4, behind  # drafted with a step in flight
         assert any(took and wrong for took, wrong in behind), behind  # a wrong prediction of the token in flight
-        # Drafts aligned after the predicted token (not on it): most are accepted (~80 %;
+        # Drafts aligned after the predicted token (not on it): most are accepted (63 % with
+        # chaining, where a wrong prediction also misleads the guess of the row after it;
         # under half when shifted by one, through the misses and wrong predictions).
         stats = engine.draft_policy.stats
-        assert stats.num_accepted_tokens > 0.7 * stats.num_draft_tokens, stats
+        assert stats.num_accepted_tokens > 0.58 * stats.num_draft_tokens, stats
         assert any(d and a == 0 for d, a in verified) and any(d and a == d for d, a in verified), verified
 
 
@@ -610,13 +656,11 @@ def test_the_policy_times_each_step_with_its_own_yield(default_model_dir, chain)
     assert len(records) >= decode_steps - 1, (len(records), decode_steps)  # the first after the prefill may be left out
 
 
-def test_the_batch_rule_times_verify_steps_not_empty_lookups_or_misplaced_rows(default_model_dir, smol_engine):
+def test_the_batch_rule_times_verify_steps_and_empty_lookups_as_plain_steps(default_model_dir, smol_engine):
     """The batch rule compares what a verify step costs and yields with a plain step: a
     step whose lookups found nothing (and kept its overlap with the step in flight) runs
-    as a plain step and is timed as one; a step whose verify rows all followed a wrong
-    guess of the row in flight (misplaced, rejected through no fault of the text, whose
-    rejection is the row before it's) is timed as neither; every other verify step is
-    timed as drafting, with its own yield."""
+    as a plain step and is timed as one; every verify step is timed as drafting, with its
+    own yield, those behind a wrong guess of the row in flight included."""
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
                chat_ids(smol_engine, "Copy this line: def add(a, b): return a + b")]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -632,19 +676,17 @@ def test_the_batch_rule_times_verify_steps_not_empty_lookups_or_misplaced_rows(d
     def log_timing(batch, now):
         before = len(records)
         time_for_policy(batch, now)
-        timed.append((batch.num_prompt_rows, batch.num_draft_tokens, list(batch.misplaced), sum(batch.accepted),
-                      records[before:]))
+        timed.append((batch.num_prompt_rows, batch.num_draft_tokens, sum(batch.accepted), records[before:]))
 
     engine._time_for_policy = log_timing
     got = [engine.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     decode = [t for t in timed if t[0] == 0][1:]  # the first read-back has no step before it to time from
-    empty = [rec for _, drafts, _, _, rec in decode if drafts == 0]
-    misplaced = [rec for _, drafts, mis, _, rec in decode if drafts and all(mis)]
-    verify = [(rec, acc) for _, drafts, mis, acc, rec in decode if drafts and not all(mis)]
-    assert len(empty) >= 3 and len(misplaced) >= 2 and len(verify) >= 5, (len(empty), len(misplaced), len(verify))
+    empty = [rec for _, drafts, _, rec in decode if drafts == 0]
+    verify = [(rec, acc) for _, drafts, acc, rec in decode if drafts]
+    assert len(empty) >= 3 and len(verify) >= 5, (len(empty), len(verify))
+    assert sum(acc == 0 for _, acc in verify) >= 2, verify  # rejected all (a wrong guess among them)
     assert all(rec == [(False, 0)] for rec in empty), empty
-    assert all(rec == [] for rec in misplaced), misplaced
     assert all(rec == [(True, acc)] for rec, acc in verify), verify
 
 
@@ -683,7 +725,7 @@ def _replay_speedup(texts, verify_ms: float, batch_rule: bool) -> float:
     """Tokens per time against plain decoding's, batch 1 replayed through the policy
     (benchmarks/spec_replay.py: prompt lookup, rows chained behind verify rows in flight,
     fixed step costs against a 0.82 ms plain step)."""
-    r = _spec_replay().Replay(8, 2, 4, (0.82, verify_ms, 0.015), batch_rule, old_timing=False)
+    r = _spec_replay().Replay(8, 2, 4, (0.82, verify_ms, 0.015), batch_rule)
     for i, (prompt, out) in enumerate(texts):
         r.run(str(i), prompt + out, len(prompt) + 1)
     return r.tokens * 0.82 / r.time
@@ -693,9 +735,7 @@ def _replay_speedup(texts, verify_ms: float, batch_rule: bool) -> float:
 def test_the_batch_rule_keeps_drafting_where_it_pays(copy_len, novel_len):
     """On text that copies runs between stretches of its own, at what a verify step costs
     on a GPU at batch 1 (1.4x a plain step), the batch rule costs under 2 % against
-    drafting at every step the pause rule allows. (Timed as one-token drafting steps, the
-    lookups that found nothing and the misplaced rows of the novel stretches cost it 19-22 %
-    here.)"""
+    drafting at every step the pause rule allows."""
     copying = _copy_task(0, copy_len, novel_len)
     with_rule, without = _replay_speedup(copying, 1.15, True), _replay_speedup(copying, 1.15, False)
     assert without > 1.4 and with_rule > 0.98 * without, (with_rule, without)
@@ -712,15 +752,3 @@ def test_the_batch_rule_stops_drafting_where_it_does_not_pay(verify_ms):
     dry = [([rnd.randrange(6) for _ in range(300)], [rnd.randrange(6) for _ in range(300)]) for _ in range(4)]
     with_rule, without = _replay_speedup(dry, verify_ms, True), _replay_speedup(dry, verify_ms, False)
     assert with_rule > 0.98 and with_rule > without + 0.02, (with_rule, without)
-
-
-def test_misplaced_drafts_are_no_verdict_on_the_text():
-    """Rows whose drafts followed a wrong guess of the row before them are counted in the
-    metrics but never pause drafting; rows that fail on their own do."""
-    policy = DraftPolicy()
-    for n in range(10):
-        policy.on_verified("a", 4, 0, 10 + n, judge=False)
-    assert policy.may_draft("a", 20) and policy.stats.num_drafts == 10
-    for n in range(3):
-        policy.on_verified("a", 4, 0, 21 + n)
-    assert not policy.may_draft("a", 24)

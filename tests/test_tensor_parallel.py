@@ -466,23 +466,32 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_model_dirs):
     workers like any step, chained ones too (launched before the one in flight is read
     back, their first token still on the device and their rows moved there by the drafts
     it rejected, on every rank): TP = 2 with drafts gives plain TP = 1's tokens (the
-    drafts replay the reference, some wrong)."""
+    drafts replay the reference, some wrong). And with prompt lookup itself, whose drafts
+    for rows behind one in flight every rank looks up on the device alike."""
     path = tiny_model_dirs["qwen3"]
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], list(range(20, 61))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = run(path, 1, prompts, params)
-    eng = make_engine(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1})
-    eng.draft_policy.batch_drafts = lambda num_decoding: True
-    eng.drafter = Replay(ref, wrong_at=2)  # a draft of a verify step: the step after it moves back
-    try:
-        got = eng.generate(prompts, params)
-        stats = eng.draft_policy.stats
-    finally:
-        eng.shutdown()
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
-    assert stats.num_chained_rows > 0, stats
+    for replay in (True, False):
+        eng = make_engine(path, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+        eng.draft_policy.batch_drafts = lambda num_decoding: True
+        eng.draft_policy.may_draft = lambda request_id, length: True  # drafts that fail do not pause
+        if replay:
+            eng.drafter = Replay(ref, wrong_at=2)  # a draft of a verify step: the step after it moves back
+        lookups, build_step = [], eng.runner.build_step
+        eng.runner.build_step = lambda batch: lookups.append(batch.draft_histories != []) or build_step(batch)
+        try:
+            got = eng.generate(prompts, params)
+            stats = eng.draft_policy.stats
+        finally:
+            eng.shutdown()
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        if replay:
+            assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+            assert stats.num_chained_rows > 0, stats
+        else:  # a random model repeats little: rows behind one-token rows in flight
+            assert sum(lookups) >= 3, (sum(lookups), stats)
 
 
 def test_tp2_computes_the_kv_scales_of_tp1(tiny_model_dirs):

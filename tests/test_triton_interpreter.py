@@ -385,6 +385,10 @@ else:
     def test_fill_placeholders(n):
         kc.check_fill_placeholders(DEV, n)
 
+    @pytest.mark.parametrize("max_k,min_n,max_n,block", [(8, 2, 4, 64), (4, 1, 3, 32), (1, 1, 1, 16), (5, 3, 3, 128)])
+    def test_lookup_drafts(max_k, min_n, max_n, block):
+        kc.check_lookup_drafts(DEV, max_k, min_n, max_n, block)
+
     @pytest.mark.parametrize("num_seqs,max_k", [(1, 4), (7, 8), (40, 16)])
     def test_resolve_rows(num_seqs, max_k):
         kc.check_resolve_rows(DEV, num_seqs, max_k)

@@ -227,11 +227,13 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
 
-    def run(self, step, prev_tokens: torch.Tensor | None, resolve=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step, prev_tokens: torch.Tensor | None, resolve=None, lookup=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for `step` (a decode HostStep); returns the final hidden states
         [B, hidden] and the logits [B, vocab], static buffers the next replay overwrites.
-        `resolve`: ModelRunner.resolve_rows, for a step with rows that follow a verify row."""
-        size = self.stage(step, prev_tokens, resolve)
+        `resolve`: ModelRunner.resolve_rows, for a step with rows that follow a verify row;
+        `lookup`: ModelRunner.lookup_drafts, for a step with drafts to look up."""
+        size = self.stage(step, prev_tokens, resolve, lookup)
         self.graphs[size].replay()
         n = len(step.input_ids)
         return self.hidden[size][:n], self.logits[size][:n]
@@ -250,12 +252,13 @@ class DecodeGraphs:
         """The smallest captured size that holds `rows`."""
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
-    def stage(self, step, prev_tokens: torch.Tensor | None, resolve=None) -> int:
+    def stage(self, step, prev_tokens: torch.Tensor | None, resolve=None, lookup=None) -> int:
         """Everything a replay needs that runs outside the graph: the inputs copied into the
         static buffers of the graph size that fits `step`, and placeholder inputs resolved
         to their tokens in `prev_tokens` (the previous step's samples, still on the
         device), through `resolve` where rows follow a verify row still in flight (they
-        move by what it accepted). Returns that graph size."""
+        move by what it accepted), then the drafts the device looks up (`lookup`). Returns
+        that graph size."""
         size = self._size_for(len(step.input_ids))
         rows = self.rows.load(step, size)
         self.block_tables.load_block(step.block_tables)
@@ -264,6 +267,8 @@ class DecodeGraphs:
                     rows.prev_index, rows.follow, rows.follow_k, self.block_tables.dev[:size])
         elif step.prev_index is not None:
             ops.fill_placeholders(rows.input_ids, rows.prev_index, prev_tokens)
+        if step.lookup is not None:
+            lookup(step, rows.input_ids[: len(step.input_ids)])
         return size
 
     def input_ids(self, step) -> torch.Tensor:

@@ -20,6 +20,29 @@ from agent_infer.kvcache.slots import ragged_slots
 
 
 @dataclass
+class DraftLookup:
+    """The rows of a step whose drafts prompt lookup finds on the device, behind a row of
+    their sequence still in flight (`ops.lookup_drafts`): per row, the sequence's tokens
+    the host knows, the index of the row's first input token, its draft slots, and the
+    last sample index and draft count of the row in flight. All of it in one int64 array
+    for one host-to-device copy: `num_rows` + 1 offsets into the tokens, then the starts,
+    the slots, the sample indices and the draft counts, `num_rows` each, then the tokens
+    of every row back to back."""
+
+    num_rows: int
+    packed: np.ndarray  # int64
+
+    @staticmethod
+    def build(rows: list[tuple[np.ndarray, int, int, int, int]]) -> "DraftLookup":
+        """From (known tokens, start, slots, sample index, draft count) per row."""
+        histories = [r[0] for r in rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(h) for h in histories], out=offsets[1:])
+        head = np.asarray([r[1:] for r in rows], dtype=np.int64).T.ravel()
+        return DraftLookup(len(rows), np.concatenate([offsets, head, *histories]).astype(np.int64, copy=False))
+
+
+@dataclass
 class HostStep:
     is_prefill: bool
     input_ids: np.ndarray  # [T] int64
@@ -38,6 +61,8 @@ class HostStep:
     # last sample index (-1: none) and its number of drafts. None when there are none.
     follow: np.ndarray | None = None  # [T] int64
     follow_k: np.ndarray | None = None  # [T] int64
+    # Rows whose drafts the device looks up (None: none).
+    lookup: DraftLookup | None = None
     # Whether some row verifies drafts: the next step may then follow it (the runner
     # keeps this step's input ids on the device for that).
     has_drafts: bool = False
@@ -68,6 +93,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
     prev: list[int] | None = None
     follow: list[int] | None = None
     follow_k: list[int] | None = None
+    lookup: list[tuple[np.ndarray, int, int, int, int]] = []  # DraftLookup.build's rows
     row_seq: list[int] = []  # the batch sequence of each attention row
     row_start: list[int] = []
     row_len: list[int] = []
@@ -92,6 +118,8 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
                     follow, follow_k = [-1] * batch.num_tokens, [0] * batch.num_tokens
                 follow[len(ids) : len(ids) + n] = [seq.pending_row] * n
                 follow_k[len(ids) : len(ids) + n] = [seq.pending_drafts] * n
+        if batch.draft_histories and batch.draft_histories[i] is not None:
+            lookup.append((batch.draft_histories[i], len(ids), n - 1, seq.pending_row, seq.pending_drafts))
         ids.append(token)
         ids.extend(batch.drafts_of(i))
         row_seq += [i] * n
@@ -125,6 +153,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
         prev_index=None if prev is None else np.asarray(prev, dtype=np.int64),
         follow=None if follow is None else np.asarray(follow, dtype=np.int64),
         follow_k=None if follow_k is None else np.asarray(follow_k, dtype=np.int64),
+        lookup=DraftLookup.build(lookup) if lookup else None,
         has_drafts=batch.num_draft_tokens > 0,
         num_decode=num_decode_rows if batch.is_prefill else 0,
         seq_rows=seq_rows,

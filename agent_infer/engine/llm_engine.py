@@ -336,9 +336,10 @@ class LLMEngine:
                 and self.draft_policy.may_draft(s.request_id, s.num_tokens)]
 
     def _propose_behind(self, seqs: list[Sequence]) -> bool:
-        """Drafts for `seqs` without reading back the step in flight (`_propose` guesses
-        what it gives them). Not under a grammar, which checks drafts against every token
-        before them. (Without `_overlap_verify` no verify row is ever in flight here.)"""
+        """Drafts for `seqs` without reading back the step in flight (the device looks them
+        up once it knows what that step gives them: `_propose`). Not under a grammar, which
+        checks drafts against every token before them. (Without `_overlap_verify` no
+        verify row is ever in flight here.)"""
         if not self._draft_behind or self._inflight is None:
             return False
         if any(s.request_id in self.constraints for s in seqs if s.num_output_tokens > s.num_resolved):
@@ -347,33 +348,40 @@ class LLMEngine:
         return True
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Set each sequence's drafts for the coming step, from the tokens known and, when
-        a row of it is in flight (`_propose_behind`), a guess of what that row gives: its
-        drafts (if not misplaced themselves) and then prompt lookup's next token, which is
-        its prediction of the row's own token. The drafts are what follows that; the next
-        row starts wherever the row in flight really ends (on the device), so a wrong
-        guess only costs drafts that are rejected as any others (`Sequence.basis` lets
-        the scheduler tell). A sequence that gets none counts a miss: it pauses like one
-        whose drafts fail, since looking costs the host's time."""
+        """Set each sequence's drafts for the coming step, looked up in its known tokens.
+
+        When a row of it is in flight (`_propose_behind`), the next row starts wherever
+        that row really ends (on the device). Prompt lookup's drafts then only hold their
+        places: the device looks them up again in the text with what that row gave
+        (`draft_history`, `ops.lookup_drafts`), so they follow the real text whatever the
+        row accepts, and the host's lookup says whether the text repeats here and how
+        many to draft. (Sized so, rows verify more tokens than when the host guesses what
+        the row in flight gives and looks up after that: docs/PERFORMANCE.md.) Another
+        drafter's drafts follow that guess, the row's drafts then the drafter's next
+        token as its own, and are rejected as any others where it is wrong.
+
+        A sequence that gets none counts a miss: it pauses like one whose drafts fail,
+        since looking costs the host's time."""
+        on_device = isinstance(self.drafter, NgramDrafter)
         for seq in seqs:
             known = seq.num_prompt_tokens + seq.num_resolved
             room = self._draft_room(seq)
-            basis = None
-            if seq.num_tokens > known:  # behind a row in flight: guess what it gives
-                upto = seq.num_tokens - 1 if seq.pending_drafts and not seq.misplaced else known
-                run = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, upto, 1 + room,
-                                           known=known)
-                drafts = run[1 : 1 + room]
-                basis = [seq.token_at(i) for i in range(known, upto)] + run[:1]
-                if seq.pending_drafts:
-                    self.draft_policy.stats.num_chained_rows += bool(drafts)
+            behind = seq.num_tokens > known
+            if behind and not on_device:
+                upto = seq.num_tokens - 1 if seq.pending_drafts else known
+                drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, upto, 1 + room,
+                                              known=known)[1 : 1 + room]
             else:
                 drafts = self.drafter.propose(seq.request_id, seq.prompt_token_ids, seq.token_at, known, room)
-                if drafts and seq.request_id in self.constraints:
+                if drafts and behind:
+                    seq.draft_history = self.drafter.known_tokens(seq.request_id, known)
+                elif drafts and seq.request_id in self.constraints:
                     drafts = self.constraints.check_drafts(seq, drafts)
+            if behind and seq.pending_drafts:
+                self.draft_policy.stats.num_chained_rows += bool(drafts)
             if not drafts:  # as a verify row that accepts nothing: the step adds one token
                 self.draft_policy.on_verified(seq.request_id, 0, 0, seq.num_tokens + 1)
-            seq.draft_token_ids, seq.basis = drafts, basis
+            seq.draft_token_ids = drafts
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, object]:
         step = self.runner.build_step(batch)
@@ -438,14 +446,12 @@ class LLMEngine:
 
         A drafting step is one that verified drafts, or whose lookup cost it its overlap
         with the step in flight; a step whose lookups all came back empty runs as a plain
-        step and is timed as one (a dry text is the pause rule's verdict). A step whose
-        verify rows all followed a wrong guess of the row in flight is timed as neither:
-        their rejection is that row's, already recorded with it. Timed as one-token
-        drafting steps, both kinds held the rule's yield under what verifying gives and
-        its median drafting time between a plain and a verify step's, so the rule turned
-        drafting off in stretches where it paid (docs/PERFORMANCE.md)."""
+        step and is timed as one (a dry text is the pause rule's verdict). Timed as
+        one-token drafting steps, these held the rule's yield under what verifying gives
+        and its median drafting time between a plain and a verify step's, so the rule
+        turned drafting off in stretches where it paid (docs/PERFORMANCE.md)."""
         last, self._last_read_back = self._last_read_back, now
-        if batch.num_prompt_rows or last is None or (batch.misplaced and all(batch.misplaced)):
+        if batch.num_prompt_rows or last is None:
             return
         self.draft_policy.record_step(len(batch), now - max(last, batch.started_s),
                                       batch.num_draft_tokens > 0 or batch.looked_serially,
@@ -470,10 +476,12 @@ class LLMEngine:
                 seq.prompt_logprobs.extend((lp, top[:k], rank) for lp, top, rank in lps)
         now = time.monotonic()
         outputs = []
+        if result.input_ids is not None:
+            _take_looked_up_drafts(batch, result.input_ids)
         new_tokens = self.scheduler.on_result(batch, result.tokens)
         verify = [(s, len(d)) for s, d in zip(batch.seqs, batch.drafts) if d]
-        for (seq, drafted), accepted, misplaced in zip(verify, batch.accepted, batch.misplaced):
-            self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens, judge=not misplaced)
+        for (seq, drafted), accepted in zip(verify, batch.accepted):
+            self.draft_policy.on_verified(seq.request_id, drafted, accepted, seq.num_tokens)
         for seq, first, row in new_tokens:
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -703,3 +711,14 @@ class EngineStats:
         else:
             self.decode_steps += 1
             self.max_decode_batch = max(self.max_decode_batch, len(batch))
+
+
+def _take_looked_up_drafts(batch: ScheduledBatch, input_ids: list[int]) -> None:
+    """The drafts the device looked up for the batch's rows drafted behind a row in flight,
+    read off the step's input ids (a decode step: each sequence's row is its last token
+    then its drafts, in batch order), in place of those that held their places."""
+    at = 0
+    for i, (n, history) in enumerate(zip(batch.num_new_tokens, batch.draft_histories)):
+        if history is not None:
+            batch.drafts[i] = input_ids[at + 1 : at + n]
+        at += n

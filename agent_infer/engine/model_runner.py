@@ -66,6 +66,9 @@ class StepOutput:
     # if that row's sampled token is the one that stands: `draft_with_mtp` keeps the row
     # at each sequence's last position that stands.
     drafts: list[int] | None = None
+    # The step's input ids as it ran, when the device looked up drafts for some of its
+    # rows (HostStep.lookup): the drafts those rows verified.
+    input_ids: list[int] | None = None
 
 
 @dataclass
@@ -125,6 +128,9 @@ class ModelRunner:
         self._row_shift: torch.Tensor | None = None
         spec = engine_config.speculative_config
         self._max_drafts = spec.num_speculative_tokens if spec is not None else 0
+        # Prompt lookup's (min, max) match lengths, for rows whose drafts the device finds.
+        self._lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None and spec.method == "ngram" \
+            else None
         self._received_tokens: torch.Tensor | None = None  # a TP worker's receive buffer
         # A draft layer (speculative method mtp) reads the last step's inputs and hidden
         # states, and its drafts are read off the rows of the step it followed.
@@ -316,17 +322,23 @@ class ModelRunner:
         elif step.prev_index is not None:
             assert self._prev_tokens is not None, "placeholder inputs without a previous step"
             input_ids = ops.fill_placeholders(input_ids, to_dev(step.prev_index), self._prev_tokens)
+        if step.lookup is not None:
+            self.lookup_drafts(step, input_ids)
         meta = self.backend.prepare(meta)
         return PreparedInputs(input_ids, positions, meta, to_dev(step.sample_indices))
 
     def compile_row_moves(self) -> None:
-        """Compile `ops.resolve_rows` (a GPU engine that drafts): one launch on one row
-        that follows nothing, which is all its single variant needs (warm-up)."""
+        """Compile `ops.resolve_rows` and (prompt lookup) `ops.lookup_drafts` for a GPU
+        engine that drafts: one launch each on one row, which is all their single
+        variants need (warm-up)."""
         if self._max_drafts and self.device.type == "cuda":
             one = torch.zeros(1, dtype=torch.int64, device=self.device)
             ops.resolve_rows(one.clone(), one.clone(), one.clone(), one.to(torch.int32), one.clone(), one - 1,
                              one - 1, one.clone(), one.view(1, 1).to(torch.int32), self.block_size, one, one,
                              self._max_drafts)
+            if self._lookup is not None:
+                ids, offsets = torch.zeros(2, dtype=torch.int64, device=self.device), torch.tensor([0, 1]).to(one)
+                ops.lookup_drafts(ids, one, offsets, one, one, one, one, one, one, *self._lookup, self._max_drafts)
 
     def resolve_rows(self, step: HostStep, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      context_lens: torch.Tensor, shift: torch.Tensor, prev_index: torch.Tensor, follow: torch.Tensor,
@@ -339,6 +351,21 @@ class ModelRunner:
                          block_tables, self.block_size, self._prev_tokens, self._prev_inputs, self._max_drafts)
         self._row_shift = shift[: step.num_decode if step.is_prefill else len(step.input_ids)]
 
+    def lookup_drafts(self, step: HostStep, input_ids: torch.Tensor) -> None:
+        """The drafts of the step's rows drafted behind a row still in flight, looked up on
+        the device in the text that row really gave (`ops.lookup_drafts`), into their
+        draft slots of `input_ids`; after placeholders are resolved (the step's own ids
+        are not read)."""
+        assert self._prev_tokens is not None and self._lookup is not None, "a lookup row follows no step"
+        lookup = step.lookup
+        packed = torch.from_numpy(lookup.packed).to(self.device, non_blocking=True)
+        r = lookup.num_rows
+        offsets, starts, slots, refs, ref_k = (packed[: r + 1], *packed[r + 1 : 5 * r + 1].view(4, r))
+        # (Behind plain rows only, no input ids were kept, and no draft of theirs is read.)
+        prev_inputs = self._prev_inputs if self._prev_inputs is not None else self._prev_tokens
+        ops.lookup_drafts(input_ids, packed[5 * r + 1 :], offsets, starts, slots, refs, ref_k, self._prev_tokens,
+                          prev_inputs, *self._lookup, self._max_drafts)
+
     @torch.inference_mode()
     def execute(self, step: HostStep) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Forward pass; returns the logits of the sampling rows [num_sampling, vocab] and
@@ -346,7 +373,7 @@ class ModelRunner:
         self._step_kind(decode=not step.is_prefill)
         self._row_shift = None
         if not step.is_prefill and self.graphs is not None and self.graphs.can_run(len(step.input_ids)):
-            hidden, logits = self.graphs.run(step, self._prev_tokens, self.resolve_rows)
+            hidden, logits = self.graphs.run(step, self._prev_tokens, self.resolve_rows, self.lookup_drafts)
             # The next step may follow this one's verify rows: their drafts, outside the
             # static buffers that its staging overwrites.
             self._prev_inputs = self.graphs.input_ids(step).clone() if step.has_drafts else None
@@ -414,7 +441,8 @@ class ModelRunner:
         out = self.sampler(logits, sampling)
         self._prev_tokens = broadcast_from_first(out.tokens, self.tp)
         drafts = self._draft_pass(out.tokens) if self.uses_draft_layer else None
-        return InFlight.start(out, prompt_lp, step, self.device, drafts)
+        inputs = self._prev_inputs if step.lookup is not None else None
+        return InFlight.start(out, prompt_lp, step, self.device, drafts, inputs)
 
     def _draft_pass(self, sampled: torch.Tensor | None) -> torch.Tensor | None:
         """The draft layer (speculative method mtp) over every row of the step just run,
@@ -525,21 +553,23 @@ def _kept_rows(batch: ScheduledBatch, step: HostStep) -> list[tuple[Sequence, in
 
 
 class InFlight:
-    """A launched step's sampler output (prompt logprobs, a draft layer's row drafts),
-    being copied to pinned host memory."""
+    """A launched step's sampler output (prompt logprobs, a draft layer's row drafts, the
+    input ids of a step whose drafts were looked up on the device), being copied to
+    pinned host memory."""
 
     def __init__(
         self, host: SamplerOutput | None, prompt: PromptLogprobs | None = None,
         prompt_counts: np.ndarray | None = None, event=None, drafts: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None,
     ):
         self.host, self.prompt, self.prompt_counts, self.event = host, prompt, prompt_counts, event
-        self.drafts = drafts
+        self.drafts, self.inputs = drafts, inputs
 
     @staticmethod
     def start(out: SamplerOutput | None, prompt: PromptLogprobs | None, step: HostStep, device: torch.device,
-              drafts: torch.Tensor | None = None) -> InFlight:
+              drafts: torch.Tensor | None = None, inputs: torch.Tensor | None = None) -> InFlight:
         if device.type != "cuda" or (out is None and prompt is None):
-            return InFlight(out, prompt, step.prompt_lp_counts, drafts=drafts)  # nothing to wait for
+            return InFlight(out, prompt, step.prompt_lp_counts, drafts=drafts, inputs=inputs)  # nothing to wait for
 
         def copy(t):
             return None if t is None else t.to("cpu", non_blocking=True)
@@ -550,10 +580,10 @@ class InFlight:
         if prompt is not None:
             prompt = PromptLogprobs(copy(prompt.logprobs), copy(prompt.top_ids), copy(prompt.top_logprobs),
                                     copy(prompt.ranks))
-        drafts = copy(drafts)
+        drafts, inputs = copy(drafts), copy(inputs)
         event = torch.cuda.Event()
         event.record()
-        return InFlight(host, prompt, step.prompt_lp_counts, event, drafts)
+        return InFlight(host, prompt, step.prompt_lp_counts, event, drafts, inputs)
 
     def wait(self) -> StepOutput:
         if self.event is not None:
@@ -563,6 +593,8 @@ class InFlight:
             result.prompt_logprobs = _split_prompt_logprobs(self.prompt, self.prompt_counts)
         if self.drafts is not None:
             result.drafts = self.drafts.tolist()
+        if self.inputs is not None:
+            result.input_ids = self.inputs.tolist()
         return result
 
 

@@ -25,8 +25,9 @@ overwritten later and never published to the prefix cache. Drafts never reach pa
 
 A step may be scheduled while a verify row of the same sequence is still in flight: its
 row is placed as if every draft is accepted, and the device moves it back by those that
-were not (`ops.resolve_rows`) before it runs; `on_result` then drops the rejected
-drafts' slots from between the two rows, so the host's view follows the device's.
+were not (`ops.resolve_rows`) before it runs, and looks its drafts up on the text that
+row really gave (`ops.lookup_drafts`); `on_result` then drops the rejected drafts' slots
+from between the two rows, so the host's view follows the device's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from agent_infer.engine.block_manager import BlockManager
 from agent_infer.engine.structs import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -62,12 +65,13 @@ class ScheduledBatch:
     num_decode: int = 0
     # Per sequence, the draft tokens it verifies (a verify row: a decode row whose last
     # token and drafts are computed and sampled at every position); empty for the others.
+    # A row drafted behind one in flight has its drafts looked up on the device: its
+    # `draft_history` (Sequence), else None (empty when no row has one). The engine puts
+    # the drafts it verified in `drafts` when the step is read back.
     drafts: list[list[int]] = field(default_factory=list)
-    # Filled by `on_result`: per verify row, how many of its drafts were accepted, and
-    # whether they followed a wrong guess of what the row before it gave (misplaced:
-    # rejected by and large, through no fault of the text).
+    draft_histories: list[np.ndarray | None] = field(default_factory=list)
+    # Filled by `on_result`: per verify row, how many of its drafts were accepted.
     accepted: list[int] = field(default_factory=list)
-    misplaced: list[bool] = field(default_factory=list)
     # Set by the engine for the draft policy's timing: when the call that launched the
     # step began, and whether that call read the step in flight back before looking for
     # drafts (the lookup cost the step its overlap).
@@ -234,25 +238,29 @@ class Scheduler:
         plenty = sum(self._need(s) for s in decoding) <= self.bm.get_num_free_blocks()
         seqs: list[Sequence] = []
         drafts: list[list[int]] = []
+        histories: list[np.ndarray | None] = []
         budget = self.config.max_num_batched_tokens - len(decoding)  # for drafts
         for seq in decoding:
             if seq.status != SequenceStatus.RUNNING_DECODE:
                 continue  # preempted by an earlier grant this step
             # Drafts stop where max_tokens does: k + 1 tokens come out at most.
             proposed, seq.draft_token_ids = seq.draft_token_ids, []  # this step's, or none
+            history, seq.draft_history = seq.draft_history, None
             k = min(len(proposed), seq.max_tokens - len(seq.output_token_ids) - 1, max(0, budget))
             if k > 0 and self._grow(seq, plenty, extra_tokens=k, preempt=False):
                 seqs.append(seq)
                 drafts.append(proposed[:k])
+                histories.append(history)
                 budget -= k
             elif self._grow(seq, plenty):
                 seqs.append(seq)
                 drafts.append([])
-                k = 0
+                histories.append(None)
         if not seqs:
             return None
         return ScheduledBatch(seqs, False, [1 + len(d) for d in drafts], [True] * len(seqs),
-                              drafts=drafts if any(drafts) else [])
+                              drafts=drafts if any(drafts) else [],
+                              draft_histories=histories if any(h is not None for h in histories) else [])
 
     # ---- admission and growth ------------------------------------------------------
 
@@ -340,8 +348,6 @@ class Scheduler:
                 seq.output_token_ids.append(PLACEHOLDER)
                 seq.pending_row = row + len(drafts)  # the target's token after the drafts
                 seq.pending_drafts = len(drafts)
-                if not drafts:
-                    seq.basis = None  # nothing of this row rests on a guess
                 row += batch.sample_rows(i)
 
     def on_result(self, batch: ScheduledBatch, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
@@ -352,7 +358,7 @@ class Scheduler:
         then the target's own."""
         sampled: list[tuple[Sequence, int, int]] = []
         row = 0
-        batch.accepted, batch.misplaced = [], []
+        batch.accepted = []
         for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if not samples:
                 if not seq.is_finished:
@@ -364,18 +370,13 @@ class Scheduler:
             if drafts:
                 accepted = _num_accepted(drafts, rows)
                 batch.accepted.append(accepted)
-                batch.misplaced.append(seq.misplaced)
                 rows = rows[: accepted + 1]
-            seq.misplaced = False
             if seq.is_finished:  # aborted, or stopped by an earlier token, while this step ran
                 continue
             first = seq.num_resolved
             # The rejected drafts' slots. A row launched since stays in flight: the device
-            # moved it back by as many, and its drafts are misplaced unless this row gave
-            # exactly what they were guessed after (Sequence.basis).
+            # moved it back by as many.
             del seq.output_token_ids[first + len(rows) : first + 1 + len(drafts)]
-            if seq.num_tokens > seq.num_prompt_tokens + first + len(rows):
-                seq.misplaced = seq.basis is not None and seq.basis != rows
             for j, token in enumerate(rows):
                 index = first + j
                 seq.output_token_ids[index] = token

@@ -7,6 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from agent_infer.sampling_params import SamplingParams
 
 
@@ -89,12 +91,10 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow the output, for the next step to
     # verify (the scheduler may take fewer); set before each schedule.
     draft_token_ids: list[int] = field(default_factory=list)
-    # Drafts proposed while a row of this sequence is in flight follow a guess of what
-    # that row gives (its drafts, or none, then its own token): `basis`, the guess of the
-    # newest row launched (None: it rests on no guess). `misplaced`: the row in flight
-    # followed a wrong one (found when the row before it was read back).
-    basis: list[int] | None = None
-    misplaced: bool = False
+    # Drafted while a row of this sequence is in flight: the tokens the host knows, to
+    # which the device adds what that row gives before it looks the drafts up (the ids
+    # in draft_token_ids hold their places until then); None otherwise. Set with them.
+    draft_history: np.ndarray | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

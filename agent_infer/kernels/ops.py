@@ -305,6 +305,29 @@ def resolve_rows(
          prev_tokens, prev_inputs, max_k)
 
 
+def lookup_drafts(
+    input_ids: torch.Tensor, history: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor,
+    slots: torch.Tensor, refs: torch.Tensor, ref_k: torch.Tensor, prev_tokens: torch.Tensor,
+    prev_inputs: torch.Tensor, min_n: int, max_n: int, max_k: int,
+) -> None:
+    """Prompt lookup for rows drafted behind a row still in flight, in place: lookup row r
+    (its first input token at starts[r], then slots[r] draft slots) belongs to a sequence
+    whose known tokens are history[offsets[r]:offsets[r + 1]] and whose row in flight
+    ends at sample refs[r] after ref_k[r] drafts (input rows refs[r] - ref_k[r] + 1 ..
+    refs[r] of the previous step, `prev_inputs`, checked against its samples at rows
+    refs[r] - ref_k[r] .. refs[r] - 1, `prev_tokens`). Its history is the known tokens,
+    the drafts accepted and the sample after them; the slots take what followed the
+    latest earlier occurrence of its longest matching suffix (prompt_lookup_min `min_n`
+    to prompt_lookup_max `max_n` tokens), as many as there are, and keep their ids past
+    that. `max_k` bounds slots and ref_k (int64 tensors, contiguous)."""
+    impl = reference.lookup_drafts
+    if _use_triton(input_ids):
+        from agent_infer.kernels.triton import ngram
+
+        impl = ngram.lookup_drafts
+    impl(input_ids, history, offsets, starts, slots, refs, ref_k, prev_tokens, prev_inputs, min_n, max_n, max_k)
+
+
 def gumbel_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:

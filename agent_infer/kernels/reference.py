@@ -266,6 +266,43 @@ def resolve_rows(
     input_ids[:] = torch.where(take, prev_tokens[torch.where(take, src + s, torch.zeros_like(src))], input_ids)
 
 
+def prompt_lookup(tokens: torch.Tensor, k: int, min_n: int, max_n: int) -> torch.Tensor:
+    """The up to k tokens after the latest earlier end of the longest match (min_n..max_n
+    tokens) of the suffix of `tokens` (1-D); empty when there is none."""
+    size = tokens.numel()
+    if size <= min_n:
+        return tokens[:0]
+    ends = torch.arange(size - 1, device=tokens.device)
+    match = torch.zeros(size - 1, dtype=torch.long, device=tokens.device)
+    still = torch.ones(size - 1, dtype=torch.bool, device=tokens.device)
+    for j in range(max_n):
+        still = still & (ends >= j) & (tokens[(ends - j).clamp(min=0)] == tokens[size - 1 - j])
+        match += still.long()
+    best = int(match.max()) if size > 1 else 0
+    if best == 0 or best < min_n:
+        return tokens[:0]
+    first = int(ends[match == best].max()) + 1
+    return tokens[first : first + k]
+
+
+def lookup_drafts(
+    input_ids: torch.Tensor, history: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor,
+    slots: torch.Tensor, refs: torch.Tensor, ref_k: torch.Tensor, prev_tokens: torch.Tensor,
+    prev_inputs: torch.Tensor, min_n: int, max_n: int, max_k: int,
+) -> None:
+    """`ops.lookup_drafts` in plain PyTorch, in place."""
+    for r in range(starts.numel()):
+        k, base = int(ref_k[r]), int(refs[r] - ref_k[r])
+        accepted = 0
+        while accepted < k and prev_tokens[base + accepted] == prev_inputs[base + accepted + 1]:
+            accepted += 1
+        tokens = torch.cat([history[offsets[r] : offsets[r + 1]], prev_inputs[base + 1 : base + 1 + accepted],
+                            prev_tokens[base + accepted : base + accepted + 1]])
+        drafts = prompt_lookup(tokens, int(slots[r]), min_n, max_n)
+        at = int(starts[r]) + 1
+        input_ids[at : at + drafts.numel()] = drafts
+
+
 _M32 = 0xFFFFFFFF
 
 

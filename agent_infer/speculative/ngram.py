@@ -70,6 +70,13 @@ class NgramDrafter:
             h.n = min(h.n, known)
         return drafts
 
+    def known_tokens(self, request_id: str, known: int) -> np.ndarray:
+        """The first `known` tokens of a sequence, all final, that `propose` has seen (a
+        view, valid until its next `propose`)."""
+        h = self._history[request_id]
+        assert h.n >= known, "known_tokens reads what propose has seen"
+        return h.buf[:known]
+
     def after_step(self, batch, row_drafts: list[int] | None) -> None:
         """Nothing to do once a step is read back: drafts come from the tokens alone."""
 

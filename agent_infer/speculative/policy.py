@@ -1,13 +1,12 @@
 """When to draft, and what drafting has done (the spec-decode metrics).
 
-Drafting must never cost. Three rules keep it so:
+Drafting must never cost. Two rules keep it so:
 * a sequence whose drafts keep failing, or that keeps having none (looking for drafts
   costs host time), stops drafting for a while, twice as long each time it fails again
   (text that stops repeating itself), and resumes on its own;
 * per decode batch size (in powers of two), the engine times plain steps and drafting
   steps (those that verified drafts, or whose lookup cost them their overlap; a lookup
-  that found nothing leaves a plain step, and a step whose rows all followed a wrong guess
-  of the row before them is not timed: `LLMEngine._time_for_policy`), each from the
+  that found nothing leaves a plain step: `LLMEngine._time_for_policy`), each from the
   read-back of the step before it to its own with the tokens it gave (whichever call read
   it back), and drafts only while a drafting step yields more tokens per second than a
   plain one: at large batches a step is compute-bound, a verify step costs up to k + 1
@@ -16,10 +15,7 @@ Drafting must never cost. Three rules keep it so:
   stalled step (a compilation, a collection) cannot turn drafting off for the rest of a
   run. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
   the steps' time (and at least every 512 steps), so a change in the workload turns it
-  back on;
-* a verify row whose drafts followed a wrong guess of the row before it (drafted while
-  that row was in flight: llm_engine) is no verdict on the text, and does not count
-  toward a pause.
+  back on.
 """
 
 from __future__ import annotations
@@ -35,7 +31,10 @@ PLAIN_PROBE_EVERY = 64  # while drafting pays: a plain step when none was timed 
 MIN_PROBE_GAP = 16  # while it does not: a drafting step at most this often
 PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near this share
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
-_EMA = 0.1
+# Weight of a verify step in the yield's moving average: slow enough that a stretch of
+# drafts that fail (which the pause rule answers) does not turn drafting off for the copy
+# after it (docs/PERFORMANCE.md, the replay).
+_EMA = 0.05
 TIMING_WINDOW = 15  # steps of each kind whose median wall time the batch rule compares
 MIN_VERIFY_TIMINGS = 3  # drafting steps timed before the rule may turn drafting off (one may stall)
 MAX_PROBE_GAP = 512  # steps between probes at most, whatever the last timings said
@@ -157,14 +156,11 @@ class DraftPolicy:
         s = self._seqs.get(request_id)
         return s is None or length >= s.resume_at
 
-    def on_verified(self, request_id: str, drafted: int, accepted: int, length: int, judge: bool = True) -> None:
+    def on_verified(self, request_id: str, drafted: int, accepted: int, length: int) -> None:
         """A verify row's outcome, the sequence `length` tokens long after it; `drafted` = 0:
-        the drafter had nothing to propose. `judge=False`: counted, but no verdict on the
-        text (the second rule above)."""
+        the drafter had nothing to propose."""
         if drafted:
             self.stats.record(drafted, accepted)
-        if not judge:
-            return
         s = self._seqs.setdefault(request_id, _Backoff())
         if accepted:
             s.fails, s.pause, s.resume_at = 0, 0, 0
