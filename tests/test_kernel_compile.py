@@ -462,3 +462,21 @@ def test_gumbel_hash_uses_32_bit_multiplies_on_sm90():
     # The key (three finalisers on scalars) may use a few wide ones; the loop none.
     assert wide <= 8, f"{wide} 64-bit multiplies"
     assert narrow >= 8, f"only {narrow} 32-bit multiplies: the hash is not in 32 bits"
+
+
+@pytest.mark.parametrize("max_n,block_k", [(4, 8), (5, 16)])
+def test_prompt_lookup_on_the_device_compiles_for_sm90(max_n, block_k):
+    """The device's prompt lookup (one program a row, the history scanned in blocks of 1,024
+    positions) compiles for sm_90 without spilling, and waits for the row moves before it
+    first reads the previous step's samples (PDL)."""
+    from agent_infer.kernels.triton.ngram import _BLOCK, _lookup_drafts_kernel
+
+    names = ["ids_ptr", "hist_ptr", "offsets_ptr", "starts_ptr", "slots_ptr", "refs_ptr", "ref_k_ptr",
+             "prev_tokens_ptr", "prev_inputs_ptr"]
+    constexprs = {"MIN_N": 2, "MAX_N": max_n, "BLOCK": _BLOCK, "BLOCK_K": block_k, "PDL": True}
+    signature = {n: "*i64" for n in names} | {n: "constexpr" for n in constexprs}
+    kernel = _compile_sm90(_lookup_drafts_kernel, signature, constexprs)
+    regs, spills = _registers_per_thread(kernel)
+    assert spills == 0 and regs <= 128, (regs, spills)
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

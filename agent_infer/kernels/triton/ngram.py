@@ -49,11 +49,12 @@ def _lookup_drafts_kernel(
     pdl_begin(PDL)
     row = tl.program_id(0)
     lo = tl.load(offsets_ptr + row)
-    known = tl.load(offsets_ptr + row + 1) - lo
+    # Positions in 32 bits (a history is at most a context long), pointers' offsets in 64.
+    known = (tl.load(offsets_ptr + row + 1) - lo).to(tl.int32)
     hist = hist_ptr + lo
     start = tl.load(starts_ptr + row)
-    num_slots = tl.load(slots_ptr + row)
-    k_in = tl.load(ref_k_ptr + row)
+    num_slots = tl.load(slots_ptr + row).to(tl.int32)
+    k_in = tl.load(ref_k_ptr + row).to(tl.int32)
     base = tl.load(refs_ptr + row) - k_in  # the row in flight's first input (and sample) index
     # Its drafts accepted: the leading ones its samples agree with.
     j = tl.arange(0, BLOCK_K)
