@@ -6,9 +6,10 @@ replays them without a GPU. The texts are the default model's greedy answers to
 each step of batch 1 is replayed as the engine runs it: prompt lookup (`propose_ngram`),
 the next row drafted behind a verify row still in flight (the host's lookup in the tokens
 it knows says whether and how many to draft, the device looks them up in the real text;
-`--guess`: the host's lookup after a guess of what the row in flight gives), the pause rule and the batch rule of `DraftPolicy` as in this tree, each
-step charged a fixed cost (--costs; a lookup that finds nothing, read back first, costs a
-plain step and --lookup-ms).
+`--guess`: the host's lookup after a guess of what the row in flight gives), the pause
+rule and the batch rule of `DraftPolicy` as in this tree, each step charged a fixed cost
+(--costs; a lookup that finds nothing, read back first, costs a plain step and
+--lookup-ms).
 
     python benchmarks/spec_replay.py --dtype bfloat16 --costs 0.73,0.96 0.82,1.15 0.82,1.6 0.82,3.0
     python benchmarks/spec_replay.py --texts /tmp/texts.json --shuffle   # text that does not repeat

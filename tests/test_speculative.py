@@ -228,12 +228,12 @@ def test_chained_verify_steps_give_plain_decodings_tokens(default_model_dir, smo
 
 
 def test_drafts_behind_a_row_in_flight_follow_the_text_it_gave(default_model_dir, smol_engine):
-    """Prompt lookup behind a row still in flight: the host's guess of what that row gives
-    only sizes the next row, whose drafts the device looks up in the text the row really
-    gave (`ops.lookup_drafts`). Every such row verifies exactly `propose_ngram`'s drafts
-    on the sequence's real tokens before it (as many as it found, the guess's after
-    them), rows where the guess was wrong among them, and the tokens are plain
-    decoding's."""
+    """Prompt lookup behind a row still in flight: the host's lookup in the tokens it knows
+    only sizes the next row, whose drafts the device looks up in the text with what the row
+    in flight really gave (`ops.lookup_drafts`). Every such row verifies exactly
+    `propose_ngram`'s drafts on the sequence's real tokens before it (as many as it found,
+    the host's after them), rows where the host's drafts were wrong among them, and the
+    tokens are plain decoding's."""
     import numpy as np
 
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
@@ -243,10 +243,10 @@ def test_drafts_behind_a_row_in_flight_follow_the_text_it_gave(default_model_dir
     plain = smol_engine.generate(prompts, params)
     engine = spec_engine(default_model_dir)
     spec = engine.config.speculative_config
-    guesses, build_step = {}, engine.runner.build_step
+    host_drafts, build_step = {}, engine.runner.build_step
 
-    def keep_guesses(batch):
-        guesses[id(batch)] = [list(d) for d in batch.drafts]
+    def keep_host_drafts(batch):
+        host_drafts[id(batch)] = [list(d) for d in batch.drafts]
         return build_step(batch)
 
     checked, on_result = [], engine.scheduler.on_result
@@ -259,15 +259,15 @@ def test_drafts_behind_a_row_in_flight_follow_the_text_it_gave(default_model_dir
             real = np.asarray(seq.prompt_token_ids + seq.output_token_ids[: seq.num_resolved], dtype=np.int64)
             assert np.array_equal(history, real[: len(history)]), "the host's tokens are the sequence's"
             found = propose_ngram(real, len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
-            guess = guesses[id(batch)][i]
-            assert drafts == found + guess[len(found):], (drafts, found, guess)
-            checked.append(found != guess[: len(found)])
+            host = host_drafts[id(batch)][i]
+            assert drafts == found + host[len(found):], (drafts, found, host)
+            checked.append(found != host[: len(found)])
         return on_result(batch, tokens)
 
-    engine.runner.build_step, engine.scheduler.on_result = keep_guesses, check
+    engine.runner.build_step, engine.scheduler.on_result = keep_host_drafts, check
     got = engine.generate(prompts, params) + [engine.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in got] == [o.token_ids for o in plain + plain]
-    assert len(checked) >= 10 and sum(checked) >= 2, checked  # rows the guess got wrong among them
+    assert len(checked) >= 10 and sum(checked) >= 2, checked  # rows the host's drafts got wrong among them
     stats = engine.draft_policy.stats
     assert stats.num_chained_rows >= 10 and stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens, stats
 
