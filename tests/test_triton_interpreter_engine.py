@@ -254,3 +254,33 @@ if IN_CHILD:
         assert [o.token_ids for o in got] == [o.token_ids for o in plain]
         assert max(verify_rows) > 2, f"no verify step held more rows than sequences: {verify_rows}"
         assert eng.draft_policy.stats.num_accepted_tokens > 0
+
+    def test_prompt_lookup_on_the_device_through_the_engine(tmp_path, monkeypatch):
+        """Prompt lookup itself with every kernel on Triton: rows drafted behind a row in
+        flight get their drafts from `ngram.lookup_drafts` in the engine's own steps
+        (placeholders resolved, rows moved back first), and the greedy tokens equal plain
+        decoding's on the torch path."""
+        from agent_infer.attention.dense_triton import DenseTritonBackend
+        from agent_infer.config import EngineConfig
+        from agent_infer.engine.llm_engine import LLMEngine
+        from agent_infer.kernels.triton import ngram
+        from agent_infer.sampling_params import SamplingParams
+        from tests.tiny_models import write_tiny_model
+
+        path = write_tiny_model("qwen3", str(tmp_path / "qwen3"))
+        prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], list(range(20, 61))]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        config = dict(model=path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16)
+        plain = LLMEngine(EngineConfig(**config)).generate(prompts, params)
+        _route_to_triton(monkeypatch, DenseTritonBackend)
+        launches: list[int] = []
+        lookup = ngram.lookup_drafts
+        monkeypatch.setattr(ngram, "lookup_drafts", lambda ids, hist, offsets, *a, **k:
+                            launches.append(offsets.numel() - 1) or lookup(ids, hist, offsets, *a, **k))
+        eng = LLMEngine(EngineConfig(**config, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}))
+        eng.draft_policy.batch_drafts = lambda num_decoding: True
+        eng.draft_policy.may_draft = lambda request_id, length: True  # drafts that fail do not pause
+        got = eng.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+        assert len(launches) >= 2 and max(launches) >= 2, launches  # a launch of several rows among them
