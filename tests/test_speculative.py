@@ -741,6 +741,18 @@ def test_the_batch_rule_keeps_drafting_where_it_pays(copy_len, novel_len):
     assert without > 1.4 and with_rule > 0.98 * without, (with_rule, without)
 
 
+def test_the_batch_rule_turns_drafting_back_on_where_the_text_repeats_again():
+    """At a verify step 3.7x a plain one, drafting pays on text that copies 120-token runs
+    between 20 tokens of its own, but the stretches of its own turn the rule off; its
+    probes (a drafting step every few hundred) must then bring drafting back: a probe's
+    yield weighs more than a verify step's in the rule's average. Within 2 % of drafting at
+    every step the pause rule allows (at a probe's weight equal to a verify step's, 29 %
+    under it)."""
+    copying = _copy_task(0, 120, 20)
+    with_rule, without = _replay_speedup(copying, 3.0, True), _replay_speedup(copying, 3.0, False)
+    assert without > 1.5 and with_rule > 0.98 * without, (with_rule, without)
+
+
 @pytest.mark.parametrize("verify_ms", [1.6, 3.0])
 def test_the_batch_rule_stops_drafting_where_it_does_not_pay(verify_ms):
     """On text whose lookups keep finding drafts that fail (a small alphabet, no

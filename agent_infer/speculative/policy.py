@@ -15,7 +15,8 @@ Drafting must never cost. Two rules keep it so:
   stalled step (a compilation, a collection) cannot turn drafting off for the rest of a
   run. While off it probes now and then, as rarely as keeps the probes' cost near 1 % of
   the steps' time (and at least every 512 steps), so a change in the workload turns it
-  back on.
+  back on: a probe's yield weighs six times a verify step's in the rule's average, so a
+  few probes on text that repeats again suffice.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ PROBE_BUDGET = 0.01  # ... and no more often than keeps their extra cost near th
 PRIOR_TOKENS_PER_ROW = 2.0  # what a verify step is assumed to yield per sequence before it is seen
 # Weight of a verify step in the yield's moving average: slow enough that a stretch of
 # drafts that fail (which the pause rule answers) does not turn drafting off for the copy
-# after it (docs/PERFORMANCE.md, the replay).
+# after it (docs/PERFORMANCE.md, the replay)...
 _EMA = 0.05
+# ... and of a probe's, while the rule has drafting off: probes are rare (up to 512 steps
+# apart), and at the weight above a run of text that repeats again would need dozens of
+# them to turn drafting back on.
+PROBE_EMA = 0.3
 TIMING_WINDOW = 15  # steps of each kind whose median wall time the batch rule compares
 MIN_VERIFY_TIMINGS = 3  # drafting steps timed before the rule may turn drafting off (one may stall)
 MAX_PROBE_GAP = 512  # steps between probes at most, whatever the last timings said
@@ -85,6 +90,7 @@ class _Bucket:
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
     next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
+    probing: bool = False  # drafting is off, and a drafting step now is a probe (PROBE_EMA)
     last_plain: int = 0  # the step count when a plain step was last timed
     kept_plain: int = 0  # steps this rule kept plain because drafting did not pay
 
@@ -111,7 +117,7 @@ class DraftPolicy:
             return True
         plain_s, verify_s = statistics.median(b.plain), statistics.median(b.verify)
         if b.tokens_per_row * plain_s >= verify_s:  # more tokens per second than a plain step
-            b.next_probe = 0
+            b.next_probe, b.probing = 0, False
             # A plain step only where none came on its own (a pause, a lookup that found
             # nothing) for a while: its timing would otherwise go stale.
             return b.steps - b.last_plain < PLAIN_PROBE_EVERY
@@ -120,6 +126,7 @@ class DraftPolicy:
             return False
         extra = verify_s / plain_s - 1.0  # what a probe costs, in plain steps
         b.next_probe = b.steps + min(MAX_PROBE_GAP, max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET)))
+        b.probing = True
         return True
 
     def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
@@ -130,7 +137,7 @@ class DraftPolicy:
         b = self._bucket(num_decoding)
         if drafting:
             b.verify.append(seconds)
-            b.tokens_per_row = _ema(b.tokens_per_row, tokens / num_decoding)
+            b.tokens_per_row += (PROBE_EMA if b.probing else _EMA) * (tokens / num_decoding - b.tokens_per_row)
         else:
             b.plain.append(seconds)
             b.last_plain = b.steps
@@ -173,7 +180,3 @@ class DraftPolicy:
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
-
-
-def _ema(old: float, new: float) -> float:
-    return old + _EMA * (new - old)
