@@ -372,8 +372,12 @@ def _block_keys(tokens: list[int], bs: int) -> set[int]:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_continuous_batching_with_arrivals(default_model_dir, smol_engine, mixed):
     """Requests arrive while others verify (chunked prefill beside verify rows with
-    --mixed-batches, prefill steps between them without): the tokens stay those of plain decoding."""
+    --mixed-batches, prefill steps between them without; rows drafted behind one in flight
+    looked up on the device in either): the tokens stay those of plain decoding."""
     engine = spec_engine(default_model_dir, mixed_batches=mixed, max_num_batched_tokens=24)
+    lookups, build_step = [], engine.runner.build_step
+    engine.runner.build_step = lambda batch: lookups.append((batch.is_prefill, batch.draft_histories != [])) or \
+        build_step(batch)
     prompts = ["1 2 3 4 1 2 3 4 1 2", "The quick brown fox jumps over the lazy dog. The quick brown",
                "A long prompt that needs several chunks of prefill: " + "lorem ipsum dolor " * 6, "z y x z y x z"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -390,6 +394,7 @@ def test_continuous_batching_with_arrivals(default_model_dir, smol_engine, mixed
                 got[out.request_id] = out.token_ids
     assert [got[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]
     assert engine.draft_policy.stats.num_accepted_tokens > 0
+    assert (mixed, True) in lookups, lookups  # beside a prompt's chunk too, with --mixed-batches
 
 
 def _arrivals(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

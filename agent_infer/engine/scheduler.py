@@ -173,9 +173,10 @@ class Scheduler:
         if prefill is None or decode is None:
             return prefill or decode
         drafts = decode.drafts + [[] for _ in prefill.seqs] if decode.drafts else []
+        histories = decode.draft_histories + [None] * len(prefill) if decode.draft_histories else []
         return ScheduledBatch(
             decode.seqs + prefill.seqs, True, decode.num_new_tokens + prefill.num_new_tokens,
-            decode.samples + prefill.samples, num_decode=len(decode), drafts=drafts,
+            decode.samples + prefill.samples, num_decode=len(decode), drafts=drafts, draft_histories=histories,
         )
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
