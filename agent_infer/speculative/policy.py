@@ -89,8 +89,7 @@ class _Bucket:
     verify: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))  # drafting steps'
     tokens_per_row: float = PRIOR_TOKENS_PER_ROW  # EMA of the tokens a decode row yields in a verify step
     steps: int = 0
-    next_probe: int = 0  # while drafting does not pay: the step of the next drafting probe
-    probing: bool = False  # drafting is off, and a drafting step now is a probe (PROBE_EMA)
+    next_probe: int = 0  # while drafting does not pay (else 0): the step of the next drafting probe
     last_plain: int = 0  # the step count when a plain step was last timed
     kept_plain: int = 0  # steps this rule kept plain because drafting did not pay
 
@@ -117,7 +116,7 @@ class DraftPolicy:
             return True
         plain_s, verify_s = statistics.median(b.plain), statistics.median(b.verify)
         if b.tokens_per_row * plain_s >= verify_s:  # more tokens per second than a plain step
-            b.next_probe, b.probing = 0, False
+            b.next_probe = 0
             # A plain step only where none came on its own (a pause, a lookup that found
             # nothing) for a while: its timing would otherwise go stale.
             return b.steps - b.last_plain < PLAIN_PROBE_EVERY
@@ -126,7 +125,6 @@ class DraftPolicy:
             return False
         extra = verify_s / plain_s - 1.0  # what a probe costs, in plain steps
         b.next_probe = b.steps + min(MAX_PROBE_GAP, max(MIN_PROBE_GAP, math.ceil(extra / PROBE_BUDGET)))
-        b.probing = True
         return True
 
     def record_step(self, num_decoding: int, seconds: float, drafting: bool, tokens: int) -> None:
@@ -137,7 +135,9 @@ class DraftPolicy:
         b = self._bucket(num_decoding)
         if drafting:
             b.verify.append(seconds)
-            b.tokens_per_row += (PROBE_EMA if b.probing else _EMA) * (tokens / num_decoding - b.tokens_per_row)
+            # A drafting step while a next probe is set (drafting off) is a probe.
+            weight = PROBE_EMA if b.next_probe else _EMA
+            b.tokens_per_row += weight * (tokens / num_decoding - b.tokens_per_row)
         else:
             b.plain.append(seconds)
             b.last_plain = b.steps
