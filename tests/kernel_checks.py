@@ -533,7 +533,8 @@ def check_lookup_drafts(device, max_k: int, min_n: int, max_n: int, block: int) 
     history (the known tokens, the drafts the row in flight accepted, its sample after
     them) in their draft slots, and keep their other ids; rows that look up nothing stay
     as they were. Histories of a small alphabet (matches of every length, ties between
-    ends) and of no repeats, from empty to several blocks + 1, rows in flight of 0 to
+    ends; the alphabet shrinks as `min_n` grows, so that long matches happen too) and of
+    no repeats, from empty to several blocks + 1, rows in flight of 0 to
     max_k drafts with a random number accepted; the kernel on `device` and the PyTorch
     reference against a loop over the rows."""
     import numpy as np
@@ -542,6 +543,7 @@ def check_lookup_drafts(device, max_k: int, min_n: int, max_n: int, block: int) 
     from agent_infer.speculative.ngram import propose_ngram
 
     gen = torch.Generator().manual_seed(max_k * 100 + min_n * 10 + max_n)
+    alphabet = 5 if min_n <= 3 else 2
 
     def randint(lo, hi, n=None):
         return torch.randint(lo, hi, (1,) if n is None else (n,), generator=gen)
@@ -552,17 +554,17 @@ def check_lookup_drafts(device, max_k: int, min_n: int, max_n: int, block: int) 
     for r, known in enumerate(lengths):
         if r % 3 == 1:  # a row that looks up nothing between the lookup rows
             ids += randint(3000, 4000, 1 + int(randint(0, max_k + 1))).tolist()
-        tokens = randint(0, 1000 if r == 5 else 5, known).tolist()  # row 5: no repeats
+        tokens = randint(0, 1000 if r == 5 else alphabet, known).tolist()  # row 5: no repeats
         k = int(randint(0, max_k + 1))
         accepted = int(randint(0, k + 1))
-        drafts = randint(0, 5, k).tolist()
-        sample = int(randint(0, 5))
+        drafts = randint(0, alphabet, k).tolist()
+        sample = int(randint(0, alphabet))
         if accepted < k and sample == drafts[accepted]:
-            sample = (sample + 1) % 5
+            sample = (sample + 1) % alphabet
         refs.append(len(prev_in) + k)
         ref_k.append(k)
-        prev_in += [int(randint(0, 5))] + drafts
-        prev_tok += drafts[:accepted] + [sample] + randint(0, 5, k - accepted).tolist()
+        prev_in += [int(randint(0, alphabet))] + drafts
+        prev_tok += drafts[:accepted] + [sample] + randint(0, alphabet, k - accepted).tolist()
         n = int(randint(1, max_k + 1))
         starts.append(len(ids))
         slots.append(n)
