@@ -11,6 +11,7 @@ programmatic dependent launch (PDL).
     python benchmarks/gemv_chain.py --rows 8 2 4 16 --tp 1   # rows of x (verify steps, small batches)
     python benchmarks/gemv_chain.py --rows 1 --tp 1 --few-row   # the few-row GEMV at one row
     python benchmarks/gemv_chain.py --model smollm2-135m --rows 1 9 --tp 1 --few-row   # short K (576)
+    python benchmarks/gemv_chain.py --rows 5 --tp 1 --only o qkv   # those shapes alone, no chain
 
 Per shape: one GEMV of that shape per layer in a graph, µs per GEMV and the weight read
 rate (with --rows M > 1, x has M rows and the Triton side is the few-row GEMV on the tensor
@@ -267,8 +268,11 @@ def main() -> None:
                     help="the few-row GEMV at one row of x too (where the engine runs the batch-1 GEMV)")
     ap.add_argument("--fp8", choices=["channel", "block"], default=None,
                     help="the layers' weights in e4m3 (the LM head stays bf16); cuBLAS runs their bf16 values")
+    ap.add_argument("--only", nargs="+", default=None, choices=["qkv", "o", "gate_up", "gate_up_silu", "down", "head"],
+                    help="sweep these shapes alone (the whole chain needs every shape, so it is left out)")
     args = ap.parse_args()
     m = MODELS[args.model]
+    wanted = lambda name: args.only is None or name in args.only  # noqa: E731
     assert (args.rows == [1] and not args.few_row) or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
           f"{args.rows} row(s) of x")
@@ -278,17 +282,21 @@ def main() -> None:
         Weight.layout = args.fp8
         sweep_on = not args.no_sweep
         for name, (n, k) in shapes(m, tp).items():
+            if not wanted(name):
+                continue
             best[name] = bench_shape(f"{name}/tp{tp}/M{rows}", n, k, m.layers, sweep_on, rows=rows, few_row=few)
-        if m.inter:
+        if m.inter and wanted("gate_up_silu"):
             n, k = shapes(m, tp)["gate_up"]
             best["gate_up_silu"] = bench_shape(f"gate_up+silu/tp{tp}/M{rows}", n, k, m.layers, sweep_on, silu=True,
                                                rows=rows, few_row=few)
         Weight.layout = None
         # The LM head is swept for the few-row GEMV only (its tile is the engine's choice there).
-        best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and few,
-                                   rows=rows, few_row=few)
+        if wanted("head"):
+            best["head"] = bench_shape(f"head/tp{tp}/M{rows}", m.vocab // tp, m.hidden, m.layers, sweep_on and few,
+                                       rows=rows, few_row=few)
         Weight.layout = args.fp8
-        bench_chain(m, tp, best, rows)
+        if args.only is None:
+            bench_chain(m, tp, best, rows)
 
 
 if __name__ == "__main__":
