@@ -272,7 +272,10 @@ def main() -> None:
                     help="sweep these shapes alone (the whole chain needs every shape, so it is left out)")
     args = ap.parse_args()
     m = MODELS[args.model]
-    wanted = lambda name: args.only is None or name in args.only  # noqa: E731
+
+    def wanted(name: str) -> bool:
+        return args.only is None or name in args.only
+
     assert (args.rows == [1] and not args.few_row) or args.fp8 is None, "the few-row GEMV takes bf16 weights"
     print(torch.cuda.get_device_name(), torch.__version__, args.model, f"weights: {args.fp8 or 'bf16'}, "
           f"{args.rows} row(s) of x")
